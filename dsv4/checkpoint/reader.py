@@ -1,0 +1,187 @@
+"""Lazy, validating reader for a DeepSeek-V4 model directory.
+
+It parses the safetensors headers itself (cheap, no tensor bytes read) so that every problem
+can be reported before anything is loaded and with full context: a truncated shard, a key
+missing from the index or the files, a wrong dtype or shape. Tensor bytes are then memory-mapped
+on demand through ``safetensors.safe_open``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..config import ModelConfig, load_config
+from .schema import TensorSpec, expected_tensors, ignored_prefixes
+
+DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8,
+               "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint files do not match the format the config implies."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse one shard's header and check every tensor's byte range lies inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path.name}: truncated shard (file is {size} bytes, no header)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > size - 8:
+            raise CheckpointError(f"{path.name}: truncated shard (header says {hlen} bytes, file has {size - 8})")
+        try:
+            header = json.loads(f.read(hlen))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path.name}: corrupt safetensors header ({e})") from e
+    data_bytes = size - 8 - hlen
+    out: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if end > data_bytes:
+            raise CheckpointError(
+                f"tensor '{name}' in {path.name}: truncated shard (bytes {begin}..{end} but only {data_bytes} data bytes present)"
+            )
+        numel = 1
+        for s in shape:
+            numel *= s
+        if dtype in DTYPE_BYTES and end - begin != numel * DTYPE_BYTES[dtype]:
+            raise CheckpointError(
+                f"tensor '{name}' in {path.name}: byte size {end - begin} does not match {dtype}{list(shape)}"
+            )
+        out[name] = TensorEntry(name, path, dtype, shape, end - begin)
+    return out
+
+
+def _shard_files(model_dir: Path) -> tuple[dict[str, str] | None, list[Path]]:
+    idx = model_dir / INDEX_FILE
+    if idx.exists():
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{idx}: unreadable index ({e})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{INDEX_FILE} names shard {f.name}, which does not exist in {model_dir}")
+        return weight_map, files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files in {model_dir}")
+    return None, files
+
+
+class Checkpoint:
+    """A model directory: config + lazily opened tensors, validated against the config."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig | None = None, validate: bool = True):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"model directory {self.dir} does not exist")
+        self.config = config or load_config(self.dir)
+        self.weight_map, self.files = _shard_files(self.dir)
+        self.entries: dict[str, TensorEntry] = {}
+        for f in self.files:
+            for name, e in read_safetensors_header(f).items():
+                if name in self.entries:
+                    raise CheckpointError(f"tensor '{name}' appears in both {self.entries[name].file.name} and {f.name}")
+                self.entries[name] = e
+        if self.weight_map is not None:
+            for name, fname in self.weight_map.items():
+                e = self.entries.get(name)
+                if e is None:
+                    raise CheckpointError(f"tensor '{name}': {INDEX_FILE} maps it to {fname}, but no shard holds it")
+                if e.file.name != fname:
+                    raise CheckpointError(f"tensor '{name}': {INDEX_FILE} maps it to {fname}, found in {e.file.name}")
+        self.specs = expected_tensors(self.config)
+        self._handles: dict[Path, object] = {}
+        if validate:
+            self.validate()
+
+    # ---- validation ----------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every mismatch between the files and the config's inventory, one line each."""
+        out = []
+        for name, spec in self.specs.items():
+            e = self.entries.get(name)
+            if e is None:
+                out.append(f"missing tensor '{name}' (expected {spec.dtype}{list(spec.shape)}) in {self.dir}")
+                continue
+            if e.dtype not in spec.dtypes:
+                out.append(f"tensor '{name}' in {e.file.name}: dtype expected {'|'.join(spec.dtypes)}, found {e.dtype}")
+            if e.shape != spec.shape:
+                out.append(f"tensor '{name}' in {e.file.name}: shape expected {list(spec.shape)}, found {list(e.shape)}")
+        skip = ignored_prefixes(self.config)
+        for name, e in self.entries.items():
+            if name not in self.specs and not name.startswith(skip):
+                out.append(f"unexpected tensor '{name}' in {e.file.name} ({e.dtype}{list(e.shape)}): not in the config's inventory")
+        return out
+
+    def validate(self) -> None:
+        probs = self.problems()
+        if probs:
+            more = f"\n  … and {len(probs) - 20} more" if len(probs) > 20 else ""
+            raise CheckpointError(f"checkpoint {self.dir} is invalid ({len(probs)} problems):\n  " + "\n  ".join(probs[:20]) + more)
+
+    # ---- access --------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self.specs[name]
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Load one tensor (memory-mapped), exactly as stored: fp8/e8m0/int8 dtypes preserved."""
+        from safetensors import safe_open
+
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError(f"tensor '{name}' is not in checkpoint {self.dir}")
+        h = self._handles.get(e.file)
+        if h is None:
+            h = self._handles[e.file] = safe_open(str(e.file), framework="pt", device="cpu")
+        t = h.get_tensor(name)
+        return t.to(device) if str(device) != "cpu" else t
+
+    def iter_tensors(self, names: list[str] | None = None, device="cpu", progress: bool = True,
+                     desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
+        names = list(self.specs) if names is None else names
+        it = names
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(names, desc=desc, unit="tensor", leave=False)
+        for n in it:
+            yield n, self.get(n, device)
+
+    def bytes_by_dtype(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for e in self.entries.values():
+            c, b = out.get(e.dtype, (0, 0))
+            out[e.dtype] = (c + 1, b + e.nbytes)
+        return dict(sorted(out.items()))
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())

@@ -1,0 +1,358 @@
+"""Model configuration: read a DeepSeek-V4 ``config.json`` and derive what the code needs.
+
+The release config speaks in legacy keys (``compress_ratios``, ``num_hash_layers``,
+``rope_scaling``); everything downstream asks per-layer questions ("is layer 7 CSA?", "which
+RoPE does it use?"), so this module answers them once and validates the file on the way in.
+A missing or contradictory field is a :class:`ConfigError` that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json field is missing, malformed or contradicts another field."""
+
+
+class LayerType(str, Enum):
+    SWA = "sliding_attention"  # compress ratio 0: only the 128-token raw window
+    CSA = "compressed_sparse_attention"  # ratio 4 + Lightning Indexer top-k
+    HCA = "heavily_compressed_attention"  # ratio 128, all compressed entries
+
+
+RATIO_TO_TYPE = {0: LayerType.SWA, 4: LayerType.CSA, 128: LayerType.HCA}
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """One RoPE variant. ``yarn_factor == 1`` means plain RoPE."""
+
+    theta: float
+    dim: int
+    yarn_factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inv_freq(self):
+        """Per-pair inverse frequencies (float64 math, returned as float32 tensor).
+
+        YaRN blends the extrapolated frequency with freq/factor using a linear ramp
+        between the correction dims; there is no magnitude scaling (mscale = 1).
+        """
+        import torch
+
+        half = self.dim // 2
+        i = torch.arange(half, dtype=torch.float64)
+        base = 1.0 / (self.theta ** (2 * i / self.dim))
+        if self.yarn_factor == 1.0:
+            return base.float()
+        low, high = self.yarn_correction_range()
+        ramp = ((i - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1.0 - ramp  # 1 → original frequency, 0 → interpolated
+        return (base / self.yarn_factor * (1 - keep) + base * keep).float()
+
+    def yarn_correction_range(self) -> tuple[int, int]:
+        def dim_for(rotations: float) -> float:
+            return (self.dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low = math.floor(dim_for(self.beta_fast))
+        high = math.ceil(dim_for(self.beta_slow))
+        return max(low, 0), min(high, self.dim - 1)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = "ue8m0"  # None → float32 scales (Base checkpoint)
+    activation_scheme: str = "dynamic"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_ratios: tuple[int, ...]  # one per main layer (MTP entries split off)
+    mtp_compress_ratios: tuple[int, ...]  # entries past num_hidden_layers
+    num_hash_layers: int
+    num_nextn_predict_layers: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring_func: str
+    topk_method: str
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    rope_main: RopeParams
+    rope_compress: RopeParams
+    max_position_embeddings: int
+    expert_dtype: str  # "fp4" | "fp8"
+    quant: QuantConfig
+    bos_token_id: int
+    eos_token_id: int
+    tie_word_embeddings: bool
+    dspark: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.o_groups
+
+    @property
+    def hc_dim(self) -> int:
+        return self.hc_mult * self.hidden_size
+
+    @property
+    def hc_mix_dim(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Classic MTP layers the checkpoint carries (0 when the mtp namespace is DSpark)."""
+        return 0 if self.is_dspark else self.num_nextn_predict_layers
+
+    @property
+    def is_dspark(self) -> bool:
+        return bool(self.dspark)
+
+    def layer_type(self, layer: int) -> LayerType:
+        if layer >= self.num_hidden_layers:  # MTP / DSpark layers are sliding-window only
+            return LayerType.SWA
+        return RATIO_TO_TYPE[self.compress_ratios[layer]]
+
+    def compress_ratio(self, layer: int) -> int:
+        return 0 if layer >= self.num_hidden_layers else self.compress_ratios[layer]
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers  # MTP layers (index ≥ n_layers) are never hash-routed
+
+    def rope(self, layer: int) -> RopeParams:
+        return self.rope_main if self.compress_ratio(layer) == 0 else self.rope_compress
+
+    @property
+    def layer_types(self) -> list[LayerType]:
+        return [self.layer_type(i) for i in range(self.num_hidden_layers)]
+
+    def schedule_summary(self) -> str:
+        short = {LayerType.SWA: "SWA", LayerType.CSA: "CSA", LayerType.HCA: "HCA"}
+        parts = []
+        for i in range(self.num_hidden_layers):
+            tag = short[self.layer_type(i)] + ("+hash" if self.is_hash_layer(i) else "")
+            parts.append(f"{i}:{tag}")
+        if self.num_mtp_layers:
+            parts.append(f"mtp×{self.num_mtp_layers}:SWA")
+        if self.is_dspark:
+            parts.append(f"dspark×{len(self.mtp_compress_ratios)}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.raw)
+
+
+_REQUIRED_INT = [
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "sliding_window",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "num_hash_layers",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+]
+
+
+def _get(d: dict, key: str, kind: type | tuple, default: Any = ...) -> Any:
+    if key not in d:
+        if default is ...:
+            raise ConfigError(f"config.json: missing required field '{key}'")
+        return default
+    v = d[key]
+    if kind is int and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ConfigError(f"config.json: field '{key}' must be {getattr(kind, '__name__', kind)}, found {v!r}")
+    return v
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """Validate a config.json dict and build a :class:`ModelConfig`."""
+    mt = d.get("model_type")
+    if mt is not None and mt != "deepseek_v4":
+        raise ConfigError(f"config.json: field 'model_type' must be 'deepseek_v4', found {mt!r}")
+    ints = {k: _get(d, k, int) for k in _REQUIRED_INT}
+    for k, v in ints.items():
+        if v < 0 or (v == 0 and k not in ("num_hash_layers", "n_shared_experts")):
+            raise ConfigError(f"config.json: field '{k}' must be positive, found {v}")
+    n_layers = ints["num_hidden_layers"]
+    n_mtp = _get(d, "num_nextn_predict_layers", int, 0)
+
+    ratios = d.get("compress_ratios")
+    if ratios is None:
+        raise ConfigError("config.json: missing required field 'compress_ratios'")
+    if not isinstance(ratios, list) or not all(isinstance(r, int) for r in ratios):
+        raise ConfigError(f"config.json: field 'compress_ratios' must be a list of ints, found {ratios!r}")
+    if len(ratios) < n_layers:
+        raise ConfigError(
+            f"config.json: field 'compress_ratios' has {len(ratios)} entries but num_hidden_layers is {n_layers}"
+        )
+    for i, r in enumerate(ratios):
+        if r not in RATIO_TO_TYPE:
+            raise ConfigError(f"config.json: field 'compress_ratios[{i}]' must be 0, 4 or 128, found {r}")
+    extra = ratios[n_layers:]
+    if any(r != 0 for r in extra):
+        raise ConfigError(f"config.json: field 'compress_ratios' entries past layer {n_layers} (MTP) must be 0, found {extra}")
+
+    head_dim, rope_dim = ints["head_dim"], ints["qk_rope_head_dim"]
+    if rope_dim % 2 or rope_dim >= head_dim:
+        raise ConfigError(f"config.json: field 'qk_rope_head_dim' ({rope_dim}) must be even and < head_dim ({head_dim})")
+    if ints["index_head_dim"] <= rope_dim:
+        raise ConfigError(
+            f"config.json: field 'index_head_dim' ({ints['index_head_dim']}) must exceed qk_rope_head_dim ({rope_dim})"
+        )
+    if ints["num_attention_heads"] % ints["o_groups"]:
+        raise ConfigError(
+            f"config.json: field 'o_groups' ({ints['o_groups']}) must divide num_attention_heads ({ints['num_attention_heads']})"
+        )
+    if _get(d, "num_key_value_heads", int, 1) != 1:
+        raise ConfigError(f"config.json: field 'num_key_value_heads' must be 1 (shared-KV MQA), found {d['num_key_value_heads']}")
+    if ints["num_experts_per_tok"] > ints["n_routed_experts"]:
+        raise ConfigError(
+            f"config.json: field 'num_experts_per_tok' ({ints['num_experts_per_tok']}) exceeds n_routed_experts ({ints['n_routed_experts']})"
+        )
+    if ints["num_hash_layers"] > n_layers:
+        raise ConfigError(f"config.json: field 'num_hash_layers' ({ints['num_hash_layers']}) exceeds num_hidden_layers ({n_layers})")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: field 'hidden_act' must be 'silu', found {act!r}")
+    scoring = _get(d, "scoring_func", str, "sqrtsoftplus")
+    if scoring != "sqrtsoftplus":
+        raise ConfigError(f"config.json: field 'scoring_func' must be 'sqrtsoftplus', found {scoring!r}")
+    topk_method = _get(d, "topk_method", str, "noaux_tc")
+
+    # RoPE: main = plain rope_theta; compress = compress_rope_theta with YaRN from rope_scaling.
+    rope_theta = _get(d, "rope_theta", float, 10000.0)
+    compress_theta = _get(d, "compress_rope_theta", float, 160000.0)
+    rs = d.get("rope_scaling")
+    if rs is None and isinstance(d.get("rope_parameters"), dict):
+        rs = d["rope_parameters"].get("compress")
+    if rs is None:
+        raise ConfigError("config.json: missing required field 'rope_scaling' (YaRN parameters of the compressed layers)")
+    rtype = rs.get("type", rs.get("rope_type"))
+    if rtype != "yarn":
+        raise ConfigError(f"config.json: field 'rope_scaling.type' must be 'yarn', found {rtype!r}")
+    for k in ("factor", "original_max_position_embeddings"):
+        if k not in rs:
+            raise ConfigError(f"config.json: missing required field 'rope_scaling.{k}'")
+    rope_main = RopeParams(theta=rope_theta, dim=rope_dim)
+    rope_compress = RopeParams(
+        theta=compress_theta,
+        dim=rope_dim,
+        yarn_factor=float(rs["factor"]),
+        original_max_position=int(rs["original_max_position_embeddings"]),
+        beta_fast=float(rs.get("beta_fast", 32)),
+        beta_slow=float(rs.get("beta_slow", 1)),
+    )
+
+    # Experts: FP4 (instruct) or FP8 (Base; expert_dtype absent or "fp8").
+    expert_dtype = d.get("expert_dtype") or (d.get("quantization_config") or {}).get("expert_dtype") or "fp8"
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ConfigError(f"config.json: field 'expert_dtype' must be 'fp4' or 'fp8', found {expert_dtype!r}")
+    qc = d.get("quantization_config")
+    if qc is None:
+        raise ConfigError("config.json: missing required field 'quantization_config'")
+    if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(
+            f"config.json: field 'quantization_config' must be fp8/e4m3, found quant_method={qc.get('quant_method')!r} fmt={qc.get('fmt')!r}"
+        )
+    bs = qc.get("weight_block_size", [128, 128])
+    if list(bs) != [128, 128]:
+        raise ConfigError(f"config.json: field 'quantization_config.weight_block_size' must be [128, 128], found {bs}")
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ConfigError(f"config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' or absent, found {scale_fmt!r}")
+    if expert_dtype == "fp4" and scale_fmt != "ue8m0":
+        raise ConfigError("config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' when expert_dtype is 'fp4'")
+
+    dspark = {k: v for k, v in d.items() if k.startswith("dspark_")}
+    return ModelConfig(
+        **ints,
+        compress_ratios=tuple(ratios[:n_layers]),
+        mtp_compress_ratios=tuple(extra),
+        num_nextn_predict_layers=n_mtp,
+        routed_scaling_factor=_get(d, "routed_scaling_factor", float, 1.5),
+        norm_topk_prob=_get(d, "norm_topk_prob", bool, True),
+        scoring_func=scoring,
+        topk_method=topk_method,
+        swiglu_limit=_get(d, "swiglu_limit", float, 10.0),
+        hc_eps=_get(d, "hc_eps", float, 1e-6),
+        rms_norm_eps=_get(d, "rms_norm_eps", float, 1e-6),
+        rope_main=rope_main,
+        rope_compress=rope_compress,
+        max_position_embeddings=_get(d, "max_position_embeddings", int, 1048576),
+        expert_dtype=expert_dtype,
+        quant=QuantConfig(block_size=(128, 128), scale_fmt=scale_fmt, activation_scheme=qc.get("activation_scheme", "dynamic")),
+        bos_token_id=_get(d, "bos_token_id", int, 0),
+        eos_token_id=_get(d, "eos_token_id", int, 1),
+        tie_word_embeddings=_get(d, "tie_word_embeddings", bool, False),
+        dspark=dspark,
+        raw=dict(d),
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Load ``model_dir/config.json`` (or a path to the json file itself)."""
+    p = Path(model_dir)
+    path = p if p.suffix == ".json" else p / "config.json"
+    if not path.exists():
+        raise ConfigError(f"config.json not found at {path}")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    return config_from_dict(d)

@@ -1,0 +1,253 @@
+"""Attention of one layer: sliding window + (CSA: compressor + Lightning Indexer | HCA: compressor).
+
+Token-parallel parts (projections, norms, RoPE, output projection) run over the whole batch;
+the sequence-dependent parts (window, compressor, indexer, the sparse softmax) run per sequence
+chunk against its :class:`~dsv4.model.cache.SequenceCache`. The window and the selected
+compressed entries form **one** softmax, with the per-head sink as an extra zero-valued key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import LayerType, ModelConfig
+from ..formats import OCP, fake_quant_fp8_pow2
+from .linear import linear, stable_topk
+from .norms import rms_norm, unit_rms_norm
+from .rope import apply_rope, cos_sin
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's slice of the batch: tokens [offset, offset+length) at positions start.."""
+
+    cache: object
+    start: int
+    length: int
+    offset: int = 0
+    device: torch.device | str = "cpu"
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.length, device=self.device)
+
+
+class Compressor:
+    """Learned pooling of ``ratio`` tokens into one entry (overlapping 2·ratio rows when ratio=4).
+
+    Every token's state row ``[kv | score + ape[p % ratio]]`` (fp32) goes to the cache; an entry
+    is emitted at each block end (p+1) % ratio == 0 from the rows the cache still holds, so any
+    chunking of the prompt gives the same entries.
+    """
+
+    def __init__(self, w, prefix: str, cfg: ModelConfig, ratio: int, dim: int, kind: str, layer: int):
+        self.wkv = w[f"{prefix}.wkv.weight"]
+        self.wgate = w[f"{prefix}.wgate.weight"]
+        self.ape = w[f"{prefix}.ape"]
+        self.norm = w[f"{prefix}.norm.weight"]
+        self.cfg, self.ratio, self.dim, self.kind, self.layer = cfg, ratio, dim, kind, layer
+        self.overlap = ratio == 4
+
+    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kv = linear(x, self.wkv).float()
+        score = linear(x, self.wgate).float() + self.ape[positions % self.ratio]
+        return torch.cat([kv, score], dim=-1)
+
+    def run(self, x: torch.Tensor, chunk: SeqChunk) -> None:
+        """Save state rows of the chunk and emit every entry whose block closes inside it."""
+        pos = chunk.positions
+        cache = chunk.cache
+        cache.write_state(self.layer, self.kind, pos, self.state_rows(x, pos))
+        r, d = self.ratio, self.dim
+        first_block = chunk.start // r
+        last_block = (chunk.start + chunk.length) // r  # exclusive: blocks fully closed by the chunk end
+        if last_block <= first_block:
+            return
+        dev = x.device
+        blocks = torch.arange(first_block, last_block, device=dev)
+        width = self.wkv.shape[0]  # coff·d
+        cur_pos = blocks[:, None] * r + torch.arange(r, device=dev)[None, :]  # [nb, r]
+        cur = cache.read_state(self.layer, self.kind, cur_pos.flatten()).view(len(blocks), r, 2 * width)
+        kv, score = cur[..., :width], cur[..., width:]
+        if self.overlap:
+            # rows of block b-1 contribute their first half (Ca), rows of block b the second (Cb)
+            prev_kv = torch.zeros(len(blocks), r, d, device=dev)
+            prev_sc = torch.full((len(blocks), r, d), float("-inf"), device=dev)
+            has_prev = blocks > 0
+            if bool(has_prev.any()):
+                pp = (cur_pos[has_prev] - r).flatten()
+                prev = cache.read_state(self.layer, self.kind, pp).view(-1, r, 2 * width)
+                prev_kv[has_prev] = prev[..., :d]
+                prev_sc[has_prev] = prev[..., width: width + d]
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            score = torch.cat([prev_sc, score[..., d:]], dim=1)
+        weights = torch.softmax(score.double(), dim=1).float()  # per-channel softmax over rows
+        pooled = (kv * weights).sum(dim=1)
+        normed = rms_norm(pooled, self.norm, self.cfg.rms_norm_eps)
+        cos, sin = cos_sin(self.cfg.rope_compress, blocks * r)
+        entries = apply_rope(normed, cos, sin)
+        cache.write_compressed(self.layer, self.kind, blocks, entries)
+
+
+class Attention:
+    def __init__(self, w, layer: int, cfg: ModelConfig, prefix: str | None = None, act_quant: bool = False):
+        p = prefix or f"layers.{layer}.attn"
+        self.cfg, self.layer, self.act_quant = cfg, layer, act_quant
+        self.type = cfg.layer_type(layer)
+        self.ratio = cfg.compress_ratio(layer)
+        self.rope = cfg.rope(layer)
+        self.wq_a, self.q_norm, self.wq_b = w[f"{p}.wq_a.weight"], w[f"{p}.q_norm.weight"], w[f"{p}.wq_b.weight"]
+        self.wkv, self.kv_norm = w[f"{p}.wkv.weight"], w[f"{p}.kv_norm.weight"]
+        self.wo_a, self.wo_b = w[f"{p}.wo_a.weight"], w[f"{p}.wo_b.weight"]
+        self.sink = w[f"{p}.attn_sink"]
+        self.compressor = None
+        if self.type != LayerType.SWA:
+            self.compressor = Compressor(w, f"{p}.compressor", cfg, self.ratio, cfg.head_dim, "kv", layer)
+        if self.type == LayerType.CSA:
+            self.idx_wq_b = w[f"{p}.indexer.wq_b.weight"]
+            self.idx_weights = w[f"{p}.indexer.weights_proj.weight"]
+            self.idx_compressor = Compressor(w, f"{p}.indexer.compressor", cfg, 4, cfg.index_head_dim, "index", layer)
+        self.hooks = None  # optional callback(name, tensor) for --validate style checks
+
+    def _check(self, name, t):
+        if self.hooks is not None:
+            self.hooks(f"layers.{self.layer}.attn.{name}", t)
+
+    # ---- indexer -------------------------------------------------------------------------
+    def indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, chunk: SeqChunk, n_entries: int) -> torch.Tensor:
+        """Per query: indices of the top-k visible compressed entries (-1 = none), [t, k]."""
+        cfg = self.cfg
+        pos = chunk.positions
+        t = chunk.length
+        q = linear(qr, self.idx_wq_b, self.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        cos, sin = cos_sin(cfg.rope_compress, pos)
+        q = apply_rope(q, cos, sin).float()
+        weights = linear(x, self.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
+        if chunk.cache.numerics.quantized:
+            # FP8 q with one power-of-two scale per (token, head); the scale folds into the weights
+            q = fake_quant_fp8_pow2(q.to(torch.bfloat16).float(), cfg.index_head_dim, chunk.cache.numerics.fmt)
+        ar = torch.arange(n_entries, device=x.device)
+        k = chunk.cache.read_compressed(self.layer, "index", ar).float()
+        kpad = (-n_entries) % 64  # fixed-width columns: a score never depends on how many entries exist
+        if kpad:
+            k = torch.cat([k, k.new_zeros(kpad, k.shape[1])])
+        scores = linear(q.reshape(t * cfg.index_n_heads, -1), k)[:, :n_entries].view(t, cfg.index_n_heads, n_entries)
+        logits = (scores.relu() * weights[:, :, None]).sum(dim=1)  # [t, s]
+        visible = ar[None, :] < ((pos + 1) // 4)[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+        kk = min(cfg.index_topk, n_entries)
+        idx = stable_topk(logits, kk)
+        ok = torch.gather(visible, 1, idx)
+        return torch.where(ok, idx, torch.full_like(idx, -1))
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
+        positions = torch.cat([c.positions for c in chunks])
+        cos, sin = cos_sin(self.rope, positions)
+        qr = rms_norm(linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
+        q = linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
+        q = apply_rope(unit_rms_norm(q, cfg.rms_norm_eps), cos, sin)
+        kv = rms_norm(linear(x, self.wkv, self.act_quant), self.kv_norm, cfg.rms_norm_eps)
+        kv = apply_rope(kv, cos, sin)
+        self._check("q", q)
+        out = torch.empty_like(q)
+        for c in chunks:
+            sl = slice(c.offset, c.offset + c.length)
+            out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
+        o = apply_rope(out, cos, sin, inverse=True)
+        g = cfg.o_groups
+        o = o.view(T, g, -1)
+        wo_a = self.wo_a.view(g, cfg.o_lora_rank, -1)
+        if self.act_quant:
+            o = fake_quant_fp8_pow2(o.float(), 128, OCP).to(o.dtype)
+        z = torch.cat([linear(o[:, i], wo_a[i]) for i in range(g)], dim=-1)
+        return linear(z, self.wo_b, self.act_quant)
+
+    def _attend(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:
+        cfg = self.cfg
+        cache = c.cache
+        pos = c.positions
+        dev = x.device
+        cache.write_kv(self.layer, pos, kv)
+        w = cfg.sliding_window
+        win_start = max(0, c.start - w + 1)
+        win_keys = cache.read_kv(self.layer, torch.arange(win_start, c.start + c.length, device=dev))
+        self._check("k_window", win_keys)
+        n = 0
+        comp_idx = torch.empty(c.length, 0, dtype=torch.long, device=dev)
+        table = win_keys
+        if self.compressor is not None:
+            self.compressor.run(x, c)
+            n = (c.start + c.length) // self.ratio  # entries complete up to the chunk end
+            if self.type == LayerType.CSA:
+                self.idx_compressor.run(x, c)
+            if n > 0:
+                comp = cache.read_compressed(self.layer, "kv", torch.arange(n, device=dev))
+                self._check("k_compressed", comp)
+                if self.type == LayerType.CSA:
+                    sel = self.indexer_topk(x, qr, c, n)
+                    comp_idx = torch.sort(torch.where(sel >= 0, sel, n), dim=1).values  # ascending, invalid last
+                    comp_idx = torch.where(comp_idx >= n, -1, comp_idx)
+                else:
+                    ar = torch.arange(n, device=dev)
+                    comp_idx = torch.where(ar[None, :] < ((pos + 1) // self.ratio)[:, None], ar[None, :], -1)
+                table = torch.cat([comp.to(win_keys.dtype), win_keys], dim=0)
+        # window keys of query p: positions (p-w, p] → table rows n + pos - win_start
+        offs = torch.arange(w, device=dev)
+        wpos = pos[:, None] - (w - 1) + offs[None, :]
+        win_idx = torch.where(wpos >= 0, n + wpos - win_start, -1)
+        idx = left_align(torch.cat([comp_idx, win_idx], dim=1))
+        return sparse_attention(q, table, idx, self.sink, cfg.head_dim ** -0.5, self._check)
+
+
+def left_align(idx: torch.Tensor) -> torch.Tensor:
+    """Move the valid (≥0) entries of each row to the front, keeping their order."""
+    order = torch.sort((idx < 0).to(torch.int8), dim=1, stable=True).indices
+    return torch.gather(idx, 1, order)
+
+
+KEY_BLOCK = 64  # keys are reduced in fixed blocks so a query's result never depends on its neighbours
+
+
+def sparse_attention(q: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                     scale: float, check=None, query_block: int = 64) -> torch.Tensor:
+    """Softmax over the keys each query lists, plus a per-head sink logit; K = V (shared-KV MQA).
+
+    q [t, h, d]; table [n, d] holds the keys; idx [t, L] lists each query's keys left-aligned
+    (-1 = none). The sink is not scaled and only adds ``exp(sink)`` to the denominator. The
+    computation is batch-invariant: per query the same ops run on the same operands whatever
+    else is in the batch (sink first, fixed 64-key reduction blocks, trailing padding only).
+    """
+    t, h, d = q.shape
+    L = idx.shape[1]
+    pad = (-L) % KEY_BLOCK
+    if pad:
+        idx = torch.cat([idx, idx.new_full((t, pad), -1)], dim=1)
+        L += pad
+    out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+    sink_col = sink.float()[None, :, None]
+    tf = table.float()
+    for s in range(0, t, query_block):
+        ids = idx[s: s + query_block]
+        b = ids.shape[0]
+        valid = ids >= 0
+        keys = tf[ids.clamp(min=0)] * valid[..., None]  # [b, L, d]
+        logits = torch.bmm(q[s: s + b].float(), keys.transpose(1, 2)) * scale  # [b, h, L]
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        full = torch.cat([sink_col.expand(b, h, 1), logits], dim=-1).double()
+        probs = torch.softmax(full, dim=-1)[..., 1:].float()
+        if check is not None:
+            check("logits", logits.masked_fill(~valid[:, None, :], 0.0))
+            check("probs", probs)
+        acc = torch.zeros(b, h, d, dtype=torch.float32, device=q.device)
+        for k0 in range(0, L, KEY_BLOCK):
+            if not bool(valid[:, k0].any()):
+                break  # left-aligned: nothing valid from here on in this query block
+            acc += torch.bmm(probs[..., k0: k0 + KEY_BLOCK], keys[:, k0: k0 + KEY_BLOCK])
+        out[s: s + b] = acc
+    return out.to(q.dtype)

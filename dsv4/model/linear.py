@@ -1,0 +1,41 @@
+"""Batch-invariant building blocks shared by every op of the reference model.
+
+Determinism rule of the oracle: a token's result must not depend on the other tokens in the
+batch or chunk. Two CPU effects break that and are handled here and at each op: BLAS uses a
+different kernel for a trailing partial tile of rows (so GEMM rows are padded to a multiple of 8),
+and vectorised vs scalar tails of transcendental ops (exp, sigmoid, sin/cos) differ by an ulp (so
+those run in float64 and are rounded to float32, which absorbs the ulp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import OCP, fake_quant_fp8_pow2
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
+    """y = x·wᵀ in the weight dtype, with rows computed independently of the batch.
+
+    ``act_quant`` simulates the release's per-128 FP8 activations. On CPU, BLAS handles a
+    trailing partial tile of rows with a different kernel (measured: rows agree bitwise only
+    when M is a multiple of 4), so rows are padded to a multiple of 8: a token's result then
+    never depends on which other tokens share the batch or the chunk.
+    """
+    if act_quant:
+        x = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
+    x = x.to(w.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    pad = (-m) % 8 if x2.device.type == "cpu" else 0
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    y = torch.nn.functional.linear(x2, w)
+    return y[:m].reshape(*lead, w.shape[0])
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row; ties go to the lowest index (deterministic)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :k]

@@ -1,0 +1,57 @@
+"""Manifold-constrained hyper-connections: 4 residual streams mixed by doubly-stochastic maps.
+
+pre  = sigmoid(mix·s0 + b) + eps          collapses the streams into the sub-layer input
+post = 2·sigmoid(mix·s1 + b)              spreads the sub-layer output back over the streams
+comb = Sinkhorn(softmax(mix·s2 + b) + eps) mixes the residual streams (20 iterations)
+Mixes come from a float32 GEMM; the gates and Sinkhorn run in float64 and are rounded to float32,
+so vectorised and scalar code paths (which differ by an ulp) cannot make a token's result depend on
+the batch it is in. Streams keep the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear import linear
+from .norms import unit_rms_norm
+
+
+def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Column-normalise, then (iters-1)× (row, column). The softmax was the first row pass."""
+    comb = comb0 / (comb0.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           iters: int, hc_eps: float, rms_eps: float):
+    """streams [T, n, H] → (collapsed [T, H] in stream dtype, post [T, n], comb [T, n, n]) (fp32 mixes)."""
+    T, n, _ = streams.shape
+    flat = unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
+    mixes = linear(flat, fn.float()).double()
+    pre_m, post_m, comb_m = mixes.split([n, n, n * n], dim=-1)
+    base, scale = base.double(), scale.double()
+    pre = (torch.sigmoid(pre_m * scale[0] + base[:n]) + hc_eps).float()
+    post = (2.0 * torch.sigmoid(post_m * scale[1] + base[n: 2 * n])).float()
+    comb0 = torch.softmax(comb_m.view(T, n, n) * scale[2] + base[2 * n:].view(n, n), dim=-1) + hc_eps
+    comb = sinkhorn(comb0, iters, hc_eps).float()
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out (sum over the first index of comb)."""
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, rms_eps: float) -> torch.Tensor:
+    """Final collapse: sigmoid weights, no Sinkhorn."""
+    T = streams.shape[0]
+    flat = unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
+    mixes = linear(flat, fn.float()).double()
+    pre = (torch.sigmoid(mixes * scale.double()[0] + base.double()) + hc_eps).float()
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

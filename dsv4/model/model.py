@@ -1,0 +1,162 @@
+"""The reference DeepSeek-V4 forward (the oracle every fast path is checked against).
+
+embed → 4 mHC streams → per layer [mHC-pre → attention → mHC-post → mHC-pre → MoE → mHC-post]
+→ hc_head → norm → head. The MTP block predicts one token further from the pre-hc_head streams.
+A batch is a list of sequence chunks (:class:`SeqChunk`) concatenated along the token axis;
+each chunk carries its own cache, so prefill, decode and chunked prefill are the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from .attention import Attention, SeqChunk
+from .linear import linear
+from .cache import CacheNumerics, DenseSequenceCache
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .norms import rms_norm
+from .weights import ModelWeights
+
+
+class Block:
+    """One decoder block; ``prefix`` is 'layers.N' or 'mtp.M'."""
+
+    def __init__(self, w: ModelWeights, prefix: str, layer: int, cfg: ModelConfig, act_quant: bool):
+        self.cfg, self.layer, self.prefix = cfg, layer, prefix
+        self.attn_norm, self.ffn_norm = w[f"{prefix}.attn_norm.weight"], w[f"{prefix}.ffn_norm.weight"]
+        self.hc_attn = (w[f"{prefix}.hc_attn_fn"], w[f"{prefix}.hc_attn_base"], w[f"{prefix}.hc_attn_scale"])
+        self.hc_ffn = (w[f"{prefix}.hc_ffn_fn"], w[f"{prefix}.hc_ffn_base"], w[f"{prefix}.hc_ffn_scale"])
+        self.attn = Attention(w, layer, cfg, prefix=f"{prefix}.attn", act_quant=act_quant)
+        self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant)
+
+    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        x, post, comb = hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        a = self.attn.forward(rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks)
+        streams = hc_post(streams, a, post, comb)
+        x, post, comb = hc_pre(streams, *self.hc_ffn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        f = self.moe.forward(rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
+        return hc_post(streams, f, post, comb)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T, vocab] fp32 (only rows asked for)
+    streams: torch.Tensor  # pre-hc_head residual streams [T, n, H] (MTP input)
+
+
+class ReferenceModel:
+    """Plain-PyTorch DeepSeek-V4. ``dtype`` is the compute dtype (fp32 for parity, bf16 like the release)."""
+
+    def __init__(self, model_dir: str | Path | ModelWeights, dtype: torch.dtype = torch.float32, device="cpu",
+                 kv_cache_dtype: str = "fp8_ds_mla", fp8_format: str = "ocp", act_quant: bool = False,
+                 progress: bool = False):
+        self.w = model_dir if isinstance(model_dir, ModelWeights) else ModelWeights(model_dir, dtype, device, progress)
+        self.cfg: ModelConfig = self.w.config
+        self.dtype, self.device = self.w.dtype, self.w.device
+        self.numerics = CacheNumerics(kv_cache_dtype, fp8_format)
+        cfg = self.cfg
+        self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant) for i in range(cfg.num_hidden_layers)]
+        self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant) for m in range(cfg.num_mtp_layers)]
+        self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
+        self.hc_head_w = (self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"])
+
+    def set_hooks(self, fn) -> None:
+        """Install a callback(name, tensor) on every attention (used by finite checks)."""
+        for b in self.blocks + self.mtp:
+            b.attn.hooks = fn
+
+    def new_cache(self) -> DenseSequenceCache:
+        return DenseSequenceCache(self.cfg, self.numerics)
+
+    # ---- main forward --------------------------------------------------------------------
+    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None) -> torch.Tensor:
+        """Run the decoder stack; returns the pre-hc_head streams [T, n, H]."""
+        cfg = self.cfg
+        off = 0
+        for c in chunks:
+            c.offset, c.device = off, self.device
+            off += c.length
+        if off != token_ids.shape[0]:
+            raise ValueError(f"chunks cover {off} tokens but {token_ids.shape[0]} token ids were given")
+        x = self.embed[token_ids].to(self.dtype)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for b in self.blocks:
+            streams = b.forward(streams, chunks, token_ids)
+            if hook is not None:
+                hook(f"layers.{b.layer}", streams)
+        for c in chunks:
+            c.cache.advance(c.length) if hasattr(c.cache, "advance") else None
+        return streams
+
+    def logits_from_streams(self, streams: torch.Tensor, hc=None, norm=None) -> torch.Tensor:
+        cfg = self.cfg
+        fn, base, scale = hc or self.hc_head_w
+        h = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
+        h = rms_norm(h, self.norm if norm is None else norm, cfg.rms_norm_eps)
+        return linear(h, self.head).float()
+
+    def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
+                hook=None) -> ForwardOutput:
+        streams = self.hidden(token_ids, chunks, hook)
+        rows = streams if logits_rows is None else streams[logits_rows]
+        return ForwardOutput(self.logits_from_streams(rows), streams)
+
+    # ---- MTP -----------------------------------------------------------------------------
+    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0) -> torch.Tensor:
+        """Draft logits for token i+2 from target streams at row i and the token at i+1.
+
+        ``chunks`` give the positions of the target rows and the MTP layer's own caches.
+        """
+        cfg = self.cfg
+        p = f"mtp.{m}"
+        off = 0
+        for c in chunks:
+            c.offset, c.device = off, self.device
+            off += c.length
+        pos = torch.cat([c.positions for c in chunks])
+        e = rms_norm(self.embed[next_ids].to(self.dtype), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
+        e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
+        h = rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
+        s = linear(h, self.w[f"{p}.h_proj.weight"]) + linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
+        s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
+        hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
+        return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])
+
+    # ---- conveniences for tests and tools -------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, token_ids: list[int] | torch.Tensor, cache=None, chunk_sizes: list[int] | None = None):
+        """Run a prompt through ``cache`` (split into ``chunk_sizes``); returns (logits [T, V], cache)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        cache = cache or self.new_cache()
+        start0 = getattr(cache, "num_tokens", 0)
+        sizes = chunk_sizes or [len(ids)]
+        if sum(sizes) != len(ids):
+            raise ValueError(f"chunk sizes {sizes} do not sum to {len(ids)}")
+        outs, off = [], 0
+        for n in sizes:
+            out = self.forward(ids[off: off + n], [SeqChunk(cache, start0 + off, n)])
+            outs.append(out.logits)
+            off += n
+        return torch.cat(outs), cache
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int, cache=None) -> tuple[list[int], torch.Tensor]:
+        """Greedy decode; returns (new token ids, logits of each step [n, V])."""
+        logits, cache = self.prefill(prompt, cache)
+        last = logits[-1]
+        out, steps = [], [last]
+        for i in range(max_new_tokens):
+            tok = int(torch.argmax(last))
+            out.append(tok)
+            if i == max_new_tokens - 1:
+                break
+            last = self.forward(torch.tensor([tok], device=self.device),
+                                [SeqChunk(cache, cache.num_tokens, 1)]).logits[-1]
+            steps.append(last)
+        return out, torch.stack(steps)

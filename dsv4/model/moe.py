@@ -1,0 +1,67 @@
+"""Mixture of experts: sqrt-softplus gate, hash or biased top-k routing, clamped SwiGLU experts.
+
+Routing math is float32. The bias (``noaux_tc``) only chooses experts; weights come from the
+unbiased scores, renormalised and scaled by ``routed_scaling_factor``. Hash layers take the
+experts from ``tid2eid[token]``. The shared expert runs for every token at weight 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .linear import linear, stable_topk
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+           act_quant: bool = False) -> torch.Tensor:
+    """w2 · (silu(min(w1·x, limit)) · clamp(w3·x, ±limit)); the activation in float32."""
+    gate = linear(x, w1, act_quant).float().clamp(max=limit)
+    up = linear(x, w3, act_quant).float().clamp(min=-limit, max=limit)
+    h = (F.silu(gate.double()) * up.double()).to(x.dtype)  # float64: batch-invariant (see linear.py)
+    return linear(h, w2, act_quant)
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
+    """Return (expert ids [T, k] long, weights [T, k] fp32). Ties break to the lowest expert id."""
+    logits = linear(x.float(), gate_w.float())
+    scores = torch.sqrt(F.softplus(logits.double())).float()
+    if tid2eid is not None:
+        if token_ids is None:
+            raise ValueError("hash-routed MoE layer needs the input token ids")
+        ids = tid2eid[token_ids.clamp(0, tid2eid.shape[0] - 1)].long()
+    else:
+        sel = scores if bias is None else scores + bias.float()
+        ids = stable_topk(torch.nan_to_num(sel, nan=-1e30), cfg.num_experts_per_tok)
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        w = (w.double() / (w.double().sum(dim=-1, keepdim=True) + 1e-20)).float()
+    return ids, w * cfg.routed_scaling_factor
+
+
+class MoE:
+    def __init__(self, weights, prefix: str, cfg: ModelConfig, hash_layer: bool, act_quant: bool = False):
+        self.wts, self.prefix, self.cfg, self.act_quant = weights, prefix, cfg, act_quant
+        self.gate = weights[f"{prefix}.gate.weight"]
+        self.bias = None if hash_layer else weights[f"{prefix}.gate.bias"]
+        self.tid2eid = weights[f"{prefix}.gate.tid2eid"] if hash_layer else None
+        self.shared = None
+        if cfg.n_shared_experts:
+            s = f"{prefix}.shared_experts"
+            self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids, w = route(x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            p = f"{self.prefix}.experts.{e}"
+            y = swiglu(x[rows], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"), self.wts.expert(f"{p}.w2"),
+                       cfg.swiglu_limit, self.act_quant)
+            out.index_add_(0, rows, y.float() * w[rows, slot, None])
+        if self.shared is not None:
+            out += swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+        return out.to(x.dtype)
