@@ -1,0 +1,250 @@
+"""Preallocated paged caches for every cache kind, and a per-request view the model reads through.
+
+Units (one id space each, shared by all layers, as in vLLM):
+- a **SWA page** = 64 raw tokens of every layer's sliding-window KV (the MTP layer's too);
+- a **block** = 256 raw tokens: per CSA layer a compressed page (64 entries) and an indexer page
+  (64 keys), per HCA layer a compressed page (2 entries), and per CSA layer the compressor rows
+  of the block's last 4 tokens (the overlap state a prefix-cache hit at the block end needs).
+The running compressor state lives in per-request *slots* (rings of 8 rows for ratio 4 and
+128 rows for ratio 128). With ``fp8_ds_mla`` the KV pages hold the real 584-byte records in the
+block-packed layout and every read uses the writer's address formula (``dsv4.formats``);
+with ``auto`` they hold model-dtype rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import LayerType, ModelConfig
+from ..formats import (alloc_indexer_pages, alloc_kv_pages, indexer_page_stride, page_stride, read_indexer_k,
+                       read_kv, write_indexer_k, write_kv)
+from ..model.cache import CacheNumerics
+
+SWA_PAGE = 64
+BLOCK = 256
+BOUNDARY_ROWS = 4  # ratio-4 overlap: entry b needs block b-1's rows
+
+
+def _kinds(cfg: ModelConfig, layer: int) -> list[tuple[str, int, int]]:
+    """(kind, ratio, state row width) of each compressor of a layer."""
+    lt = cfg.layer_type(layer)
+    if lt == LayerType.CSA:
+        return [("kv", 4, 2 * 2 * cfg.head_dim), ("index", 4, 2 * 2 * cfg.index_head_dim)]
+    if lt == LayerType.HCA:
+        return [("kv", cfg.compress_ratio(layer), 2 * cfg.head_dim)]
+    return []
+
+
+@dataclass
+class CacheBudget:
+    num_blocks: int
+    num_swa_pages: int
+    num_slots: int
+    bytes_per_block: int
+    bytes_per_swa_page: int
+    bytes_per_slot: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_blocks * self.bytes_per_block + self.num_swa_pages * self.bytes_per_swa_page
+                + self.num_slots * self.bytes_per_slot)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * BLOCK
+
+
+def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Bytes of one block, one SWA page and one state slot over all layers."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    q = numerics.quantized
+    n_swa_layers = cfg.num_hidden_layers + cfg.num_mtp_layers
+    swa = n_swa_layers * (page_stride(SWA_PAGE) if q else SWA_PAGE * cfg.head_dim * elt)
+    blk = slot = 0
+    for layer in range(cfg.num_hidden_layers):
+        for kind, ratio, width in _kinds(cfg, layer):
+            per = BLOCK // ratio
+            if kind == "kv":
+                blk += page_stride(per) if q else per * cfg.head_dim * elt
+            else:
+                blk += indexer_page_stride(per) if q else per * cfg.index_head_dim * elt
+            if ratio == 4:
+                blk += BOUNDARY_ROWS * width * 4
+            slot += (8 if ratio == 4 else ratio) * width * 4
+    return blk, swa, slot
+
+
+def plan_budget(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype, memory_bytes: int,
+                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> CacheBudget:
+    """Split a memory budget into blocks, SWA pages and state slots.
+
+    SWA pages: enough for every running request's window (3 pages) plus one prefill budget's
+    worth, plus two per block so that each cached block can keep the window its end needs.
+    """
+    blk, swa, slot = unit_bytes(cfg, numerics, dtype)
+    extra_swa = max_num_seqs * 3 + -(-max_num_batched_tokens // SWA_PAGE) + 2
+    fixed = max_num_seqs * slot + extra_swa * swa
+    nb = (memory_bytes - fixed) // (blk + 2 * swa) if memory_bytes > fixed else 0
+    need = -(-max_model_len // BLOCK)
+    if nb < need:
+        min_bytes = fixed + need * (blk + 2 * swa)
+        raise ValueError(
+            f"KV cache budget too small for one request: max_model_len={max_model_len} needs {need} blocks of "
+            f"{BLOCK} tokens, the budget of {memory_bytes / 2**20:.1f} MiB gives {max(nb, 0)}; "
+            f"raise --kv-cache-memory to at least {min_bytes / 2**20:.1f} MiB or lower --max-model-len"
+        )
+    return CacheBudget(int(nb), int(2 * nb + extra_swa), max_num_seqs, blk, swa, slot)
+
+
+class PagedKVCache:
+    """All cache tensors of all layers, allocated once from a :class:`CacheBudget`."""
+
+    def __init__(self, cfg: ModelConfig, numerics: CacheNumerics, budget: CacheBudget, dtype: torch.dtype,
+                 device="cpu"):
+        self.cfg, self.numerics, self.budget, self.dtype = cfg, numerics, budget, dtype
+        self.device = torch.device(device)
+        q = numerics.quantized
+        nl = cfg.num_hidden_layers + cfg.num_mtp_layers
+        P, B, S = budget.num_swa_pages, budget.num_blocks, budget.num_slots
+        self.swa = [alloc_kv_pages(P, SWA_PAGE, device) if q else torch.zeros(P, SWA_PAGE, cfg.head_dim, dtype=dtype, device=device)
+                    for _ in range(nl)]
+        self.comp: dict[tuple[int, str], torch.Tensor] = {}
+        self.boundary: dict[tuple[int, str], torch.Tensor] = {}
+        self.ring: dict[tuple[int, str], torch.Tensor] = {}
+        self.ratio: dict[tuple[int, str], int] = {}
+        for layer in range(cfg.num_hidden_layers):
+            for kind, ratio, width in _kinds(cfg, layer):
+                key = (layer, kind)
+                per = BLOCK // ratio
+                self.ratio[key] = ratio
+                if kind == "kv":
+                    self.comp[key] = alloc_kv_pages(B, per, device) if q else torch.zeros(B, per, cfg.head_dim, dtype=dtype, device=device)
+                else:
+                    self.comp[key] = alloc_indexer_pages(B, per, device) if q else torch.zeros(B, per, cfg.index_head_dim, dtype=dtype, device=device)
+                if ratio == 4:
+                    self.boundary[key] = torch.zeros(B, BOUNDARY_ROWS, width, device=device)
+                self.ring[key] = torch.zeros(S, 8 if ratio == 4 else ratio, width, device=device)
+
+    def per_block(self, key) -> int:
+        return BLOCK // self.ratio[key]
+
+
+@dataclass
+class CacheAllocation:
+    """What one request holds: block ids, SWA page ids (-1 once freed), its state slot."""
+
+    blocks: list[int] = field(default_factory=list)
+    swa: list[int] = field(default_factory=list)
+    slot: int = -1
+    num_computed: int = 0  # tokens whose KV/state is in the cache
+    registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+
+
+class PagedSequenceView:
+    """The :class:`~dsv4.model.cache.SequenceCache` of one request over the paged tensors."""
+
+    def __init__(self, kvc: PagedKVCache, alloc: CacheAllocation):
+        self.kvc, self.alloc = kvc, alloc
+        self.numerics = kvc.numerics
+        self.config = kvc.cfg
+        dev = kvc.device
+        self._swa = torch.tensor(alloc.swa, dtype=torch.long, device=dev)
+        self._blocks = torch.tensor(alloc.blocks, dtype=torch.long, device=dev)
+        self._chunk: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.alloc.num_computed
+
+    # ---- sliding-window KV ---------------------------------------------------------------
+    def _swa_slots(self, positions):
+        pages = self._swa[positions // SWA_PAGE]
+        if bool((pages < 0).any()):
+            raise RuntimeError(f"window KV of positions {positions.tolist()[:4]}… read after its page was freed")
+        return pages, positions % SWA_PAGE
+
+    def write_kv(self, layer, positions, kv):
+        pages, off = self._swa_slots(positions)
+        t = self.kvc.swa[layer]
+        if self.numerics.quantized:
+            write_kv(t, pages, off, kv.float(), self.numerics.fmt, SWA_PAGE)
+        else:
+            t[pages, off] = kv.to(t.dtype)
+
+    def read_kv(self, layer, positions):
+        pages, off = self._swa_slots(positions)
+        t = self.kvc.swa[layer]
+        if self.numerics.quantized:
+            return read_kv(t, pages, off, self.numerics.fmt, SWA_PAGE).to(self.kvc.dtype)
+        return t[pages, off]
+
+    # ---- compressed KV and indexer keys --------------------------------------------------
+    def write_compressed(self, layer, kind, index, entries):
+        key = (layer, kind)
+        per = self.kvc.per_block(key)
+        blk, off = self._blocks[index // per], index % per
+        t = self.kvc.comp[key]
+        if not self.numerics.quantized:
+            t[blk, off] = entries.to(t.dtype)
+        elif kind == "kv":
+            write_kv(t, blk, off, entries.float(), self.numerics.fmt, per, round_bf16=True)
+        else:
+            write_indexer_k(t, blk, off, entries.float(), self.numerics.fmt, per)
+
+    def read_compressed(self, layer, kind, index):
+        key = (layer, kind)
+        per = self.kvc.per_block(key)
+        blk, off = self._blocks[index // per], index % per
+        t = self.kvc.comp[key]
+        if not self.numerics.quantized:
+            return t[blk, off]
+        if kind == "kv":
+            return read_kv(t, blk, off, self.numerics.fmt, per).to(self.kvc.dtype)
+        return read_indexer_k(t, blk, off, self.numerics.fmt, per)[0].to(self.kvc.dtype)
+
+    # ---- compressor state ----------------------------------------------------------------
+    def write_state(self, layer, kind, positions, rows):
+        # held aside until advance(): writing the ring now could overwrite rows this forward
+        # still reads (the previous block's rows for the ratio-4 overlap)
+        self._chunk[(layer, kind)] = (int(positions[0]), rows.float())
+
+    def read_state(self, layer, kind, positions):
+        key = (layer, kind)
+        start, rows = self._chunk.get(key, (None, None))
+        ring = self.kvc.ring[key][self.alloc.slot]
+        out = ring[positions % ring.shape[0]]
+        if rows is not None:
+            inside = (positions >= start) & (positions < start + rows.shape[0])
+            if bool(inside.any()):
+                out = out.clone()
+                out[inside] = rows[positions[inside] - start]
+        return out
+
+    def restore_boundary(self, block_index: int) -> None:
+        """After a prefix hit ending at block ``block_index``: its last rows back into the rings."""
+        p_end = (block_index + 1) * BLOCK
+        pos = torch.arange(p_end - BOUNDARY_ROWS, p_end, device=self.kvc.device)
+        blk = self.alloc.blocks[block_index]
+        for key, b in self.kvc.boundary.items():
+            ring = self.kvc.ring[key][self.alloc.slot]
+            ring[pos % ring.shape[0]] = b[blk]
+
+    def advance(self, n_tokens: int) -> None:
+        """After a forward over ``n_tokens``: snapshot boundary state of blocks that closed."""
+        old = self.alloc.num_computed
+        new = old + n_tokens
+        for p_end in range((old // BLOCK + 1) * BLOCK, new + 1, BLOCK):
+            pos = torch.arange(p_end - BOUNDARY_ROWS, p_end, device=self.kvc.device)
+            blk = self.alloc.blocks[p_end // BLOCK - 1]
+            for (layer, kind), b in self.kvc.boundary.items():
+                b[blk] = self.read_state(layer, kind, pos)
+        for key, (start, rows) in self._chunk.items():  # commit the newest rows into the ring
+            ring = self.kvc.ring[key][self.alloc.slot]
+            size = ring.shape[0]
+            pos = torch.arange(start, start + rows.shape[0], device=self.kvc.device)[-size:]
+            ring[pos % size] = rows[-size:]
+        self._chunk.clear()
+        self.alloc.num_computed = new
