@@ -281,12 +281,18 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         rs = d["rope_parameters"].get("compress")
     if rs is None:
         raise ConfigError("config.json: missing required field 'rope_scaling' (YaRN parameters of the compressed layers)")
+    if not isinstance(rs, dict):
+        raise ConfigError(f"config.json: field 'rope_scaling' must be an object, found {rs!r}")
     rtype = rs.get("type", rs.get("rope_type"))
     if rtype != "yarn":
         raise ConfigError(f"config.json: field 'rope_scaling.type' must be 'yarn', found {rtype!r}")
     for k in ("factor", "original_max_position_embeddings"):
         if k not in rs:
             raise ConfigError(f"config.json: missing required field 'rope_scaling.{k}'")
+    for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        v = rs.get(k, 1)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"config.json: field 'rope_scaling.{k}' must be a number, found {v!r}")
     rope_main = RopeParams(theta=rope_theta, dim=rope_dim)
     rope_compress = RopeParams(
         theta=compress_theta,
@@ -298,6 +304,8 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     )
 
     # Experts: FP4 (instruct) or FP8 (Base; expert_dtype absent or "fp8").
+    if d.get("quantization_config") is not None and not isinstance(d["quantization_config"], dict):
+        raise ConfigError(f"config.json: field 'quantization_config' must be an object, found {d['quantization_config']!r}")
     expert_dtype = d.get("expert_dtype") or (d.get("quantization_config") or {}).get("expert_dtype") or "fp8"
     if expert_dtype not in ("fp4", "fp8"):
         raise ConfigError(f"config.json: field 'expert_dtype' must be 'fp4' or 'fp8', found {expert_dtype!r}")
@@ -316,6 +324,10 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' or absent, found {scale_fmt!r}")
     if expert_dtype == "fp4" and scale_fmt != "ue8m0":
         raise ConfigError("config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' when expert_dtype is 'fp4'")
+    if expert_dtype == "fp4":  # MXFP4 packs 32 input elements per scale: expert inputs must fill whole blocks
+        for k in ("hidden_size", "moe_intermediate_size"):
+            if ints[k] % 32:
+                raise ConfigError(f"config.json: field '{k}' ({ints[k]}) must be a multiple of 32 when expert_dtype is 'fp4'")
 
     dspark = {k: v for k, v in d.items() if k.startswith("dspark_")}
     return ModelConfig(

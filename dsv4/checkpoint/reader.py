@@ -82,7 +82,9 @@ def _shard_files(model_dir: Path) -> tuple[dict[str, str] | None, list[Path]]:
         files = sorted({model_dir / f for f in weight_map.values()})
         for f in files:
             if not f.exists():
-                raise CheckpointError(f"{INDEX_FILE} names shard {f.name}, which does not exist in {model_dir}")
+                names = [k for k, v in weight_map.items() if model_dir / v == f]
+                raise CheckpointError(f"{INDEX_FILE} names shard {f.name}, which does not exist in {model_dir} "
+                                      f"(it maps {len(names)} tensor(s) there, e.g. '{names[0]}')")
         return weight_map, files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -112,6 +114,9 @@ class Checkpoint:
                     raise CheckpointError(f"tensor '{name}': {INDEX_FILE} maps it to {fname}, but no shard holds it")
                 if e.file.name != fname:
                     raise CheckpointError(f"tensor '{name}': {INDEX_FILE} maps it to {fname}, found in {e.file.name}")
+            for name, e in self.entries.items():  # loaders that trust the index would not see it
+                if name not in self.weight_map:
+                    raise CheckpointError(f"tensor '{name}' in {e.file.name} is not listed in {INDEX_FILE}")
         self.specs = expected_tensors(self.config)
         self._handles: dict[Path, object] = {}
         if validate:

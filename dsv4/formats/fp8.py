@@ -95,8 +95,36 @@ def decode_fp8(codes_u8: torch.Tensor, fmt) -> torch.Tensor:
     return torch.index_select(lut, 0, c.reshape(-1).to(torch.int32)).reshape(c.shape)
 
 
+_NATIVE_CAST: dict[tuple[str, str], bool] = {}
+
+
+def _native_cast_ok(device: torch.device, fmt: FP8Format) -> bool:
+    """Whether torch can cast to this FP8 dtype on this device (and agrees with the bit codec)."""
+    key = (device.type, fmt.name)
+    ok = _NATIVE_CAST.get(key)
+    if ok is None:
+        try:
+            probe = torch.tensor([0.0, -0.0, 1.0625, -3.3, 1e-9, 460.0, float("nan")], device=device)
+            probe = probe.clamp(-fmt.max, fmt.max)
+            ok = torch.equal(probe.to(fmt.torch_dtype).view(torch.uint8).cpu(), encode_fp8_bits(probe.cpu(), fmt))
+        except (RuntimeError, TypeError):
+            ok = False
+        _NATIVE_CAST[key] = ok
+    return ok
+
+
 def encode_fp8(x: torch.Tensor, fmt, saturate: bool = True) -> torch.Tensor:
-    """uint8 FP8 codes of `x`, round-to-nearest-even, bit-exact to torch's clamp-then-cast.
+    """uint8 FP8 codes of `x` (round-to-nearest-even, saturating): torch's cast where the device has
+    it (checked once against :func:`encode_fp8_bits`), else the portable bit-level codec."""
+    fmt = get_fp8_format(fmt)
+    if saturate and _native_cast_ok(x.device, fmt):
+        return x.float().clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).view(torch.uint8)
+    return encode_fp8_bits(x, fmt, saturate)
+
+
+def encode_fp8_bits(x: torch.Tensor, fmt, saturate: bool = True) -> torch.Tensor:
+    """uint8 FP8 codes of `x`, round-to-nearest-even, bit-exact to torch's clamp-then-cast,
+    computed from float32 bits (no float8 dtype needed: works on any backend).
 
     saturate=True clamps to ±fmt.max first (inf -> ±max). saturate=False turns any
     value whose rounding leaves the finite range into the NaN code (no inf in E4M3).

@@ -2,7 +2,17 @@
 import pytest
 import torch
 
+import dsv4.formats.fp8 as _fp8mod
 from dsv4.formats import FNUZ, OCP, FP8Format, decode_fp8, encode_fp8, fp8_lut, get_fp8_format
+
+
+@pytest.fixture(autouse=True, params=["native-cast", "bit-codec"])
+def codec_path(request, monkeypatch):
+    """Every test here runs against both encoder paths: torch's cast and the portable bit codec."""
+    if request.param == "bit-codec":
+        monkeypatch.setattr(_fp8mod, "_native_cast_ok", lambda device, fmt: False)
+    return request.param
+
 
 FMTS = [OCP, FNUZ]
 NAN_CODES = {"ocp": {0x7F, 0xFF}, "fnuz": {0x80}}

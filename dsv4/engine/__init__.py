@@ -1,0 +1,1 @@
+"""Serving engine: requests, scheduler, model runner, sampler."""

@@ -1,0 +1,205 @@
+"""The engine core: add requests, run steps (schedule → forward → sample), emit outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache.manager import KVCacheManager
+from ..cache.paged import PagedKVCache, plan_budget
+from ..model.cache import CacheNumerics
+from .outputs import RequestOutput
+from .request import Request, Status
+from .runner import ModelRunner
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("dsv4.engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto → bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "fp8_ds_mla"
+    fp8_format: str = "ocp"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; default: a CPU budget, or a GPU utilisation share
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    device: str | None = None
+    seed: int = 0
+    act_quant: bool = False
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "half": torch.float16}
+        if self.dtype not in table:
+            raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {self.dtype!r}")
+        return table[self.dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, backend=None, tokenizer=None):
+        from ..chat.tokenizer import load_tokenizer
+        from ..model.model import ReferenceModel
+
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not available yet")
+        self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = config.torch_dtype(device)
+        self.model = backend or ReferenceModel(config.model, dtype=dtype, device=device,
+                                              kv_cache_dtype=config.kv_cache_dtype, fp8_format=config.fp8_format,
+                                              act_quant=config.act_quant)
+        cfg = self.model.cfg
+        self.model_config = cfg
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)
+        mem = config.kv_cache_memory
+        if mem is None:
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                mem = int(max(0, free - (1 - config.gpu_memory_utilization) * total))
+            else:
+                mem = 1 << 30
+        budget = plan_budget(cfg, numerics, dtype, mem, config.max_num_seqs, config.max_num_batched_tokens,
+                             self.max_model_len)
+        self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
+        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv)
+        self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
+        self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
+        self.requests: dict[str, list[Request]] = {}
+        self._ids = itertools.count()
+        log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
+                 config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
+                 budget.num_swa_pages, budget.total_bytes / 2**20)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif prompt is not None:
+                prompt_token_ids, prompt = list(prompt), None
+            else:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if any(t < 0 or t >= vocab for t in ids):
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max(max_new, 1) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
+                             f"max_model_len={self.max_model_len}")
+        if params.max_tokens is None:
+            params.max_tokens = max_new
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        group = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:
+                p = SamplingParams(**{**_fields(params), "seed": params.seed + i})
+            detok = self.tokenizer.incremental_detokenizer(skip_special_tokens=params.skip_special_tokens)
+            r = Request(rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id,
+                        detokenizer=detok)
+            group.append(r)
+            self.scheduler.add(r)
+        self.requests[rid] = group
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        for r in self.requests.pop(request_id, []):
+            if not r.finished:
+                r.finish("abort")
+            self.scheduler.remove(r)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns outputs of requests that progressed."""
+        schedule = self.scheduler.schedule()
+        if not schedule:
+            return []
+        batch, logits = self.runner.run(schedule)
+        prompt_rows: dict[int, list[int]] = {}
+        touched: dict[str, None] = {}
+        for row, (si, kind) in enumerate(batch.row_owner):
+            req = schedule[si].req
+            if kind == "prompt":
+                prompt_rows.setdefault(si, []).append(row)
+                continue
+        for si, sc in enumerate(schedule):
+            req = sc.req
+            if si in prompt_rows:
+                req._prompt_logits = torch.cat([getattr(req, "_prompt_logits", torch.empty(0, logits.shape[1])),
+                                                logits[prompt_rows[si]]])
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None \
+                    and req.num_computed >= len(req.prompt_token_ids):
+                req.prompt_logprobs = self.sampler.prompt_logprobs(req, req._prompt_logits)
+                del req._prompt_logits
+        for row, (si, kind) in enumerate(batch.row_owner):
+            if kind != "sample":
+                continue
+            req = schedule[si].req
+            token, lp, tlp = self.sampler.sample(req, logits[row])
+            req.append_token(token, lp, tlp)
+            touched[req.request_id] = None
+        for sc in schedule:
+            req = sc.req
+            self.kv.register_full_blocks(req.alloc, req.all_token_ids)
+            if req.finished:
+                self.scheduler.remove(req)
+            else:
+                self.kv.release_out_of_window(req.alloc)
+            touched[req.request_id] = None
+        return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _output(self, rid: str) -> RequestOutput:
+        group = self.requests[rid]
+        finished = all(r.finished for r in group)
+        first = group[0]
+        out = RequestOutput(rid, first.prompt, first.prompt_token_ids, [r.completion() for r in group], finished,
+                            prompt_logprobs=first.prompt_logprobs)
+        if finished:
+            del self.requests[rid]
+        return out
+
+    def run_to_completion(self, request_ids: list[str]) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        while pending and self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+        return done
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {k: getattr(p, k) for k in p.__dataclass_fields__ if k != "stop_strings"}

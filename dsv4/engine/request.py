@@ -1,0 +1,114 @@
+"""One sequence being generated: its tokens, cache holdings, sampling state and stop checks."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from ..cache.paged import CacheAllocation
+from .outputs import CompletionOutput, Logprob
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 prompt: str | None = None, index: int = 0, eos_token_id: int | None = None,
+                 detokenizer=None, arrival: float | None = None):
+        self.request_id, self.index = request_id, index
+        self.prompt, self.prompt_token_ids = prompt, list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = Status.WAITING
+        self.alloc = CacheAllocation()
+        self.eos_token_id = eos_token_id
+        self.detok = detokenizer
+        self.text = ""
+        self._emitted_chars = 0
+        self._stop_scanned = 0  # text before this offset was already searched for stop strings
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+        self.arrival = arrival if arrival is not None else time.monotonic()
+        self.first_token_time: float | None = None
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    # ---- token bookkeeping ---------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return self.alloc.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_token(self, token: int, logprob: dict[int, Logprob] | None, token_logprob: float | None) -> None:
+        self.output_token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        if token_logprob is not None:
+            self.cumulative_logprob += token_logprob
+        if self.detok is not None:
+            self.text += self.detok.feed(token)
+        self._check_stop(token)
+
+    def _check_stop(self, token: int) -> None:
+        p = self.params
+        n_out = len(self.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token == self.eos_token_id and not p.ignore_eos:
+                self.finish("stop", None)
+                return
+            if token in p.stop_token_ids:
+                self.finish("stop", token)
+                return
+            hits = [(i, s) for s in p.stop_strings
+                    if (i := self.text.find(s, max(0, self._stop_scanned - len(s) + 1))) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text = self.text[: i + len(s)] if p.include_stop_str_in_output else self.text[:i]
+                self.finish("stop", s)
+                return
+        self._stop_scanned = len(self.text)
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            self.finish("length", None)
+
+    def finish(self, reason: str, stop_reason=None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def completion(self) -> CompletionOutput:
+        """The output so far. While running, text that could still turn into a stop string is held back."""
+        text = self.text
+        if not self.finished and self.params.stop_strings:
+            hold = max(len(s) for s in self.params.stop_strings) - 1
+            text = text[: max(self._emitted_chars, len(text) - hold)]
+        self._emitted_chars = max(self._emitted_chars, len(text))
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )

@@ -1,0 +1,99 @@
+"""Token sampling: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Each request's row is processed on its own, so a token never depends on the batch it was
+sampled in. Greedy picks the lowest token id among equal maxima. Logprobs are those of the
+model's raw distribution (before penalties and temperature), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .outputs import Logprob
+from .request import Request
+
+
+def _first_argmax(x: torch.Tensor) -> int:
+    return int(torch.nonzero(x == x.max())[0, 0])
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        ids, counts = torch.unique(torch.tensor(req.output_token_ids, dtype=torch.long), return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = (cum - probs) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, n: int, decode=None) -> dict[int, Logprob]:
+    """The sampled token's logprob plus the top ``n`` (ranks are 1-based, as in vLLM)."""
+    out: dict[int, Logprob] = {}
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    out[token] = Logprob(float(logprobs[token]), rank, decode(token) if decode else None)
+    if n > 0:
+        vals, ids = torch.topk(logprobs, n)
+        for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+            if i not in out:
+                out[i] = Logprob(v, r, decode(i) if decode else None)
+    return out
+
+
+class Sampler:
+    def __init__(self, eos_token_id: int, seed: int = 0, decode=None):
+        self.eos = eos_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+        self.decode = decode
+
+    def sample(self, req: Request, logits: torch.Tensor) -> tuple[int, dict[int, Logprob] | None, float | None]:
+        """Pick the next token of ``req`` from its logits row [V] (float32)."""
+        p = req.params
+        raw = logits.float()
+        if not torch.isfinite(raw).all():
+            raise FloatingPointError(f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}")
+        x = apply_penalties(raw.clone(), req)
+        if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids may not end the output yet
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos])
+            x[banned] = float("-inf")
+        if p.greedy:
+            token = _first_argmax(x)
+        else:
+            x = filter_logits(x / p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = torch.softmax(x, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=req.generator or self.generator))
+        lp = None
+        token_lp = None
+        if p.logprobs is not None:
+            logprobs = torch.log_softmax(raw, dim=-1)
+            lp = top_logprobs(logprobs, token, p.logprobs, self.decode)
+            token_lp = float(logprobs[token])
+        return token, lp, token_lp
+
+    def prompt_logprobs(self, req: Request, logits: torch.Tensor) -> list:
+        """Logprobs of prompt tokens 1.. given the logits of rows 0..n-2 (first entry None)."""
+        n = req.params.prompt_logprobs
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out: list = [None]
+        for i, tok in enumerate(req.prompt_token_ids[1:]):
+            out.append(top_logprobs(logprobs[i], tok, n, self.decode))
+        return out

@@ -1,0 +1,74 @@
+"""Per-request sampling parameters (names and meanings as in vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, value, rule):
+            raise ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", self.n, "an integer ≥ 1")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, "≥ 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "an integer ≥ 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "an integer ≥ 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"≤ max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+                bad(name, v, "an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad("stop", self.stop, "a non-empty string or a list of them")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", self.seed, "an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

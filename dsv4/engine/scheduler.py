@@ -1,0 +1,104 @@
+"""Continuous batching with a token budget (vLLM v1 style, one queue of token work).
+
+Each step: running requests first (decodes, and prefills that continue), then waiting requests
+in arrival order, each taking as many of its uncomputed tokens as the budget allows (chunked
+prefill). When pages run out the most recently admitted running request is preempted by
+recompute: its pages are freed and it re-enters the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache.manager import KVCacheManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_tokens: int  # new tokens computed this step, starting at req.num_computed
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv
+        self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv.free(victim.alloc)
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.alloc)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.budget
+        out: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.can_allocate(req.alloc, n):
+                victim = self.running[-1]
+                self.running.pop()
+                if id(victim) in scheduled:
+                    raise RuntimeError("preempted a request already scheduled this step")
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                self.kv.allocate(req.alloc, n)
+                out.append(ScheduledChunk(req, n))
+                scheduled.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            # req itself was preempted: the loop index now points past the end or at the next one
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed == 0 and not req.alloc.blocks and req.params.prompt_logprobs is None:
+                hit = self.kv.match_prefix(req.all_token_ids, req.num_tokens - 1)
+                if hit and self.kv.free_slots:
+                    got = self.kv.apply_prefix(req.alloc, hit, req.all_token_ids)
+                    self.kv.hits += got
+                self.kv.queries += req.num_tokens
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self.kv.can_allocate(req.alloc, n):
+                if not self.running and not out:
+                    # nothing else holds pages: the request cannot fit at all
+                    raise RuntimeError(
+                        f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV cache "
+                        f"({self.kv.blocks.n} blocks of 256 tokens)")
+                if req.alloc.blocks and req.num_computed > 0 and not req.output_token_ids:
+                    self.kv.free(req.alloc)  # give back the prefix hit: retried next step
+                break
+            self.waiting.popleft()
+            self.kv.allocate(req.alloc, n)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(ScheduledChunk(req, n))
+            budget -= n
+        return out
