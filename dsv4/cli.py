@@ -23,6 +23,55 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+              enable_prefix_caching=a.enable_prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
+              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format)
+    if a.kv_cache_memory is not None:
+        kw["kv_cache_memory"] = int(a.kv_cache_memory * 2**20)
+    return kw
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
+    p.add_argument("--fp8-format", default="ocp", choices=["ocp", "fnuz"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in MiB")
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    import json
+
+    from .engine.sampling_params import SamplingParams
+    from .llm import LLM
+
+    llm = LLM(a.model, **_engine_kwargs(a))
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, ignore_eos=a.ignore_eos)
+    if a.chat:
+        out = llm.chat([{"role": "user", "content": a.prompt}], params, thinking=a.thinking)[0]
+    else:
+        out = llm.generate(a.prompt, params)[0]
+    o = out.outputs[0]
+    if a.json:
+        tok = llm.get_tokenizer()
+        print(json.dumps({
+            "prompt_token_ids": out.prompt_token_ids, "token_ids": o.token_ids,
+            "tokens": [tok.decode([t]) for t in o.token_ids], "text": o.text, "finish_reason": o.finish_reason,
+        }, ensure_ascii=False))
+    else:
+        print(o.text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4-Flash inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -38,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", help="device that generates the random values")
     m.add_argument("--quiet", action="store_true")
     m.set_defaults(fn=_cmd_make_checkpoint)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat encoding)")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print token ids, per-token text and finish reason as JSON")
+    g.set_defaults(fn=_cmd_generate)
 
     i = sub.add_parser("inspect", help="summarize and validate a model directory")
     i.add_argument("model_dir")
