@@ -33,8 +33,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return kw
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required, help="model directory (config.json + safetensors)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
     p.add_argument("--fp8-format", default="ocp", choices=["ocp", "fnuz"])
@@ -72,6 +72,39 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(a: argparse.Namespace) -> int:
+    if a.model_tag and a.model and a.model_tag != a.model:
+        raise ValueError(f"two models given: {a.model_tag!r} and --model {a.model!r}")
+    a.model = a.model or a.model_tag
+    if not a.model:
+        raise ValueError("give the model directory: dsv4 serve DIR or dsv4 serve --model DIR")
+    if a.block_size is not None and a.block_size != 256:
+        raise ValueError(f"--block-size {a.block_size}: DeepSeek-V4 caches use blocks of 256 tokens")
+    from .serve.app import serve  # lazy: fastapi/uvicorn only load for this command
+
+    return serve(a, _engine_kwargs(a))
+
+
+def _add_serve_args(s: argparse.ArgumentParser) -> None:
+    """vLLM's ``vllm serve`` flags, so that its commands work with ``dsv4`` in place of ``vllm``."""
+    s.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
+    _add_engine_args(s, model_required=False)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; default: the path")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $DSV4_API_KEY)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--reasoning-parser", choices=["deepseek_v4"], default="deepseek_v4")
+    s.add_argument("--tool-call-parser", choices=["deepseek_v4"], default="deepseek_v4")
+    s.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted; tool calls are always parsed")
+    s.add_argument("--tokenizer-mode", choices=["deepseek_v4", "auto"], default="deepseek_v4")
+    s.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM compatibility; no effect")
+    s.add_argument("--block-size", type=int, default=None, help="accepted for vLLM compatibility; must be 256")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.set_defaults(fn=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4-Flash inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -101,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print token ids, per-token text and finish reason as JSON")
     g.set_defaults(fn=_cmd_generate)
+
+    _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
 
     i = sub.add_parser("inspect", help="summarize and validate a model directory")
     i.add_argument("model_dir")

@@ -14,7 +14,8 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 fp8_format: str = "ocp", device: str | None = None, act_quant: bool = False, tokenizer=None):
+                 fp8_format: str = "ocp", device: str | None = None, act_quant: bool = False, backend: str = "auto",
+                 tokenizer=None):
         if model is None:
             raise ValueError("LLM(model=...) needs a model directory (no embedded default model yet)")
         self.engine = LLMEngine(EngineConfig(
@@ -22,7 +23,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, fp8_format=fp8_format, device=device,
-            act_quant=act_quant), tokenizer=tokenizer)
+            act_quant=act_quant, backend=backend), tokenizer=tokenizer)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

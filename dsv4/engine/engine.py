@@ -21,6 +21,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
 log = logging.getLogger("dsv4.engine")
+OPS = ("fp8_linear", "moe_route", "moe_experts")
 
 
 @dataclass
@@ -39,6 +40,21 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     act_quant: bool = False
+    backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
+
+    def resolve_ops(self, device: torch.device) -> dict | None:
+        """Op name → function for the fast path, or None for the pure torch reference."""
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be auto, torch or triton; got {self.backend!r}")
+        if self.backend == "torch" or (self.backend == "auto" and device.type == "cpu"):
+            return None
+        from ..ops.registry import describe, resolve
+
+        force = None if self.backend == "auto" else {op: "triton" for op in OPS}
+        ops = {op: resolve(op, force=force)[1] for op in OPS}
+        for row in describe(force=force):
+            log.info("op %-12s → %-7s (%s)", row["op"], row["backend"], row["reason"])
+        return ops
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -62,7 +78,7 @@ class LLMEngine:
         dtype = config.torch_dtype(device)
         self.model = backend or ReferenceModel(config.model, dtype=dtype, device=device,
                                               kv_cache_dtype=config.kv_cache_dtype, fp8_format=config.fp8_format,
-                                              act_quant=config.act_quant)
+                                              act_quant=config.act_quant, ops=config.resolve_ops(device))
         cfg = self.model.cfg
         self.model_config = cfg
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)

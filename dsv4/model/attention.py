@@ -162,10 +162,14 @@ class Attention:
         o = apply_rope(out, cos, sin, inverse=True)
         g = cfg.o_groups
         o = o.view(T, g, -1)
-        wo_a = self.wo_a.view(g, cfg.o_lora_rank, -1)
+        r = cfg.o_lora_rank
         if self.act_quant:
             o = fake_quant_fp8_pow2(o.float(), 128, OCP).to(o.dtype)
-        z = torch.cat([linear(o[:, i], wo_a[i]) for i in range(g)], dim=-1)
+        if isinstance(self.wo_a, torch.Tensor):
+            groups = list(self.wo_a.view(g, r, -1))
+        else:
+            groups = [self.wo_a.rows(i * r, (i + 1) * r) for i in range(g)]
+        z = torch.cat([linear(o[:, i], groups[i]) for i in range(g)], dim=-1)
         return linear(z, self.wo_b, self.act_quant)
 
     def _attend(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:

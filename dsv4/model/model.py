@@ -55,8 +55,13 @@ class ReferenceModel:
 
     def __init__(self, model_dir: str | Path | ModelWeights, dtype: torch.dtype = torch.float32, device="cpu",
                  kv_cache_dtype: str = "fp8_ds_mla", fp8_format: str = "ocp", act_quant: bool = False,
-                 progress: bool = False):
-        self.w = model_dir if isinstance(model_dir, ModelWeights) else ModelWeights(model_dir, dtype, device, progress)
+                 progress: bool = False, ops: dict | None = None):
+        """``ops``: fast kernels by op name ("fp8_linear", "moe_route", "moe_experts"); when given,
+        weights stay in their checkpoint formats and those ops consume them (the GPU path)."""
+        if isinstance(model_dir, ModelWeights):
+            self.w = model_dir
+        else:
+            self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=bool(ops), ops=ops)
         self.cfg: ModelConfig = self.w.config
         self.dtype, self.device = self.w.dtype, self.w.device
         self.numerics = CacheNumerics(kv_cache_dtype, fp8_format)
@@ -105,6 +110,8 @@ class ReferenceModel:
                 hook=None) -> ForwardOutput:
         streams = self.hidden(token_ids, chunks, hook)
         rows = streams if logits_rows is None else streams[logits_rows]
+        if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
+            return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams)
         return ForwardOutput(self.logits_from_streams(rows), streams)
 
     # ---- MTP -----------------------------------------------------------------------------

@@ -53,6 +53,8 @@ class MoE:
             self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.wts.keep_quantized and "moe_experts" in self.wts.ops:
+            return self._forward_ops(x, token_ids)
         cfg = self.cfg
         ids, w = route(x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -65,3 +67,19 @@ class MoE:
         if self.shared is not None:
             out += swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
         return out.to(x.dtype)
+
+    def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
+        cfg, ops = self.cfg, self.wts.ops
+        logits = torch.nn.functional.linear(x.float(), self.gate.float())
+        hash_ids = None
+        if self.tid2eid is not None:
+            hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
+        ids, w = ops["moe_route"](logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                                  cfg.norm_topk_prob, hash_ids)
+        out = ops["moe_experts"](x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
+                                 expert_dtype=cfg.expert_dtype)
+        if self.shared is not None:
+            out = out + swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
+        return out
+

@@ -1,8 +1,11 @@
-"""Model weights for the reference path: checkpoint bytes → compute-dtype tensors.
+"""Model weights: checkpoint bytes → what the ops consume.
 
-FP8 block weights are dequantized once at load (the oracle computes dequantize-then-matmul);
-routed experts stay in their checkpoint format (packed FP4 or FP8) and are dequantized when
-an expert is used, optionally memoised. Every ``hc_*``, ``ape``, sink and gate bias stays fp32.
+Reference mode (``keep_quantized=False``): FP8 block weights are dequantized once at load (the
+oracle computes dequantize-then-matmul); routed experts stay packed and are dequantized when an
+expert is used, optionally memoised. Quantized mode (the GPU path): FP8 weights stay FP8 with
+their block scales (:class:`FP8Weight`, consumed by the ``fp8_linear`` op) and each layer's
+experts are stacked in their checkpoint format (no BF16 copy). Every ``hc_*``, ``ape``, sink and
+gate bias stays fp32.
 """
 
 from __future__ import annotations
@@ -16,14 +19,37 @@ from ..config import ModelConfig
 from ..formats import dequantize_block_fp8, dequantize_mxfp4
 
 
+class FP8Weight:
+    """An FP8 E4M3 [N, K] weight with its 128×128 block scales (UE8M0 bytes as uint8, or fp32)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, op):
+        self.weight, self.scale, self.op = weight, scale, op
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    def rows(self, start: int, stop: int) -> "FP8Weight":
+        if start % 128 or stop % 128:
+            raise ValueError(f"FP8 weight row slice {start}:{stop} must align to 128-row scale blocks")
+        return FP8Weight(self.weight[start:stop], self.scale[start // 128: stop // 128], self.op)
+
+    def dequantize(self, dtype) -> torch.Tensor:
+        return dequantize_block_fp8(self.weight, self.scale, out_dtype=dtype)
+
+
 class ModelWeights:
     def __init__(self, ckpt: Checkpoint | str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                 progress: bool = True, cache_experts: bool = True, names: list[str] | None = None):
+                 progress: bool = True, cache_experts: bool = True, names: list[str] | None = None,
+                 keep_quantized: bool = False, ops: dict | None = None):
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
         self.config: ModelConfig = self.ckpt.config
         self.dtype = dtype
         self.device = torch.device(device)
         self.cache_experts = cache_experts
+        self.keep_quantized = keep_quantized
+        self.ops = ops or {}
+        self._stacked: dict[str, tuple] = {}
         self.t: dict[str, torch.Tensor] = {}
         self._experts: dict[str, torch.Tensor] = {}
         specs = self.ckpt.specs
@@ -42,6 +68,9 @@ class ModelWeights:
         raw = self.ckpt.get(name)
         if spec.role == "fp8_weight":
             scale = self.ckpt.get(name[: -len(".weight")] + ".scale")
+            if self.keep_quantized:
+                s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.float()
+                return FP8Weight(raw.to(self.device), s.to(self.device), self.ops.get("fp8_linear"))
             return dequantize_block_fp8(raw.to(self.device), scale.to(self.device), out_dtype=self.dtype)
         if spec.role == "index":
             return raw.to(self.device, torch.long)
@@ -71,3 +100,14 @@ class ModelWeights:
         if self.cache_experts:
             self._experts[prefix] = w
         return w
+
+    def stacked_experts(self, ffn_prefix: str) -> tuple:
+        """(w13, s13, w2, s2) of one layer's routed experts in checkpoint format, stacked over
+        experts (no dequantization; see :func:`dsv4.ops.torch_ops.stack_experts_from_checkpoint`)."""
+        got = self._stacked.get(ffn_prefix)
+        if got is None:
+            from ..ops.torch_ops import stack_experts_from_checkpoint
+
+            got = stack_experts_from_checkpoint(self.ckpt.get, ffn_prefix, self.config.n_routed_experts, self.device)
+            self._stacked[ffn_prefix] = got
+        return got

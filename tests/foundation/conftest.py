@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from foundation_helpers import CkptCopy, flash_0423_dict, flash_0731_dict as _flash_0731
+from foundation_helpers import CkptCopy, flash_0423_dict, flash_0731_dict as _flash_0731, write_small
 
 
 @pytest.fixture
@@ -44,3 +44,9 @@ def corrupt_copy(tmp_path):
         return CkptCopy(dst)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory) -> Path:
+    """foundation_helpers.write_small(): 1 layer + MTP, vocab 512, 4 experts, seed 7 (about a second)."""
+    return write_small(tmp_path_factory.mktemp("small") / "ckpt")

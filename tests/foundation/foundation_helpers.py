@@ -65,3 +65,19 @@ class CkptCopy:
         tensors = load_file(str(p))
         edit(tensors)
         save_file(tensors, str(p), metadata={"format": "pt"})
+
+
+# ---- a small extra checkpoint ----------------------------------------------------------------------
+# The tiny preset with 1 layer (+ MTP), a 512-token vocabulary and 4 experts: generated in about a
+# second (embed/head/tid2eid and expert quantization dominate tiny's generation time). Nothing under
+# test depends on those sizes.
+SMALL_SEED = 7
+SMALL_LAYERS = 1
+SMALL_OVERRIDES = {"vocab_size": 512, "n_routed_experts": 4, "num_experts_per_tok": 2}
+
+
+def write_small(out: Path, seed: int = SMALL_SEED) -> Path:
+    from dsv4.checkpoint.synthetic import write_checkpoint
+
+    return write_checkpoint(out, preset="tiny", layers=SMALL_LAYERS, seed=seed, overrides=SMALL_OVERRIDES,
+                            progress=False)

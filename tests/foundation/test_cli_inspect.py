@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.cli import main
+from dsv4.cli import build_parser, main
+
+from foundation_helpers import SMALL_LAYERS, SMALL_OVERRIDES, SMALL_SEED
 
 _ENTRY = Path(sys.executable).parent / "dsv4"
 
@@ -27,41 +29,42 @@ def _sha(p: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def cli_tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "tiny"
-    r = _dsv4("make-checkpoint", "--preset", "tiny", "--out", str(out), "--quiet")
+def cli_small(tmp_path_factory):
+    """``dsv4 make-checkpoint --preset tiny`` through the entry point, shrunk with --layers/--override
+    (the full tiny preset costs another ~10 s on 2 cores; the CLI passes everything to the same
+    write_checkpoint, and its defaults are checked in test_make_checkpoint_defaults)."""
+    out = tmp_path_factory.mktemp("cli") / "small"
+    overrides = [a for k, v in SMALL_OVERRIDES.items() for a in ("--override", f"{k}={v}")]
+    r = _dsv4("make-checkpoint", "--preset", "tiny", "--out", str(out), "--layers", str(SMALL_LAYERS),
+              "--seed", str(SMALL_SEED), *overrides, "--quiet")
     assert r.returncode == 0, r.stderr
     assert f"wrote tiny checkpoint to {out}" in r.stdout
     return out
 
 
-def test_make_checkpoint_then_inspect_valid(cli_tiny, tiny_ckpt):
-    r = _dsv4("inspect", str(cli_tiny))
+def test_make_checkpoint_then_inspect_valid(cli_small, small_ckpt):
+    r = _dsv4("inspect", str(cli_small))
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    assert "VALID: all 667 expected tensors present with the right dtype and shape" in out
+    assert out.rstrip().splitlines()[-1].startswith("VALID: all ")
     assert "INVALID" not in out
-    assert f"model directory: {cli_tiny}" in out
-    assert "config: hidden 256, layers 4, heads 4×512 (rope 64)" in out
-    assert "expert dtype fp4, scales ue8m0, hash layers 2" in out
-    assert "layer schedule: 0:SWA+hash 1:CSA+hash 2:HCA 3:CSA mtp×1:SWA" in out
-    assert "compress θ=160000 YaRN ×16 (orig 65536, β 32/1)" in out
-    assert "files: 4 shard(s), 667 tensors" in out
-    for dt in ("BF16", "F32", "F8_E4M3", "F8_E8M0", "I64", "I8"):
-        assert f"  {dt}" in out
-    # the CLI writes exactly what the library writes (same default seed): byte-identical shards
-    shards = sorted(p.name for p in tiny_ckpt.glob("*.safetensors"))
-    assert shards == sorted(p.name for p in cli_tiny.glob("*.safetensors"))
-    for name in shards + ["config.json", "model.safetensors.index.json", "tokenizer.json"]:
-        assert _sha(cli_tiny / name) == _sha(tiny_ckpt / name), name
+    assert f"model directory: {cli_small}" in out
+    assert "layers 1," in out and "vocab 512" in out and "moe: 4 experts top-2" in out
+    assert "layer schedule: 0:SWA+hash mtp×1:SWA" in out
+    # the CLI writes exactly what the library writes with the same arguments: byte-identical files
+    names = sorted(p.name for p in small_ckpt.iterdir())
+    assert names == sorted(p.name for p in cli_small.iterdir())
+    assert any(n.endswith(".safetensors") for n in names) and "tokenizer.json" in names
+    for name in names:
+        assert _sha(cli_small / name) == _sha(small_ckpt / name), name
 
 
-def test_inspect_corrupted_copy_invalid(cli_tiny, corrupt_copy):
-    ck = corrupt_copy(cli_tiny)
-    name = "mtp.0.attn.attn_sink"
-    fname = ck.shard_of(name)
+def test_inspect_corrupted_copy_invalid(cli_small, corrupt_copy):
     import torch
 
+    ck = corrupt_copy(cli_small)
+    name = "mtp.0.attn.attn_sink"
+    fname = ck.shard_of(name)
     ck.rewrite_shard(fname, lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
     r = _dsv4("inspect", str(ck.path))
     assert r.returncode == 1
@@ -69,6 +72,27 @@ def test_inspect_corrupted_copy_invalid(cli_tiny, corrupt_copy):
     assert "INVALID: 1 problem(s)" in r.stdout
     assert f"tensor '{name}' in {fname}: dtype expected F32, found BF16" in r.stdout
     assert "config: hidden 256" in r.stdout  # the summary is still printed
+
+
+def test_make_checkpoint_defaults():
+    a = build_parser().parse_args(["make-checkpoint", "--out", "d"])
+    assert (a.preset, a.layers, a.seed, a.expert_dtype, a.override, a.device, a.quiet) == \
+        ("tiny", None, 0, "fp4", [], "cpu", False)
+
+
+def test_inspect_tiny_preset_report(tiny_ckpt, capsys):
+    assert main(["inspect", str(tiny_ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "VALID: all 667 expected tensors present with the right dtype and shape" in out
+    assert "INVALID" not in out
+    assert "config: hidden 256, layers 4, heads 4×512 (rope 64), q_lora 128, o 2×128, vocab 129280" in out
+    assert "moe: 16 experts top-6 + 1 shared, inter 128, expert dtype fp4, scales ue8m0, hash layers 2" in out
+    assert "attention: window 128, indexer 8×128 top-32" in out
+    assert "rope: main θ=10000; compress θ=160000 YaRN ×16 (orig 65536, β 32/1)" in out
+    assert "layer schedule: 0:SWA+hash 1:CSA+hash 2:HCA 3:CSA mtp×1:SWA" in out
+    assert "files: 4 shard(s), 667 tensors" in out
+    for dt in ("BF16", "F32", "F8_E4M3", "F8_E8M0", "I64", "I8"):
+        assert f"  {dt} " in out
 
 
 def test_inspect_truncated_copy_invalid(tiny_ckpt, corrupt_copy, capsys):
@@ -108,18 +132,6 @@ def test_make_checkpoint_bad_override_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "dsv4 make-checkpoint: error: config.json: field 'o_groups' (3) must divide num_attention_heads (4)" in err
     assert not out.exists() or not any(out.iterdir())
-
-
-def test_make_checkpoint_layers_and_override(tmp_path, capsys):
-    out = tmp_path / "small"
-    rc = main(["make-checkpoint", "--out", str(out), "--layers", "1", "--seed", "2", "--quiet",
-               "--override", "vocab_size=512", "--override", "n_routed_experts=8"])
-    assert rc == 0
-    capsys.readouterr()
-    assert main(["inspect", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "layers 1," in text and "vocab 512" in text and "moe: 8 experts top-6" in text
-    assert "layer schedule: 0:SWA+hash mtp×1:SWA" in text and "VALID: all" in text
 
 
 def test_usage_errors(capsys):

@@ -15,8 +15,8 @@ from dsv4.formats import dequantize_block_fp8
 
 # FP8 linears may have partial 128-blocks; MXFP4 experts need their input dims (hidden, moe_inter)
 # to be multiples of 32 (320 = 10·32, 160 = 5·32). vocab and experts shrunk only to keep generation fast.
-EDGE = {"hidden_size": 320, "q_lora_rank": 192, "o_lora_rank": 192, "moe_intermediate_size": 160, "n_routed_experts": 8,
-        "vocab_size": 512}
+EDGE = {"hidden_size": 320, "q_lora_rank": 192, "o_lora_rank": 192, "moe_intermediate_size": 160,
+        "vocab_size": 512, "n_routed_experts": 4, "num_experts_per_tok": 2}
 SEED = 5
 
 

@@ -13,9 +13,7 @@ from dsv4.checkpoint.schema import expected_tensors
 from dsv4.checkpoint.synthetic import build_config, tokenizer_source, write_checkpoint
 from dsv4.config import ConfigError, LayerType, config_from_dict, load_config
 
-# a smaller vocabulary and fewer experts keep these extra generations to about a second (embed,
-# head, tid2eid and expert quantization dominate otherwise); nothing under test depends on it
-SMALL = {"vocab_size": 512, "n_routed_experts": 8}
+from foundation_helpers import SMALL_OVERRIDES, write_small
 
 
 # ---- the tiny preset -----------------------------------------------------------------------------
@@ -140,18 +138,18 @@ def _digests(path):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
 
-def test_same_seed_same_bytes_other_seed_differs(tmp_path):
-    a = write_checkpoint(tmp_path / "a", layers=1, seed=7, overrides=SMALL, progress=False)
-    b = write_checkpoint(tmp_path / "b", layers=1, seed=7, overrides=SMALL, progress=False)
-    c = write_checkpoint(tmp_path / "c", layers=1, seed=8, overrides=SMALL, progress=False)
-    da, db, dc = _digests(a), _digests(b), _digests(c)
+def test_same_seed_same_bytes_other_seed_differs(small_ckpt, tmp_path):
+    b = write_small(tmp_path / "b")  # the same seed as small_ckpt
+    c = write_small(tmp_path / "c", seed=8)
+    da, db, dc = _digests(small_ckpt), _digests(b), _digests(c)
     assert da == db  # every file byte-identical, shards included
     shards = [n for n in da if n.endswith(".safetensors")]
     assert shards
     assert all(da[n] != dc[n] for n in shards)
     assert da["config.json"] == dc["config.json"]
-    ca, cc = Checkpoint(a), Checkpoint(c)
-    assert not torch.equal(ca.get("layers.0.attn.attn_sink"), cc.get("layers.0.attn.attn_sink"))
+    ca, cc = Checkpoint(small_ckpt), Checkpoint(c)
+    for name in ("layers.0.attn.attn_sink", "layers.0.attn.wq_a.weight", "layers.0.ffn.experts.0.w1.weight"):
+        assert not torch.equal(ca.get(name).view(torch.uint8), cc.get(name).view(torch.uint8)), name
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -182,13 +180,18 @@ def test_override_forms():
         build_config("tiny", overrides=["index_topk"])
 
 
-def test_written_checkpoint_honours_layers_and_overrides(tmp_path):
-    out = write_checkpoint(tmp_path / "x", layers=1, overrides=SMALL, progress=False)
-    ck = Checkpoint(out)
-    assert ck.config.num_hidden_layers == 1 and ck.config.n_routed_experts == 8 and ck.config.vocab_size == 512
+def test_written_checkpoint_honours_layers_and_overrides(small_ckpt):
+    ck = Checkpoint(small_ckpt)  # written with layers=1 and SMALL_OVERRIDES
+    c = ck.config
+    assert c.num_hidden_layers == 1 and c.compress_ratios == (0,) and c.num_hash_layers == 1
+    assert (c.vocab_size, c.n_routed_experts, c.num_experts_per_tok) == (512, 4, 2)
+    assert json.loads((small_ckpt / "config.json").read_text()).items() >= SMALL_OVERRIDES.items()
     assert "layers.1.attn_norm.weight" not in ck and "mtp.0.attn_norm.weight" in ck
-    assert ck.get("layers.0.ffn.gate.weight").shape == (8, 256)
-    assert "layers.0.ffn.experts.8.w1.weight" not in ck
+    assert ck.get("layers.0.ffn.gate.weight").shape == (4, 256)
+    assert ck.get("layers.0.ffn.gate.tid2eid").shape == (512, 2)
+    assert ck.get("embed.weight").shape == (512, 256)
+    assert "layers.0.ffn.experts.3.w1.weight" in ck and "layers.0.ffn.experts.4.w1.weight" not in ck
+    assert "mtp.0.ffn.gate.bias" in ck  # the MTP block is never hash-routed
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -225,8 +228,8 @@ def test_flash_width_has_real_widths():
     assert specs["layers.1.attn.compressor.ape"].shape == (128, 512)
 
 
-def test_flash_preset_is_the_release_config():
+def test_flash_preset_is_the_release_config(flash_dict):
     d = build_config("flash")
-    c = config_from_dict(d)
-    assert len(expected_tensors(c)) == 69187
+    assert d == flash_dict  # (flash_dict is the real file when shared/reference is present)
     assert d["compress_ratios"] == [0, 0] + [4, 128] * 20 + [4, 0]
+    assert config_from_dict(d).num_mtp_layers == 1

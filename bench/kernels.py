@@ -1,0 +1,205 @@
+"""Kernel benchmark for the GPU backend (run on the H200): torch reference ops vs Triton kernels.
+
+For every case the Triton result is first checked against the torch op on the same fresh random
+inputs; then both are timed with ``triton.testing.do_bench`` (median). Each row reports the bound
+max(bytes / measured bandwidth, FLOPs / measured bf16 matmul peak) and the fraction of it achieved.
+The bandwidth is measured once with a large device-to-device copy (bytes read + written / time),
+the peak once with torch.matmul on 8192³ random bf16.
+
+    PYTHONPATH=. python3 bench/kernels.py --out bench.json [--quick]
+
+Shapes are DeepSeek-V4-Flash's: FP8 linears wq_a [1024×4096], wq_b [32768×1024], wkv [512×4096],
+wo_b [4096×8192], shared-expert w1 [2048×4096] at M = 1, 8, 64, 1024, 8192; MoE with 256 experts,
+top-6, H = 4096, I = 2048 (MXFP4) at T = 1, 8, 64, 1024; routing at T = 1, 64, 1024, 8192.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+           "shared_w1": (2048, 4096)}
+LINEAR_M = (1, 8, 64, 1024, 8192)
+MOE_T = (1, 8, 64, 1024)
+ROUTE_T = (1, 64, 1024, 8192)
+N_EXP, TOPK, HID, INTER = 256, 6, 4096, 2048
+
+
+def bench(fn, rep_ms=60, warmup_ms=15):
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))  # ms
+
+
+def measure_bandwidth(dev) -> float:
+    n = 4 << 30  # 4 GiB source, well past L2
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a), rep_ms=200)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)  # bytes/s (read + write)
+
+
+def measure_peak(dev) -> float:
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = bench(lambda: torch.matmul(a, b), rep_ms=300)
+    return 2 * 8192 ** 3 / (ms * 1e-3)  # FLOP/s
+
+
+class Table:
+    def __init__(self, bw, peak):
+        self.bw, self.peak, self.rows = bw, peak, []
+
+    def add(self, kernel, shape, backend, ms, nbytes, flops, check):
+        bound_ms = max(nbytes / self.bw, flops / self.peak) * 1e3
+        row = dict(kernel=kernel, shape=shape, backend=backend, ms=ms, bytes=nbytes, flops=flops,
+                   bound_ms=bound_ms, bound="memory" if nbytes / self.bw >= flops / self.peak else "compute",
+                   fraction=bound_ms / ms if ms > 0 else None, check=check)
+        self.rows.append(row)
+        print(f"{kernel:<12} {shape:<26} {backend:<12} {ms * 1e3:>10.1f} us  bound {bound_ms * 1e3:>9.1f} us "
+              f"({row['bound'][:3]})  {100 * row['fraction']:>6.1f}%  {check}", flush=True)
+
+
+def check_close(y, ref, absprod=None, rel=1e-5):
+    """'ok' when |y - ref| ≤ rel·Σ|x w| (fp32 outputs) — else the max ratio."""
+    d = (y.float() - ref.float()).abs()
+    lim = rel * absprod if absprod is not None else 2.0 ** -7 * (ref.float().abs() + ref.float().abs().max())
+    worst = (d / (lim + 1e-30)).max().item()
+    return "ok" if worst <= 1.0 else f"FAIL x{worst:.3g}"
+
+
+def bench_linears(tab, dev, ms_list):
+    from dsv4.formats import dequantize_block_fp8
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import fp8_linear as tfl
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        codes = torch.randint(0, 256, (n, k), device=dev, dtype=torch.uint8, generator=g)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)  # no NaN codes
+        w = codes.view(torch.float8_e4m3fn)
+        s = torch.randint(118, 124, (math.ceil(n / 128), math.ceil(k / 128)), device=dev, dtype=torch.uint8,
+                          generator=g)
+        w_bf16 = dequantize_block_fp8(w, s, out_dtype=torch.bfloat16)
+        for m in ms_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            # correctness first: fp32 outputs of the same bf16 operands
+            y = tfl.fp8_linear(x, w, s, out_dtype=torch.float32)
+            ref = torch_ops.fp8_linear(x, w, s, out_dtype=torch.float32)
+            ap = x.float().abs() @ w_bf16.float().abs().T
+            chk = check_close(y, ref, ap)
+            del y, ref, ap
+            nbytes = n * k + s.numel() + 2 * m * k + 2 * m * n
+            flops = 2 * m * n * k
+            shape = f"{name} M={m} N={n} K={k}"
+            tab.add("fp8_linear", shape, "torch_op", bench(lambda: torch_ops.fp8_linear(x, w, s)), nbytes, flops, chk)
+            tab.add("fp8_linear", shape, "bf16_dense", bench(lambda: torch.nn.functional.linear(x, w_bf16)),
+                    2 * n * k + 2 * m * k + 2 * m * n, flops, "(pre-dequantized bf16 weight)")
+            tab.add("fp8_linear", shape, "triton", bench(lambda: tfl.fp8_linear(x, w, s)), nbytes, flops, chk)
+        del w_bf16
+        torch.cuda.empty_cache()
+
+
+def bench_route(tab, dev):
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    bias = torch.randn(N_EXP, device=dev, generator=g) * 0.1
+    for t in ROUTE_T:
+        logits = torch.randn(t, N_EXP, device=dev, generator=g) * 2
+        valid = torch.rand(t, device=dev, generator=g) > 0.05
+        a = tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid)
+        b = torch_ops.moe_route(logits, bias, TOPK, 1.5, True, None, valid)
+        chk = "ok" if torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) else \
+            f"FAIL ids {int((a[0] != b[0]).sum())} w {int((a[1] != b[1]).sum())}"
+        nbytes = t * N_EXP * 4 + t * TOPK * 8
+        flops = t * N_EXP * 10
+        shape = f"T={t} E={N_EXP} k={TOPK}"
+        tab.add("moe_route", shape, "torch_op",
+                bench(lambda: torch_ops.moe_route(logits, bias, TOPK, 1.5, True, None, valid)), nbytes, flops, chk)
+        tab.add("moe_route", shape, "triton",
+                bench(lambda: tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid)), nbytes, flops, chk)
+
+
+def bench_moe(tab, dev, t_list):
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    g = torch.Generator(device=dev).manual_seed(2)
+    # random MXFP4 experts in the stacked checkpoint layout (3 GiB of packed weights)
+    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
+    bias = torch.randn(N_EXP, device=dev, generator=g) * 0.1
+    for t in t_list:
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, w = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g) * 2, bias, TOPK, 1.5, True)
+        y = tmoe.moe_experts(x, ids, w, w13, s13, w2, s2)
+        ref = torch_ops.moe_experts(x, ids, w, w13, s13, w2, s2)
+        chk = check_close(y, ref)
+        del y, ref
+        used = int(torch.unique(ids).numel())
+        nbytes = used * per_expert + 2 * t * HID * 2 + t * TOPK * HID * 2 * 2 + t * TOPK * INTER * 2 * 2
+        flops = t * TOPK * 6 * HID * INTER
+        shape = f"T={t} experts_used={used}"
+        slow = t >= 1024
+        tab.add("moe_experts", shape, "torch_op",
+                bench(lambda: torch_ops.moe_experts(x, ids, w, w13, s13, w2, s2), rep_ms=30 if slow else 60,
+                      warmup_ms=5 if slow else 15), nbytes, flops, chk)
+        tab.add("moe_experts", shape, "triton", bench(lambda: tmoe.moe_experts(x, ids, w, w13, s13, w2, s2)),
+                nbytes, flops, chk)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--only", default="linear,route,moe", help="comma list of: linear, route, moe")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
+    dev = torch.device("cuda")
+    import triton
+
+    from dsv4.ops.platform import detect_platform
+
+    t0 = time.time()
+    plat = detect_platform()
+    bw, peak = measure_bandwidth(dev), measure_peak(dev)
+    print(f"{plat.describe()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s\n")
+    print(f"{'kernel':<12} {'shape':<26} {'backend':<12} {'median':>13}  {'bound':>15}         achieved  check")
+    tab = Table(bw, peak)
+    only = set(args.only.split(","))
+    if "linear" in only:
+        bench_linears(tab, dev, (1, 64, 8192) if args.quick else LINEAR_M)
+    if "route" in only:
+        bench_route(tab, dev)
+    if "moe" in only:
+        bench_moe(tab, dev, (1, 64) if args.quick else MOE_T)
+    res = dict(platform=plat.describe(), torch=torch.__version__, triton=triton.__version__,
+               bandwidth_Bps=bw, bf16_peak_flops=peak, rows=tab.rows, seconds=time.time() - t0)
+    fails = [r for r in tab.rows if str(r["check"]).startswith("FAIL")]
+    print(f"\n{len(tab.rows)} rows, {len(fails)} failed checks, {res['seconds']:.0f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Reference (torch) backends: the CPU path and the oracle the Triton kernels are tested against.
+
+Numerics follow ``dsv4.model`` (``linear.py``, ``moe.py``):
+
+* ``fp8_linear``: ``F.linear(x, dequantize_block_fp8(w, s, out_dtype=x.dtype))``. With an
+  ``out_dtype`` other than ``x.dtype`` the same operands are multiplied with float32 accumulation
+  and no intermediate rounding (what a GPU kernel with an fp32 accumulator returns).
+* ``moe_route``: s = sqrt(softplus(logit)) computed in float64 and rounded to float32; selection
+  by s + bias (NaN → -1e30, ties to the lowest expert id), or ids from the hash table; weights =
+  s at the ids / (their float64 sum + 1e-20) × scale. Padding rows (``valid`` False) get id -1
+  and weight 0.
+* ``moe_experts``: per expert, gate = x·W1ᵀ and up = x·W3ᵀ in x.dtype, h =
+  silu(min(gate, limit)) · clamp(up, ±limit) (float64, rounded to x.dtype), y = h·W2ᵀ in x.dtype,
+  out += w · y in float32; slots with id -1 are skipped; the result is cast to x.dtype.
+
+Expert weights are stacked per layer (``stack_experts``) in their checkpoint encoding:
+
+* FP4 (MXFP4): w13 uint8 [E, 2I, H/2] (W1 rows then W3 rows; low nibble = even element),
+  s13 uint8 [E, 2I, H/32]; w2 uint8 [E, H, I/2], s2 uint8 [E, H, I/32] (UE8M0 bytes).
+* FP8 (Base checkpoint): w13 float8_e4m3fn [E, 2I, H], s13 [E, 2·ceil(I/128), ceil(H/128)]
+  (W1's block rows then W3's; float32 or UE8M0 bytes); w2 [E, H, I], s2 [E, ceil(H/128), ceil(I/128)].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import dequantize_block_fp8, dequantize_mxfp4, fake_quant_fp8_pow2, get_fp8_format
+
+__all__ = ["fp8_linear", "moe_route", "moe_experts", "stack_experts", "stack_experts_from_checkpoint",
+           "expert_dtype_of", "act_format"]
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def act_format(act_fmt=None):
+    """FP8 format of quantized activations: the argument, else the platform's (DSV4_PLATFORM_FP8)."""
+    if act_fmt is None:
+        from .platform import detect_platform
+
+        act_fmt = detect_platform().fp8_format or "ocp"
+    return get_fp8_format(act_fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 block-scaled linear
+# ---------------------------------------------------------------------------------------------
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
+               act_quant: bool = False, act_fmt=None) -> torch.Tensor:
+    """y = x · dequant(weight, scale)ᵀ; weight FP8 [N, K] (OCP, FNUZ or uint8 = OCP bytes),
+    scale [ceil(N/128), ceil(K/128)] UE8M0 (uint8 / float8_e8m0fnu) or float32.
+
+    ``act_quant`` first rounds x to FP8 per 128 K-elements with power-of-two scales (the
+    release's FP8 activations; K must be a multiple of 128); ``act_fmt`` picks OCP (max 448) or
+    FNUZ (224), default the platform's format.
+    """
+    out_dtype = out_dtype or x.dtype
+    if act_quant:
+        x = fake_quant_fp8_pow2(x.float(), 128, act_format(act_fmt)).to(x.dtype)
+    w = dequantize_block_fp8(weight, scale, out_dtype=x.dtype)
+    if out_dtype == x.dtype:
+        return F.linear(x, w)
+    return F.linear(x.float(), w.float()).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE routing
+# ---------------------------------------------------------------------------------------------
+
+def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float = 1.0,
+              norm: bool = True, hash_ids: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_logits float32 [T, E] -> (ids int32 [T, topk], weights float32 [T, topk]).
+
+    ``hash_ids`` [T, topk] (``tid2eid[token_ids]``, already clamped by the caller) replaces the
+    top-k selection; ``bias`` only affects selection. Rows with ``valid`` False get id -1, weight 0.
+    """
+    logits = gate_logits.float()
+    t = logits.shape[0]
+    scores = torch.sqrt(F.softplus(logits.double())).float()
+    if hash_ids is not None:
+        ids = hash_ids.long()
+        if ids.shape != (t, topk):
+            raise ValueError(f"hash_ids shape {tuple(ids.shape)} != {(t, topk)}")
+    else:
+        sel = scores if bias is None else scores + bias.float()
+        sel = torch.nan_to_num(sel, nan=-1e30)
+        ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :topk]
+    w = scores.gather(1, ids)
+    if norm:
+        w = (w.double() / (w.double().sum(dim=-1, keepdim=True) + 1e-20)).float()
+    w = w * scale
+    ids = ids.to(torch.int32)
+    if valid is not None:
+        v = valid.to(torch.bool).reshape(t, 1)
+        ids = torch.where(v, ids, torch.full_like(ids, -1))
+        w = torch.where(v, w, torch.zeros_like(w))
+    return ids, w
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE experts
+# ---------------------------------------------------------------------------------------------
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """int8 packed FP4 and float8_e8m0fnu scales as raw uint8 bytes; everything else unchanged."""
+    if t.dtype == torch.int8 or (_E8M0 is not None and t.dtype == _E8M0):
+        return t.view(torch.uint8)
+    return t
+
+
+def expert_dtype_of(w13: torch.Tensor, w2: torch.Tensor | None = None) -> str:
+    """"fp4" for packed bytes (uint8/int8), "fp8" for float8 weights."""
+    if w13.dtype in (torch.uint8, torch.int8):
+        return "fp4"
+    if w13.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return "fp8"
+    raise TypeError(f"expert weights must be packed FP4 bytes (uint8/int8) or float8, got {w13.dtype}")
+
+
+def _dequant_expert(w13, s13, w2, s2, e: int, expert_dtype: str, dtype):
+    if expert_dtype == "fp4":
+        i2 = w13.shape[1]
+        i = i2 // 2
+        w1 = dequantize_mxfp4(_u8(w13[e, :i]), _u8(s13[e, :i]), dtype=dtype)
+        w3 = dequantize_mxfp4(_u8(w13[e, i:]), _u8(s13[e, i:]), dtype=dtype)
+        wd = dequantize_mxfp4(_u8(w2[e]), _u8(s2[e]), dtype=dtype)
+    else:
+        i = w13.shape[1] // 2
+        nb1 = math.ceil(i / 128)
+        w1 = dequantize_block_fp8(w13[e, :i], s13[e, :nb1], out_dtype=dtype)
+        w3 = dequantize_block_fp8(w13[e, i:], s13[e, nb1:], out_dtype=dtype)
+        wd = dequantize_block_fp8(w2[e], s2[e], out_dtype=dtype)
+    return w1, w3, wd
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
+                expert_dtype: str | None = None) -> torch.Tensor:
+    """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped)."""
+    expert_dtype = expert_dtype or expert_dtype_of(w13)
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
+    t, h = x.shape
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    ids = ids.long()
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        rows, slot = torch.where(ids == e)
+        w1, w3, wd = _dequant_expert(w13, s13, w2, s2, e, expert_dtype, x.dtype)
+        xe = x[rows]
+        gate = F.linear(xe, w1).float().clamp(max=limit)
+        up = F.linear(xe, w3).float().clamp(min=-limit, max=limit)
+        hh = (F.silu(gate.double()) * up.double()).to(x.dtype)
+        y = F.linear(hh, wd)
+        out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacking checkpoint expert tensors (no dequantization)
+# ---------------------------------------------------------------------------------------------
+
+def _stack(n: int, fetch: Callable[[int], tuple], device):
+    """Allocate from expert 0's tensors, then copy each expert's six tensors in (one expert live at a time)."""
+    if n <= 0:
+        raise ValueError("need at least one expert")
+    first = [_u8(t) for t in fetch(0)]
+    a1, b1, a3, b3, a2, b2 = first
+    if a1.shape != a3.shape or b1.shape != b3.shape:
+        raise ValueError(f"w1 {tuple(a1.shape)}/{tuple(b1.shape)} and w3 {tuple(a3.shape)}/{tuple(b3.shape)} "
+                         "shapes differ")
+    device = torch.device(device) if device is not None else a1.device
+    i, nb = a1.shape[0], b1.shape[0]
+    w13 = torch.empty((n, 2 * i, *a1.shape[1:]), dtype=a1.dtype, device=device)
+    s13 = torch.empty((n, 2 * nb, *b1.shape[1:]), dtype=b1.dtype, device=device)
+    w2s = torch.empty((n, *a2.shape), dtype=a2.dtype, device=device)
+    s2s = torch.empty((n, *b2.shape), dtype=b2.dtype, device=device)
+    for e in range(n):
+        t1, c1, t3, c3, t2, c2 = first if e == 0 else [_u8(t) for t in fetch(e)]
+        w13[e, :i].copy_(t1)
+        w13[e, i:].copy_(t3)
+        s13[e, :nb].copy_(c1)
+        s13[e, nb:].copy_(c3)
+        w2s[e].copy_(t2)
+        s2s[e].copy_(c2)
+    return w13, s13, w2s, s2s
+
+
+def stack_experts(w1: Sequence[torch.Tensor], s1: Sequence[torch.Tensor], w3: Sequence[torch.Tensor],
+                  s3: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], s2: Sequence[torch.Tensor],
+                  device=None):
+    """Per-expert checkpoint tensors -> (w13, s13, w2, s2), stacked as described in the module doc.
+
+    FP4 experts: ``w*`` int8/uint8 [out, in/2], ``s*`` float8_e8m0fnu/uint8 [out, in/32].
+    FP8 experts: ``w*`` float8_e4m3fn [out, in], ``s*`` float32 or UE8M0 [ceil(out/128), ceil(in/128)].
+    The bytes are copied as they are (int8 → uint8 view, e8m0 → uint8 view), expert by expert,
+    into preallocated tensors on ``device``: nothing is dequantized.
+    """
+    n = len(w1)
+    if not (len(s1) == len(w3) == len(s3) == len(w2) == len(s2) == n):
+        raise ValueError("stack_experts needs the same number of w1/s1/w3/s3/w2/s2 tensors")
+    return _stack(n, lambda e: (w1[e], s1[e], w3[e], s3[e], w2[e], s2[e]), device)
+
+
+def stack_experts_from_checkpoint(get: Callable[[str], torch.Tensor], prefix: str, n_experts: int,
+                                  device=None):
+    """``stack_experts`` reading ``get(f"{prefix}.experts.{e}.w1.weight")`` etc. one expert at a
+    time (e.g. ``get = Checkpoint.get``, ``prefix = "layers.3.ffn"``)."""
+    def fetch(e):
+        p = f"{prefix}.experts.{e}"
+        return tuple(get(f"{p}.{w}.{k}") for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
+
+    return _stack(n_experts, fetch, device)

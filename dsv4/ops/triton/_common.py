@@ -1,0 +1,155 @@
+"""Shared Triton helpers: exact in-kernel decoders and launch facts (Triton 3.6-compatible APIs only).
+
+Decoders work on raw bytes with integer arithmetic, so they behave the same compiled (CUDA, ROCm,
+any arch) and in the CPU interpreter:
+
+* UE8M0 byte b -> 2^(b-127): the exponent field written directly (b=0 -> 2^-127, b=255 -> NaN,
+  as ``dsv4.formats.ue8m0_decode``).
+* FP8 e4m3 byte -> float32: the 7 magnitude bits shifted into an fp16 (exponent and mantissa
+  line up, fp16 subnormals cover e4m3 subnormals), converted exactly to fp32, times 2^8 (OCP, bias
+  7) or 2^7 (FNUZ, bias 8); NaN codes restored (0x7F/0xFF OCP, 0x80 FNUZ). With ``NATIVE`` (sm_89+
+  CUDA, OCP) the byte is bitcast to ``tl.float8e4nv`` and converted by the hardware.
+* E2M1 nibble -> float32: sign and 3 magnitude bits shifted into an fp16 (bits 15 and 9..11),
+  times 2^14: codes give 0, .5, 1, 1.5, 2, 3, 4, 6 (and -0 for code 8), as ``E2M1_VALUES``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int):
+    props = torch.cuda.get_device_properties(index)
+    hip = bool(getattr(torch.version, "hip", None))
+    return int(props.multi_processor_count), (int(props.major), int(props.minor)), hip
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and not interpreting():
+        return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return 8  # interpreter: few programs keep the CPU tests fast
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Hardware e4m3 (OCP) conversion: CUDA sm_89+, compiled (not the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    return (not hip) and cap >= (8, 9)
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def scale_kind(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor to pass, is_ue8m0): UE8M0 as uint8 bytes, other float scales as float32."""
+    if scale.dtype == torch.uint8:
+        return scale, True
+    if _E8M0 is not None and scale.dtype == _E8M0:
+        return scale.view(torch.uint8), True
+    if scale.is_floating_point() and scale.dtype.itemsize > 1:
+        return scale.float(), False
+    raise TypeError(f"expected scales as UE8M0 (uint8 / float8_e8m0fnu) or float32, got {scale.dtype}")
+
+
+def fp8_weight_bytes(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(uint8 view, is_fnuz) of an FP8 weight (float8_e4m3fn / uint8 = OCP, float8_e4m3fnuz = FNUZ)."""
+    if w.dtype == torch.uint8 or w.dtype == torch.float8_e4m3fn:
+        return w.view(torch.uint8), False
+    if w.dtype == torch.float8_e4m3fnuz:
+        return w.view(torch.uint8), True
+    raise TypeError(f"expected an FP8 weight (float8_e4m3fn/fnuz or uint8), got {w.dtype}")
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """x.to(DTYPE) rounding to nearest even. The interpreter truncates fp32 -> bf16, so there the
+    rounding is done on the bits first (the result is then exact in bf16)."""
+    if INTERP:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def ue8m0_to_f32(b):
+    """UE8M0 bytes (any int type holding 0..255) -> float32 2^(b-127), exact for every code."""
+    bi = b.to(tl.int32) & 0xFF
+    bits = bi << 23
+    bits = tl.where(bi == 0, 0x00400000, bits)
+    bits = tl.where(bi == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_to_f32(b, NATIVE: tl.constexpr, FNUZ: tl.constexpr):
+    """e4m3 bytes (uint8) -> float32."""
+    if NATIVE:
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bi = b.to(tl.int32) & 0xFF
+        mag = ((bi & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if FNUZ:
+            v = mag * 128.0
+            nan = bi == 0x80
+        else:
+            v = mag * 256.0
+            nan = (bi & 0x7F) == 0x7F
+        v = tl.where(bi >= 128, -v, v)
+        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.where(nan, 0x7FC00000, bits)
+        v = bits.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """E2M1 codes (int32 0..15, bit 3 = sign) -> float32 (code 8 is -0.0)."""
+    h = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+    """Per-row power-of-two-scaled FP8 round trip of an fp32 tile [R, C] (C = one 128 block).
+
+    Bit-exact with ``dsv4.formats.fake_quant_fp8_pow2``: e = ceil(log2(max(amax,1e-4)/qmax))
+    from the exponent/mantissa fields (qmax = 1.Q_MANT·2^(Q_EXP-1) in frexp terms), x·2^-e rounded
+    to 3 mantissa bits half-to-even (subnormal grid below 2^MIN_E), times 2^e.
+    Unlike the codec, e is clamped to [-126, 126] (amax outside ~[2^-118, 2^134] never occurs).
+    """
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    ab = amax.to(tl.int32, bitcast=True)
+    ea = ((ab >> 23) & 0xFF) - 126
+    e = ea - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    q = x * inv[:, None]
+    bits = tl.abs(q).to(tl.int32, bitcast=True)
+    ex = ((bits >> 23) & 0xFF) - 127
+    eff = tl.maximum(ex, MIN_E)
+    drop = tl.minimum(20 + eff - ex, 25)
+    mant = (bits & 0x7FFFFF) | 0x800000
+    half = (drop * 0 + 1) << (drop - 1)
+    r = (mant + (half - 1) + ((mant >> drop) & 1)) >> drop
+    step = ((eff - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    v = r.to(tl.float32) * step
+    v = tl.where(q < 0, -v, v)
+    return v * scale[:, None]

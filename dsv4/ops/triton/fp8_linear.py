@@ -1,0 +1,164 @@
+"""Triton FP8 block-scaled linear: y = x · dequant(W)ᵀ, W e4m3 [N, K] with one scale per 128×128 block.
+
+Per program: a [BLOCK_M, BLOCK_N] output tile over a range of K (all of K, or one split-K share).
+Per K step (BLOCK_K = 128 = one scale block column):
+
+1. load the x tile [BLOCK_M, 128] (bf16/fp16/fp32; rows ≥ M and columns ≥ K masked to 0);
+   with ``act_quant`` round it to FP8 per row with a power-of-two scale (exactly the reference's
+   ``fake_quant_fp8_pow2`` over that 128-block);
+2. load the weight bytes [BLOCK_N, 128] (rows ≥ N, columns ≥ K masked to 0) and the BLOCK_N
+   scales of this block column (row n uses scale[n // 128, k // 128]; UE8M0 bytes or float32);
+3. decode to fp32 (hardware e4m3 conversion on sm_89+, exact integer decode elsewhere), multiply
+   by the scale, round to x's dtype (the reference dequantizes to x.dtype), and accumulate
+   W_tile · x_tileᵀ into an fp32 [BLOCK_N, BLOCK_M] tile ("swap-AB": the decoded weight is the
+   register-resident left operand, the activations the right one, so decode batches of 1..64 rows
+   only narrow the MMA instead of padding it to 64 rows). fp32 x uses an IEEE fp32 dot, never
+   TF32; the interpreter upcasts bf16 operands to fp32 because its bf16 dot is wrong (same values).
+
+Two configurations by M: decode (M ≤ 64: BLOCK_M 16/32/64, BLOCK_N 64, and split-K so that
+about two programs per SM run even when N is small; the fp32 partials are summed in torch) and
+prefill (128×128 tiles, grouped program order for L2 reuse of the weight tiles).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, num_sms,
+                      scale_kind, ue8m0_to_f32)
+
+__all__ = ["fp8_linear", "pick_config"]
+
+BLOCK = 128
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+                       stride_ys, stride_ym, stride_yn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
+                       FNUZ: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, ACT_QUANT: tl.constexpr,
+                       Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row-blocks share each weight tile while it is in L2
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % gsize
+    pid_n = (pid % per_group) // gsize
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_dtype = x_ptr.dtype.element_ty
+
+    k_begin = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    # swap-AB: acc[n, m] = W_tile · x_tileᵀ, so the decoded weight is the left (register) operand
+    # and a small M only sets the MMA's N width (no padding of M to 64/128 rows).
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                     mask=n_mask[:, None] & k_mask[None, :], other=0)
+        sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+        if SCALE_UE8M0:
+            s = ue8m0_to_f32(sb)
+        else:
+            s = sb.to(tl.float32)
+        w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
+        if ACT_QUANT:
+            x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+    y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
+    tl.store(y_ptrs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
+    """Tile configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override)."""
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        cfg = dict(BLOCK_M=bm, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=1, split_k=None)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
+    if config:
+        cfg.update(config)
+    k_blocks = max(1, math.ceil(k / BLOCK))
+    if cfg["split_k"] is None:  # decode: enough programs to cover the SMs twice
+        tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
+        cfg["split_k"] = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
+    per = math.ceil(k_blocks / max(1, int(cfg["split_k"])))
+    cfg["k_per_split"] = per * BLOCK
+    cfg["split_k"] = math.ceil(k_blocks / per)
+    return cfg
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
+               act_quant: bool = False, act_fmt=None, *, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., K] bf16/fp16/fp32)."""
+    out_dtype = out_dtype or x.dtype
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    wb, fnuz = fp8_weight_bytes(weight)
+    n, k = wb.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)}")
+    sc, ue8m0 = scale_kind(scale)
+    if tuple(sc.shape) != (math.ceil(n / BLOCK), math.ceil(k / BLOCK)):
+        raise ValueError(f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "
+                         f"(expected {(math.ceil(n / BLOCK), math.ceil(k / BLOCK))})")
+    q_mant = q_exp = min_e = 0
+    if act_quant:
+        if k % BLOCK:
+            raise ValueError(f"act_quant needs K to be a multiple of {BLOCK}, got {k}")
+        from ..torch_ops import act_format
+
+        fmt = act_format(act_fmt)
+        mant, ex = math.frexp(fmt.quant_max)
+        q_exp = ex
+        q_mant = int(round((mant * 2 - 1) * (1 << 23)))
+        min_e = 1 - (8 if fmt.name == "fnuz" else 7)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
+    cfg = pick_config(m, n, k, x.device, config)
+    native = cfg.get("native", native_fp8(x.device) and not fnuz)
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    s = cfg["split_k"]
+    if s > 1:
+        y = torch.empty((s, m, n), dtype=torch.float32, device=x.device)
+        ys = y.stride()
+    else:
+        y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+        ys = (0, *y.stride())
+    grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
+    _fp8_linear_kernel[grid](
+        x2, wb, sc, y, m, n, k, cfg["k_per_split"],
+        x2.stride(0), x2.stride(1), wb.stride(0), wb.stride(1), sc.stride(0), sc.stride(1),
+        ys[0], ys[1], ys[2],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
+        SCALE_UE8M0=ue8m0, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(), ACT_QUANT=bool(act_quant),
+        Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if s > 1:
+        y = y.sum(0).to(out_dtype)
+    return y.reshape(*lead, n)

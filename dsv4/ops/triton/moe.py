@@ -1,0 +1,444 @@
+"""Triton MoE: routing (sqrt-softplus top-k) and grouped MXFP4 / FP8 expert GEMMs.
+
+Routing (``moe_route``), one program per BLOCK_T rows × all experts:
+  logits → float64 softplus (x > 20 → x, else log1p(exp x), log1p by the exact w = 1 + u trick) →
+  sqrt → float32 scores; selection key = score + bias in float32 with NaN → -1e30 and ±inf → ±FLT_MAX
+  (``torch.nan_to_num``); TOPK rounds of (row max, lowest column holding it, mask it out) give the
+  same order as a stable descending sort. Hash layers read the ids instead. Weights = the scores
+  at the ids / (float64 sum + 1e-20) × scale. Rows with valid == False → id -1, weight 0.
+
+Experts (``moe_experts``), three kernels over a slot list (slot = t·topk + j):
+  * grouping: slots sorted by expert in torch (stable argsort, no host sync) and each expert's run
+    padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a
+    block→expert table marks unused blocks -1. Slots with id -1 (padding tokens) are never placed.
+    For tiny batches (T·topk ≤ 48) the "direct" mode skips grouping: block b is slot b alone.
+  * up kernel, program = (block, BLOCK_N columns of I): for each K step the x rows of the block
+    (gathered by token), the W1 and W3 tiles of the block's expert (MXFP4 bytes: low nibble =
+    even k, high nibble = odd k, decoded separately so the dot runs over even and odd k with
+    de-interleaved x; scale 2^(b-127) per 32 k; or FP8 bytes × the 128×128 block scale), two
+    fp32 accumulators; epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u rounded to
+    x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype.
+  * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
+    stored at row ``slot`` of a [T·topk, H] buffer.
+  * combine kernel, program = (token, BLOCK_H): Σ_j weight[t, j] · y[t·topk + j] in fp32 in slot
+    order, skipping id -1 slots without reading them; rows with no valid slot are exactly 0.
+Weights stay packed in memory: tiles are decoded in registers, never materialized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (cast, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, scale_kind,
+                      ue8m0_to_f32)
+
+__all__ = ["moe_route", "moe_experts", "group_slots"]
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sqrt_softplus(lg):
+    x = lg.to(tl.float64)
+    u = tl.exp(tl.where(x > 20.0, 0.0, x))  # the x > 20 branch returns x: keep exp finite (NaN stays NaN)
+    w = 1.0 + u
+    d = tl.where(w == 1.0, 1.0, w - 1.0)
+    l1p = tl.where(w == 1.0, u, tl.log(w) * (u / d))  # log1p(u), accurate for tiny u
+    sp = tl.where(x > 20.0, x, l1p)
+    return tl.sqrt(sp).to(tl.float32)  # fp64 sqrt is IEEE (sqrt.rn.f64); only fp32 has an approximate form
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, E,
+                  stride_lt, stride_le, stride_ht, stride_hk, scale,
+                  TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr, HAS_VALID: tl.constexpr, NORM: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_mask = rows < T
+    ok = r_mask
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + rows, mask=r_mask, other=0) != 0)
+    cols = tl.arange(0, BLOCK_E)
+    c_mask = cols < E
+    lrow = logits_ptr + rows.to(tl.int64)[:, None] * stride_lt
+    kcols = tl.arange(0, KP)  # slot axis padded to a power of two; slots >= TOPK stay 0
+    k_mask = kcols < TOPK
+    if HASH:
+        hm = ok[:, None] & k_mask[None, :]
+        hid = tl.load(hash_ptr + rows[:, None] * stride_ht + kcols[None, :] * stride_hk, mask=hm, other=0)
+        hid = hid.to(tl.int32)
+        lg = tl.load(lrow + hid * stride_le, mask=hm & (hid >= 0) & (hid < E), other=0.0)
+        sel_ids = hid
+        sel_s = tl.where(k_mask[None, :], _sqrt_softplus(lg), 0.0)
+    else:
+        sel_ids = tl.zeros((BLOCK_T, KP), dtype=tl.int32)
+        sel_s = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+        lg = tl.load(lrow + cols[None, :] * stride_le, mask=ok[:, None] & c_mask[None, :], other=0.0)
+        s = _sqrt_softplus(lg)
+        key = s
+        if HAS_BIAS:
+            key = key + tl.load(bias_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        key = tl.where(key != key, -1e30, key)  # torch.nan_to_num(nan=-1e30): NaN, then ±inf -> ±max
+        key = tl.minimum(tl.maximum(key, -FLT_MAX), FLT_MAX)
+        key = tl.where(c_mask[None, :], key, float("-inf"))
+        for j in tl.static_range(TOPK):
+            mx = tl.max(key, axis=1)
+            idx = tl.min(tl.where(key == mx[:, None], cols[None, :], BLOCK_E), axis=1)
+            hit = cols[None, :] == idx[:, None]
+            sj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            key = tl.where(hit, float("-inf"), key)
+            sel_ids = tl.where(kcols[None, :] == j, idx[:, None], sel_ids)
+            sel_s = tl.where(kcols[None, :] == j, sj[:, None], sel_s)
+    if NORM:
+        tot = tl.sum(sel_s.to(tl.float64), axis=1) + 1e-20
+        w = (sel_s.to(tl.float64) / tot[:, None]).to(tl.float32)
+    else:
+        w = sel_s
+    w = w * scale
+    w = tl.where(ok[:, None], w, 0.0)
+    sel_ids = tl.where(ok[:, None], sel_ids, -1)
+    out = rows[:, None] * TOPK + kcols[None, :]
+    om = r_mask[:, None] & k_mask[None, :]
+    tl.store(ids_ptr + out, sel_ids, mask=om)
+    tl.store(w_ptr + out, w, mask=om)
+
+
+def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float = 1.0,
+              norm: bool = True, hash_ids: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``dsv4.ops.torch_ops.moe_route`` (hash ids must lie in [0, E): clamp
+    token ids before the ``tid2eid`` lookup, as the reference does)."""
+    logits = gate_logits if gate_logits.dtype == torch.float32 else gate_logits.float()
+    t, e = logits.shape
+    if not 1 <= topk <= e:
+        raise ValueError(f"topk must be in [1, {e}], got {topk}")
+    dev = logits.device
+    ids = torch.empty((t, topk), dtype=torch.int32, device=dev)
+    w = torch.empty((t, topk), dtype=torch.float32, device=dev)
+    if t == 0:
+        return ids, w
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(16, 4096 // block_e))
+    hs = (0, 0)
+    if hash_ids is not None:
+        if tuple(hash_ids.shape) != (t, topk):
+            raise ValueError(f"hash_ids shape {tuple(hash_ids.shape)} != {(t, topk)}")
+        hs = hash_ids.stride()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    vt = valid.reshape(t).to(torch.int8).contiguous() if valid is not None else None
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, hash_ids if hash_ids is not None else logits,
+        vt if vt is not None else logits, ids, w, t, e, logits.stride(0), logits.stride(1), hs[0], hs[1],
+        float(scale), TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_T=block_t, BLOCK_E=block_e,
+        HAS_BIAS=bias is not None, HASH=hash_ids is not None, HAS_VALID=valid is not None, NORM=bool(norm),
+        num_warps=4)
+    return ids, w
+
+
+# ---------------------------------------------------------------------------------------------
+# grouping
+# ---------------------------------------------------------------------------------------------
+
+def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
+    """Sort the T·topk slots by expert, each expert's run padded to a multiple of block_m.
+
+    Returns (slot_ids int32 [max_blocks·block_m] with -1 in padding rows, block_expert int32
+    [max_blocks] with -1 for unused blocks). Slots whose id is -1 are left out. Pure torch, no
+    host synchronisation (max_blocks is a bound: ceil(n/block_m) + min(E, n)).
+    """
+    dev = ids.device
+    n = ids.numel()
+    flat = ids.reshape(-1).to(torch.int64)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, n_experts))
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:n_experts]
+    blocks = (counts + block_m - 1) // block_m
+    bends = torch.cumsum(blocks, 0)
+    bstart = bends - blocks
+    cstart = torch.cumsum(counts, 0) - counts
+    max_blocks = triton.cdiv(n, block_m) + min(n_experts, n)
+    kc = sorted_key.clamp(max=n_experts - 1)
+    pos = bstart[kc] * block_m + (torch.arange(n, device=dev) - cstart[kc])
+    pos = torch.where(sorted_key < n_experts, pos, torch.full_like(pos, max_blocks * block_m))
+    slot_ids = torch.full((max_blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
+    slot_ids[pos] = order.to(torch.int32)
+    b = torch.arange(max_blocks, device=dev)
+    bexp = torch.searchsorted(bends, b, right=True)
+    bexp = torch.where(b < bends[-1], bexp, torch.full_like(bexp, -1)).to(torch.int32)
+    return slot_ids[:-1], bexp
+
+
+# ---------------------------------------------------------------------------------------------
+# expert kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, slot per row, row valid, h-buffer row) of block b."""
+    r = tl.arange(0, BLOCK_M)
+    if DIRECT:
+        e = tl.load(ids_ptr + b)
+        slot = tl.where(r == 0, b, -1)
+        ok = (r == 0) & ((r * 0 + e) >= 0)  # scalar broadcast first (interpreter mask dtype quirk)
+        hrow = slot
+    else:
+        e = tl.load(bexp_ptr + b)
+        slot = tl.load(slot_ptr + b * BLOCK_M + r)
+        ok = slot >= 0
+        hrow = b * BLOCK_M + r
+    return e, slot, ok, hrow
+
+
+@triton.jit
+def _w_tile_fp4(w_base, s_base, rows, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
+                BLOCK_K: tl.constexpr):
+    """Decoded (even-k, odd-k) fp32 tiles [R, BLOCK_K/2] of MXFP4 rows ``rows`` at k0..k0+BLOCK_K."""
+    j = tl.arange(0, BLOCK_K // 2)
+    kb = k0 // 2 + j
+    m = r_mask[:, None] & (kb < KH // 2)[None, :]
+    byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0).to(tl.int32)
+    sb = tl.load(s_base + rows[:, None] * stride_sn + ((k0 + 2 * j) // 32)[None, :] * stride_sk, mask=m, other=127)
+    sc = ue8m0_to_f32(sb)
+    lo = e2m1_to_f32(byte & 15) * sc
+    hi = e2m1_to_f32((byte >> 4) & 15) * sc
+    return lo, hi
+
+
+@triton.jit
+def _w_tile_fp8(w_base, s_base, rows, srow0, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
+                BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr):
+    """Decoded fp32 tile [R, BLOCK_K] of FP8 rows ``rows`` (scale rows srow0 + local_row // 128)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    m = r_mask[:, None] & (kk < KH)[None, :]
+    byte = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk, mask=m, other=0)
+    sb = tl.load(s_base + (srow0 + rows // 128) * stride_sn + (k0 // 128) * stride_sk,
+                 mask=r_mask, other=0)
+    if SCALE_UE8M0:
+        sc = ue8m0_to_f32(sb)
+    else:
+        sc = sb.to(tl.float32)
+    return fp8_to_f32(byte, NATIVE, FNUZ) * sc[:, None]
+
+
+@triton.jit
+def _dot(a, b_rows, DOT_F32: tl.constexpr):
+    """a [M, K] · b_rowsᵀ ([N, K]) with fp32 accumulation; both already in the operand dtype."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), tl.trans(b_rows.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(b_rows))
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr, ids_ptr,
+                   H, I, TOPK, S3_ROW, limit,
+                   stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                   stride_hp, stride_hi,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+                   DIRECT: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                   DOT_F32: tl.constexpr, INTERP: tl.constexpr):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M, DIRECT)
+    if e >= 0:
+        x_dtype = x_ptr.dtype.element_ty
+        tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        x_row = x_ptr + tok[:, None] * stride_xt
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if FP4:
+                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                xm = ok[:, None] & (ke < H)[None, :]
+                xe = tl.load(x_row + ke[None, :] * stride_xh, mask=xm, other=0.0)
+                xo = tl.load(x_row + (ke + 1)[None, :] * stride_xh, mask=xm, other=0.0)
+                lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       stride_sn, stride_sk, BLOCK_K)
+                lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       stride_sn, stride_sk, BLOCK_K)
+                acc1 += _dot(xe, cast(lo1, x_dtype, INTERP), DOT_F32) + _dot(xo, cast(hi1, x_dtype, INTERP), DOT_F32)
+                acc3 += _dot(xe, cast(lo3, x_dtype, INTERP), DOT_F32) + _dot(xo, cast(hi3, x_dtype, INTERP), DOT_F32)
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(x_row + kk[None, :] * stride_xh, mask=ok[:, None] & (kk < H)[None, :], other=0.0)
+                w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
+                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
+                w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
+                                 stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
+                acc1 += _dot(xv, cast(w1, x_dtype, INTERP), DOT_F32)
+                acc3 += _dot(xv, cast(w3, x_dtype, INTERP), DOT_F32)
+        g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
+        u = cast(acc3, x_dtype, INTERP).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        hv = g / (1.0 + tl.exp(-g)) * u
+        hp = h_ptr + hrow.to(tl.int64)[:, None] * stride_hp + offs_n[None, :] * stride_hi
+        tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, ids_ptr, H, I,
+                     stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                     stride_ys, stride_yh,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+                     DIRECT: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                     DOT_F32: tl.constexpr, INTERP: tl.constexpr):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M, DIRECT)
+    if e >= 0:
+        h_dtype = h_ptr.dtype.element_ty
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        h_row = h_ptr + tl.where(ok, hrow, 0).to(tl.int64)[:, None] * stride_hp
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if FP4:
+                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                hm = ok[:, None] & (ke < I)[None, :]
+                he = tl.load(h_row + ke[None, :] * stride_hi, mask=hm, other=0.0)
+                ho = tl.load(h_row + (ke + 1)[None, :] * stride_hi, mask=hm, other=0.0)
+                lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
+                                     stride_sn, stride_sk, BLOCK_K)
+                acc += _dot(he, cast(lo, h_dtype, INTERP), DOT_F32) + _dot(ho, cast(hi, h_dtype, INTERP), DOT_F32)
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
+                hv = tl.load(h_row + kk[None, :] * stride_hi, mask=ok[:, None] & (kk < I)[None, :], other=0.0)
+                w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
+                                stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
+                acc += _dot(hv, cast(w, h_dtype, INTERP), DOT_F32)
+        yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
+        tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, stride_yh, stride_ot, stride_oh,
+                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        sl = t * TOPK + j
+        eid = tl.load(ids_ptr + sl)
+        wt = tl.load(w_ptr + sl)
+        use = m & ((offs * 0 + eid) >= 0)
+        yv = tl.load(y_ptr + sl.to(tl.int64) * stride_ys + offs * stride_yh, mask=use, other=0.0)
+        acc += tl.where(use, yv.to(tl.float32) * wt, 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, cast(acc, out_ptr.dtype.element_ty, INTERP), mask=m)
+
+
+DIRECT_MAX_SLOTS = 48
+
+
+def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config: dict | None = None) -> dict:
+    n = t * topk
+    if n <= DIRECT_MAX_SLOTS:
+        cfg = dict(direct=True, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3)
+    else:
+        avg = n / n_experts
+        bm = 16 if avg <= 16 else (32 if avg <= 32 else (64 if avg <= 96 else 128))
+        cfg = dict(direct=False, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, num_warps=4 if bm <= 32 else 8,
+                   num_stages=3)
+    cfg["BLOCK_K"] = 256 if (expert_dtype == "fp4" and cfg["BLOCK_M"] <= 32) else 128
+    if config:
+        cfg.update(config)
+    if expert_dtype == "fp8" and cfg["BLOCK_K"] != 128:
+        raise ValueError("FP8 experts need BLOCK_K = 128 (one scale block per K step)")
+    return cfg
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
+                expert_dtype: str | None = None, *, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``dsv4.ops.torch_ops.moe_experts``."""
+    from ..torch_ops import expert_dtype_of
+
+    expert_dtype = expert_dtype or expert_dtype_of(w13)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    t, hdim = x.shape
+    topk = ids.shape[1]
+    n_exp = w13.shape[0]
+    i2 = w13.shape[1]
+    idim = i2 // 2
+    dev = x.device
+    fnuz = False
+    if expert_dtype == "fp4":
+        w13b = w13.view(torch.uint8) if w13.dtype == torch.int8 else w13
+        w2b = w2.view(torch.uint8) if w2.dtype == torch.int8 else w2
+        s13b, ue1 = scale_kind(s13)
+        s2b, ue2 = scale_kind(s2)
+        if not (ue1 and ue2):
+            raise TypeError("MXFP4 expert scales must be UE8M0 bytes")
+        if w13b.shape[2] * 2 != hdim or tuple(w2b.shape[1:]) != (hdim, idim // 2):
+            raise ValueError(f"FP4 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
+                             f"H={hdim}, I={idim}")
+        s3_row = 0
+    elif expert_dtype == "fp8":
+        w13b, fnuz = fp8_weight_bytes(w13)
+        w2b, fnuz2 = fp8_weight_bytes(w2)
+        s13b, ue1 = scale_kind(s13)
+        s2b, ue2 = scale_kind(s2)
+        if ue1 != ue2 or fnuz != fnuz2:
+            raise TypeError("w13/s13 and w2/s2 must use the same FP8 flavour and scale encoding")
+        if w13b.shape[2] != hdim or tuple(w2b.shape[1:]) != (hdim, idim):
+            raise ValueError(f"FP8 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
+                             f"H={hdim}, I={idim}")
+        s3_row = math.ceil(idim / 128)
+    else:
+        raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    if t == 0:
+        return out
+    cfg = pick_moe_config(t, topk, n_exp, expert_dtype, config)
+    bm = cfg["BLOCK_M"]
+    ids32 = ids.to(torch.int32).contiguous()
+    wts = weights.to(torch.float32).contiguous()
+    if cfg["direct"]:
+        nblocks = t * topk
+        slot_ids = bexp = ids32  # unused placeholders in direct mode
+        h = torch.empty((t * topk, idim), dtype=x.dtype, device=dev)
+    else:
+        slot_ids, bexp = group_slots(ids32, n_exp, bm)
+        nblocks = bexp.numel()
+        h = torch.empty((nblocks * bm, idim), dtype=x.dtype, device=dev)
+    y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
+    native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", DIRECT=cfg["direct"],
+                  SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bn = cfg["BLOCK_N"]
+    _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
+        x, w13b, s13b, h, slot_ids, bexp, ids32, hdim, idim, topk, s3_row, float(limit),
+        x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
+        s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
+        BLOCK_N=bn, **common)
+    _moe_down_kernel[(nblocks, triton.cdiv(hdim, bn))](
+        h, w2b, s2b, y, slot_ids, bexp, ids32, hdim, idim,
+        h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
+        s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
+        BLOCK_N=bn, **common)
+    block_h = min(1024, triton.next_power_of_2(hdim))
+    _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
+        y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOPK=topk, BLOCK_H=block_h, INTERP=interpreting(), num_warps=4)
+    return out

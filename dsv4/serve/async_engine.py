@@ -1,0 +1,389 @@
+"""The engine loop of the server: one thread owns the (synchronous, not thread-safe) LLMEngine.
+
+HTTP handlers never touch the engine. They send commands (add, abort, call) through a
+thread-safe queue; the engine thread applies them between steps, runs ``step()`` while there is
+work, and hands each request's outputs back to the handler's event loop with
+``loop.call_soon_threadsafe`` onto a per-request asyncio queue. Outputs are cumulative (text,
+token ids and logprobs so far), so a slow consumer may skip to the newest one without losing
+anything.
+
+Failure isolation, because one bad request must not hurt the others:
+
+* an error while sampling (or computing prompt logprobs for) one request fails only that request
+  (the engine's sampler is wrapped for this);
+* any other exception inside ``step()`` fails the requests it names, else the requests of that
+  step's schedule (with a 500), and the loop keeps serving;
+* a request the engine rejects in ``add_request`` gets a 400 with the engine's message.
+
+The engine itself is wrapped, not changed: its sampler object and its scheduler's ``schedule``
+method are replaced on the instance to learn which requests a failure belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+
+log = logging.getLogger("dsv4.serve")
+
+
+class EngineRequestError(Exception):
+    """A request failed in (or was refused by) the engine; ``status`` is the HTTP status to send."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+_ABORTED = object()  # wakes a consumer whose stream was aborted
+
+
+class RequestStream:
+    """The handler's end of one request: ``async for out in stream`` yields cumulative RequestOutputs.
+
+    Iteration stops after the finished output; an engine-side failure is raised as
+    :class:`EngineRequestError`. ``abort()`` (idempotent) tells the engine to drop the request and
+    free its pages; call it whenever the consumer stops early (client gone, error).
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: "AsyncEngine"):
+        self.request_id = request_id
+        self.arrival = time.monotonic()
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._owner = owner
+
+    def _put(self, item) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop is closed (server shutting down)
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and not isinstance(item, EngineRequestError) and item is not _ABORTED:
+            item = self._queue.get_nowait()  # outputs are cumulative: the newest one suffices
+        if item is _ABORTED:
+            raise StopAsyncIteration
+        if isinstance(item, EngineRequestError):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Drop the request (idempotent; call on the handler's loop). A pending ``__anext__`` stops."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+            self._queue.put_nowait(_ABORTED)
+
+
+class _GuardedSampler:
+    """The engine's sampler, made to fail one request instead of the whole step.
+
+    When sampling request R raises, R is recorded, marked finished (so the engine frees it at the
+    end of the step) and a harmless token is returned; the engine loop then fails R's stream.
+    ``inner`` is the real sampler (tests may swap in a scripted one).
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.errors: dict[str, BaseException] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _failed(self, req, e: BaseException) -> None:
+        self.errors.setdefault(req.request_id, e)
+        req.finish("abort")
+
+    def sample(self, req, logits):
+        try:
+            return self.inner.sample(req, logits)
+        except Exception as e:  # noqa: BLE001 - any failure belongs to this request only
+            self._failed(req, e)
+            return (req.eos_token_id if req.eos_token_id is not None else 0), None, None
+
+    def prompt_logprobs(self, req, logits):
+        try:
+            return self.inner.prompt_logprobs(req, logits)
+        except Exception as e:  # noqa: BLE001
+            self._failed(req, e)
+            return [None] * len(req.prompt_token_ids)
+
+    def take_errors(self) -> dict[str, BaseException]:
+        errs, self.errors = self.errors, {}
+        return errs
+
+
+@dataclass
+class _Track:
+    """Engine-thread bookkeeping of one request for metrics."""
+
+    arrival: float
+    first: float | None = None
+    prompt_counted: bool = False
+    generated: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read by /health and tests)."""
+
+    waiting: int = 0
+    running: int = 0
+    cache_usage: float = 0.0
+    steps: int = 0
+    aborted: int = 0
+    failed: int = 0
+
+
+class AsyncEngine:
+    """Runs an LLMEngine in one background thread and multiplexes many concurrent requests onto it."""
+
+    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_model_len = max_model_len or engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.stats = EngineStats()
+        self.dead: str | None = None  # set if the loop itself died (never expected)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._guard = _GuardedSampler(engine.sampler)
+        engine.sampler = self._guard
+        self._scheduled: list[str] | None = None
+        inner_schedule = engine.scheduler.schedule
+
+        def schedule():
+            self._scheduled = None
+            out = inner_schedule()
+            self._scheduled = [sc.req.request_id for sc in out]
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    # ---- lifecycle (any thread) -----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self._cmds.put(("stop",))
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ---- handler API (event-loop side) ----------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request; the returned stream yields its outputs. Must be called on an event loop."""
+        if not self.alive:
+            raise EngineRequestError(503, f"the engine is not running{': ' + self.dead if self.dead else ''}")
+        rid = request_id or self.new_request_id()
+        stream = RequestStream(rid, asyncio.get_running_loop(), self)
+        self._cmds.put(("add", stream, prompt, list(prompt_token_ids), params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (the only safe way to read its state)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    async def run(self, fn: Callable[[Any], Any]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - recorded for /health, then re-raised
+            self.dead = f"{type(e).__name__}: {e}"
+            log.critical("engine loop died: %s", self.dead)
+            raise
+
+    def _loop(self) -> None:
+        log.debug("engine loop started")
+        while True:
+            try:
+                if not self._drain(block=not self.engine.has_unfinished_requests()):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+            except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
+                log.exception("engine loop error")
+                for rid in list(self._streams):
+                    self._fail(rid, 500, f"engine loop error: {type(e).__name__}: {e}")
+        for rid in list(self._streams):
+            self._fail(rid, 503, "the server is shutting down")
+        log.debug("engine loop stopped")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; waits for one when idle. Returns False on stop."""
+        try:
+            cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            try:
+                if kind == "add":
+                    self._add(*cmd[1:])
+                elif kind == "abort":
+                    self._abort(cmd[1])
+                elif kind == "call":
+                    fn, fut = cmd[1], cmd[2]
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(self.engine))
+                        except BaseException as e:  # noqa: BLE001 - handed to the caller
+                            fut.set_exception(e)
+            except Exception:  # noqa: BLE001 - one bad command must not stop the loop
+                log.exception("engine command %s failed", kind)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, stream: RequestStream, prompt, ids, params) -> None:
+        if stream.finished:  # aborted before it reached the engine
+            return
+        try:
+            self.engine.add_request(prompt, params, request_id=stream.request_id, prompt_token_ids=ids)
+        except ValueError as e:
+            stream._put(EngineRequestError(400, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("add_request failed")
+            stream._put(EngineRequestError(500, f"could not add the request: {type(e).__name__}: {e}"))
+            return
+        self._streams[stream.request_id] = stream
+        self._tracks[stream.request_id] = _Track(stream.arrival)
+
+    def _abort(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        if rid in self.engine.requests:
+            self.engine.abort_request(rid)
+            self.stats.aborted += 1
+            self._end_track(rid, "abort", time.monotonic())
+
+    def _fail(self, rid: str, status: int, message: str) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # noqa: BLE001 - the request is being dropped anyway
+            log.exception("abort of failed request %s", rid)
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream._put(EngineRequestError(status, message))
+        self.stats.failed += 1
+        self._end_track(rid, "error", time.monotonic())
+
+    def _affected(self, e: BaseException) -> list[str]:
+        """Which requests an exception in step() belongs to: those it names, else the step's schedule."""
+        text = str(e)
+        named = [rid for rid in self._streams if re.search(r"request " + re.escape(rid) + r"\b", text)]
+        if named:
+            return named
+        if self._scheduled is not None:
+            return list(dict.fromkeys(self._scheduled))
+        sched = self.engine.scheduler  # schedule() itself failed: what it was working on
+        return list(dict.fromkeys([r.request_id for r in sched.running] + [r.request_id for r in list(sched.waiting)[:1]]))
+
+    def _step(self) -> None:
+        self._scheduled = None
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            self._guard.take_errors()
+            affected = self._affected(e)
+            log.exception("engine step failed; failing %d request(s): %s", len(affected), ", ".join(affected))
+            for rid in affected:
+                self._fail(rid, 500, f"the engine failed while running this request: {type(e).__name__}: {e}")
+            return
+        self.stats.steps += 1
+        errors = self._guard.take_errors()
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            if rid in errors:
+                continue
+            self._track(out, now)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._put(out)
+            if out.finished:
+                self._streams.pop(rid, None)
+        for rid, e in errors.items():
+            log.error("request %s failed in the engine: %s: %s", rid, type(e).__name__, e)
+            self._fail(rid, 500, f"the engine failed while running this request: {type(e).__name__}: {e}")
+
+    # ---- metrics (engine thread) ----------------------------------------------------------------
+    def _track(self, out: RequestOutput, now: float) -> None:
+        t = self._tracks.get(out.request_id)
+        if t is None:
+            return
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if self.metrics is not None:
+            self.metrics.tokens(0 if t.prompt_counted else len(out.prompt_token_ids), max(0, n - t.generated))
+        t.prompt_counted, t.generated = True, max(t.generated, n)
+        if t.first is None and n > 0:
+            t.first = now
+            if self.metrics is not None:
+                self.metrics.first_token(now - t.arrival)
+        if out.finished:
+            longest = max((len(o.token_ids) for o in out.outputs), default=0)
+            self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now, longest)
+
+    def _end_track(self, rid: str, reason: str, now: float, n_tokens: int = 0) -> None:
+        t = self._tracks.pop(rid, None)
+        if t is None or self.metrics is None:
+            return
+        tpot = (now - t.first) / (n_tokens - 1) if t.first is not None and n_tokens > 1 else None
+        self.metrics.finished(reason, now - t.arrival, tpot)
+
+    def _publish(self) -> None:
+        try:
+            sched = self.engine.scheduler
+            s = self.stats
+            s.waiting, s.running, s.cache_usage = len(sched.waiting), len(sched.running), self.engine.kv.usage()
+            if self.metrics is not None:
+                self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage)
+        except Exception:  # noqa: BLE001 - metrics must never stop the loop
+            log.exception("publishing engine stats failed")

@@ -1,0 +1,124 @@
+"""Batch, chunk and prefix-cache invariance: a request's output does not depend on what runs beside it.
+
+The model is bitwise batch- and chunk-invariant on CPU, so not only the greedy tokens but the
+logprob of every sampled token must be identical (compared with ==) whether a request runs alone,
+in a batch of 2, 5 or 16, with a chunked-prefill budget of 16, 100 or 4096 tokens, or restores a
+shared system prompt from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompt, rand_prompts, signature
+
+MAX_TOKENS = 4
+# 16 short prompts; 65 and 130 cross the 64-token page and the 128 window / HCA ratio under chunking
+LENGTHS = (3, 7, 12, 17, 20, 24, 31, 9, 38, 41, 45, 48, 65, 130, 27, 33)
+
+# (max_num_seqs, max_num_batched_tokens): alone first (the baseline), then batches and chunk budgets
+ALONE = (1, 4096)
+CONFIGS = {
+    "auto": [(2, 100), (5, 16), (16, 4096)],
+    "fp8_ds_mla": [(5, 4096), (16, 16)],
+}
+CASES = [(dt, seqs, budget) for dt, cfgs in CONFIGS.items() for seqs, budget in cfgs]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return rand_prompts(77, LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_ckpt, prompts):
+    """Per cache dtype: each request's signature when it runs with no other request in the engine."""
+    memo = {}
+
+    def get(kv_dtype):
+        if kv_dtype not in memo:
+            seqs, budget = ALONE
+            llm = make_llm(tiny_ckpt, kv_dtype, max_num_seqs=seqs, max_num_batched_tokens=budget)
+            memo[kv_dtype] = [signature(o) for o in llm.generate(prompts, greedy(MAX_TOKENS))]
+            assert_no_leaks(llm)
+        return memo[kv_dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("kv_dtype,max_num_seqs,budget", CASES, ids=[f"{d}-seqs{s}-budget{b}" for d, s, b in CASES])
+def test_batch_and_chunk_invariance(tiny_ckpt, prompts, alone, kv_dtype, max_num_seqs, budget):
+    baseline = alone(kv_dtype)
+    llm = make_llm(tiny_ckpt, kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    engine = llm.engine
+    ids = [engine.add_request(p, greedy(MAX_TOKENS)) for p in prompts]
+    widest = 0
+    chunked = False
+    done = {}
+    while engine.has_unfinished_requests():
+        sched_budget = engine.scheduler.budget
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        widest = max(widest, len(engine.scheduler.running))
+        chunked |= any(0 < r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
+        assert sched_budget == budget
+    # the configuration really batched / chunked as intended (a 16-token budget caps the batch:
+    # decodes take one token each)
+    if budget >= sum(LENGTHS):
+        assert widest == min(max_num_seqs, len(prompts))
+    else:
+        assert widest >= min(max_num_seqs, 2)
+    assert chunked == (budget < max(LENGTHS))
+    for i, rid in enumerate(ids):
+        assert signature(done[rid]) == baseline[i], (
+            f"prompt {i} ({LENGTHS[i]} tokens) differs from its solo run with max_num_seqs={max_num_seqs}, "
+            f"budget={budget}")
+    assert_no_leaks(llm)
+
+
+# ---- a shared system prompt, with and without prefix caching ------------------------------
+SHARED = 520  # > 2 blocks: a hit restores 512 tokens of every cache kind
+
+
+@pytest.fixture(scope="module")
+def shared_prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    system = rand_prompt(g, SHARED)
+    return [system + rand_prompt(g, 6),  # computes everything, registers blocks 0 and 1
+            system + rand_prompt(g, 11),  # hits 512 tokens
+            system[:300] + rand_prompt(g, 3)]  # shares only block 0: hits 256 tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_ds_mla"])
+def test_prefix_cache_invariance(tiny_ckpt, shared_prompts, kv_dtype):
+    # baseline: prefix caching off, all three in one batch
+    off = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    base = [signature(o) for o in off.generate(shared_prompts, greedy(MAX_TOKENS))]
+    assert off.engine.kv.hits == 0
+    assert_no_leaks(off)
+    del off
+
+    # prefix caching on, one request at a time: the 2nd and 3rd restore 512 and 256 tokens
+    on = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=True, max_num_seqs=1, max_num_batched_tokens=4096)
+    got = [signature(o) for o in on.generate(shared_prompts, greedy(MAX_TOKENS))]
+    assert on.engine.kv.hits == 512 + 256
+    assert got == base, "a prefix-cache hit changed the output"
+    assert_no_leaks(on)
+    # the same requests again, now with every full block cached (the first hits 512 too)
+    on.engine.kv.hits = 0
+    again = [signature(o) for o in on.generate(shared_prompts, greedy(MAX_TOKENS))]
+    assert on.engine.kv.hits == 512 + 512 + 256
+    assert again == base
+    assert_no_leaks(on)
+    del on
+
+    # prefix caching on, concurrent with a chunked-prefill budget of 100: later requests are
+    # admitted while the first is still prefilling and hit the blocks it has completed so far
+    chunked = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=100)
+    got = [signature(o) for o in chunked.generate(shared_prompts, greedy(MAX_TOKENS))]
+    assert chunked.engine.kv.hits > 0
+    assert got == base, "a prefix-cache hit under chunked prefill changed the output"
+    assert_no_leaks(chunked)

@@ -1,0 +1,115 @@
+"""The reference is batch-invariant, so its own paths agree BITWISE (``torch.equal``, no tolerance).
+
+Design (dsv4/model/linear.py): a token's result never depends on which other tokens share the
+batch or chunk — GEMM rows are padded to a multiple of 8 (CPU BLAS uses another kernel for a
+trailing partial row tile), transcendental ops (exp, sigmoid, softmax, sin/cos, silu) run in
+float64 and are rounded to float32 (vectorised and scalar tails differ by an ulp), attention
+reduces keys in fixed 64-key blocks, indexer scores use fixed-width 64-column key padding, and
+every top-k breaks ties to the lowest index. So one full forward, prefill + single-token decode,
+and chunked prefill with ANY chunking must give identical logits, in both cache dtypes. Any
+difference here is a real bug (a chunk-boundary or cache-state error), never "rounding".
+
+The prompt is 640 tokens: 160 CSA windows (ratio 4, overlapping) and 5 HCA windows (ratio 128),
+window 128. Chunkings split windows on purpose (boundaries at p ≡ 1, 2, 3 mod 4 and at 127 mod 128).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv4.model.attention import SeqChunk
+
+N_PROMPT = 640  # the prompt of the shared ``full_logits_640`` fixture (tests/model/conftest.py)
+DTYPES = ["auto", "fp8_ds_mla"]
+
+# chunk sizes; each sums to 640. Comments give the last position of the first chunks.
+CHUNKINGS = {
+    # 1, 2, ..., 12 then the rest: chunks end at p = 0, 2, 5, 9, 14, 20, 27, 35, 44, 54, 65, 77:
+    # every residue mod 4, so the overlap (previous-block) rows of a CSA window come from an
+    # earlier chunk, and several single-token chunks close a window.
+    "ramp": list(range(1, 13)) + [N_PROMPT - 78],
+    # ends at 126, 127 (a 1-token chunk that closes CSA block 31 AND HCA block 0), 255 (HCA
+    # block 1 closes on a chunk edge), 510 (mid-HCA, p ≡ 2 mod 4), 639
+    "hca_edges": [127, 1, 128, 255, 129],
+    # aligned 4-token chunks (each closes exactly its own CSA block), then a 3-token chunk that
+    # shifts every later boundary to p ≡ 2 mod 4 (each chunk then splits a CSA window)
+    "fours": [4] * 6 + [3] + [4] * 6 + [N_PROMPT - 51],
+}
+
+
+def _prompt(n: int = N_PROMPT, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)  # seed 0, n 640: the prompt of ``full_logits_640``
+    return torch.randint(2, 129280, (n,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_auto, tiny_model_fp8):
+    return {"auto": tiny_model_auto, "fp8_ds_mla": tiny_model_fp8}
+
+
+@pytest.fixture(scope="module")
+def full_logits(full_logits_640):
+    return full_logits_640
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    rows = (a != b).any(-1).nonzero().flatten()
+    return f"first differing row {int(rows[0])}, max |Δ| {float((a - b).abs().max()):.3e}" if rows.numel() else "equal"
+
+
+@pytest.mark.parametrize("name", list(CHUNKINGS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_full_forward(models, full_logits, dtype, name):
+    sizes = CHUNKINGS[name]
+    assert sum(sizes) == N_PROMPT
+    chunked, _ = models[dtype].prefill(_prompt(), chunk_sizes=sizes)
+    full = full_logits(dtype)
+    assert torch.equal(chunked, full), f"{dtype} chunking {name}: {_first_diff(chunked, full)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(models, full_logits, dtype):
+    """Prefill 608, then 32 single-token decode steps (positions 608..639: 8 CSA closes and the
+    HCA close at 639 happen inside decode) == rows of the 640-token forward."""
+    model, ids, P = models[dtype], _prompt(), 608
+    full = full_logits(dtype)
+    pre, cache = model.prefill(ids[:P])
+    assert torch.equal(pre, full[:P]), f"{dtype} prefill: {_first_diff(pre, full[:P])}"
+    for p in range(P, N_PROMPT):
+        step = model.forward(ids[p: p + 1], [SeqChunk(cache, p, 1)]).logits
+        assert torch.equal(step[0], full[p]), f"{dtype} decode at position {p}: {_first_diff(step, full[p:p + 1])}"
+    assert cache.num_tokens == N_PROMPT
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_same_whole_or_chunked_prompt(models, dtype):
+    """Greedy generation after a whole-prompt prefill == after a chunked prefill (tokens and every
+    step's logits bitwise). The chunked prompt ends with a 1-token chunk at 639 (HCA close)."""
+    model, ids, n_new = models[dtype], _prompt(), 6
+    whole_tokens, whole_logits = model.greedy(ids.tolist(), n_new)
+    _, cache = model.prefill(ids[:639], chunk_sizes=[127, 1, 128, 255, 128])
+    tokens, logits = model.greedy(ids[639:].tolist(), n_new, cache=cache)
+    assert tokens == whole_tokens
+    assert torch.equal(logits, whole_logits), _first_diff(logits, whole_logits)
+
+
+@torch.no_grad()
+def test_mixed_batch_is_batch_invariant(tiny_model_fp8):
+    """One forward over [seq A: 1 decode token, seq B: a 57-token prefill chunk, seq C: 3 tokens]
+    gives each sequence exactly what it gets alone (rows and caches are independent)."""
+    model = tiny_model_fp8
+    a, b, c = _prompt(301, seed=1), _prompt(257, seed=2), _prompt(131, seed=3)
+    _, ca = model.prefill(a[:300])
+    _, cb = model.prefill(b[:200])
+    _, cc = model.prefill(c[:128])
+    ca2, cb2, cc2 = copy.deepcopy(ca), copy.deepcopy(cb), copy.deepcopy(cc)
+    batch = torch.cat([a[300:], b[200:], c[128:]])
+    mixed = model.forward(batch, [SeqChunk(ca, 300, 1), SeqChunk(cb, 200, 57), SeqChunk(cc, 128, 3)]).logits
+    alone = torch.cat([model.forward(a[300:], [SeqChunk(ca2, 300, 1)]).logits,
+                       model.forward(b[200:], [SeqChunk(cb2, 200, 57)]).logits,
+                       model.forward(c[128:], [SeqChunk(cc2, 128, 3)]).logits])
+    assert torch.equal(mixed, alone), _first_diff(mixed, alone)

@@ -1,0 +1,56 @@
+"""Shared helpers of the tests/ops kernel tests (device choice, tolerances, expert weights)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsv4.formats import quantize_block_fp8, quantize_mxfp4
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+EPS32 = 2.0 ** -24  # fp32 unit roundoff
+BF16_ULP = 2.0 ** -8  # bf16 relative spacing (unit roundoff 2^-9)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, g, scale=1.0, dtype=torch.float32):
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEV)
+
+
+def assert_fp32_accum_close(y, ref, absprod, rel=1e-5):
+    """|y - ref| ≤ rel · Σ_k |x_k||w_k|: both sides are fp32 sums of the same exact products, so
+    they differ only by summation order (≤ K·2^-24 of Σ|x w| in the worst case, ~√K·2^-24 in
+    practice); rel = 1e-5 covers K up to a few hundred with margin."""
+    d = (y.float() - ref.float()).abs()
+    lim = rel * absprod.float() + 1e-30
+    bad = d > lim
+    assert not bool(bad.any()), (f"{int(bad.sum())} elements off; max |diff| {d.max().item():.3g}, "
+                                 f"max diff/limit {(d / lim).max().item():.3g}")
+
+
+def mxfp4_experts(n_exp, hidden, inter, g, scale=0.05):
+    """Per-expert checkpoint-format tensors: (w1, s1, w3, s3, w2, s2) lists, int8 / float8_e8m0fnu."""
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    out = {k: [] for k in ("w1", "s1", "w3", "s3", "w2", "s2")}
+    for _ in range(n_exp):
+        for name, (o, i) in (("1", (inter, hidden)), ("3", (inter, hidden)), ("2", (hidden, inter))):
+            w, s = quantize_mxfp4(torch.randn(o, i, generator=g) * scale)
+            out["w" + name].append(w.to(DEV))
+            out["s" + name].append((s.view(e8m0) if e8m0 is not None else s).to(DEV))
+    return [out[k] for k in ("w1", "s1", "w3", "s3", "w2", "s2")]
+
+
+def fp8_experts(n_exp, hidden, inter, g, scale_fmt="fp32", scale=0.05):
+    """Per-expert FP8 (Base checkpoint) tensors: float8_e4m3fn weights, 128x128 block scales."""
+    out = {k: [] for k in ("w1", "s1", "w3", "s3", "w2", "s2")}
+    for _ in range(n_exp):
+        for name, (o, i) in (("1", (inter, hidden)), ("3", (inter, hidden)), ("2", (hidden, inter))):
+            w, s = quantize_block_fp8(torch.randn(o, i, generator=g) * scale, scale_fmt=scale_fmt)
+            out["w" + name].append(w.to(DEV))
+            out["s" + name].append(s.to(DEV))
+    return [out[k] for k in ("w1", "s1", "w3", "s3", "w2", "s2")]

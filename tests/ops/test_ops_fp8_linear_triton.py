@@ -1,0 +1,192 @@
+"""Triton FP8 block-scaled linear vs the torch op on fresh random inputs.
+
+Tolerances: the kernel and the torch op multiply the same operands (the weight is dequantized to
+x.dtype in both) and accumulate in fp32, so with fp32 outputs they differ only by summation order:
+|Δ| ≤ 1e-5 · Σ_k |x_k w_k| (see ops_kernel_helpers). With bf16 outputs each side rounds once more:
+at most one bf16 spacing (2^-8 relative) on top of that.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
+
+from ops_kernel_helpers import BF16_ULP, DEV, INTERPRET, assert_fp32_accum_close, gen, randn  # noqa: E402
+
+from dsv4.formats import FNUZ, OCP, dequantize_block_fp8, fake_quant_fp8_pow2, quantize_block_fp8  # noqa: E402
+from dsv4.ops import torch_ops  # noqa: E402
+from dsv4.ops.registry import resolve  # noqa: E402
+from dsv4.ops.triton import fp8_linear as tfl  # noqa: E402
+
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _weights(n, k, g, scale_fmt="ue8m0", fmt=OCP):
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[: min(n, 40), : min(k, 50)] *= 30.0  # tiles of very different scale
+    wq, s = quantize_block_fp8(w, scale_fmt=scale_fmt, fmt=fmt)
+    return wq.to(DEV), s.to(DEV)
+
+
+def _absprod(x, wq, s):
+    wd = dequantize_block_fp8(wq, s, out_dtype=x.dtype).float()
+    return x.float().abs() @ wd.abs().T
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 130])
+def test_fp32_activations_partial_edge_blocks(m):
+    g = gen(100 + m)
+    n, k = (130, 200) if m != 64 else (200, 328)  # N, K not multiples of 128
+    wq, s = _weights(n, k, g)
+    x = randn((m, k), g)
+    y = tfl.fp8_linear(x, wq, s)
+    ref = torch_ops.fp8_linear(x, wq, s)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert_fp32_accum_close(y, ref, _absprod(x, wq, s))
+
+
+@pytest.mark.parametrize("m,seed", [(1, 1), (17, 2), (130, 3)])
+def test_bf16_activations(m, seed):
+    g = gen(seed)
+    n, k = 136, 200
+    wq, s = _weights(n, k, g)
+    x = randn((m, k), g, dtype=torch.bfloat16)
+    ap = _absprod(x, wq, s)
+    # fp32 output: same bf16 operands, fp32 accumulation on both sides
+    y32 = tfl.fp8_linear(x, wq, s, out_dtype=torch.float32)
+    ref32 = torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+    assert_fp32_accum_close(y32, ref32, ap)
+    # bf16 output: one extra rounding on each side
+    y = tfl.fp8_linear(x, wq, s)
+    ref = torch_ops.fp8_linear(x, wq, s)
+    assert y.dtype == torch.bfloat16
+    d = (y.float() - ref.float()).abs()
+    assert bool((d <= BF16_ULP * ref.float().abs() + 1e-5 * ap + 1e-30).all()), d.max()
+
+
+def test_fp32_block_scales_base_checkpoint_and_scale_dtypes():
+    g = gen(7)
+    n, k = 160, 256
+    wq, s32 = _weights(n, k, g, scale_fmt="fp32")
+    assert s32.dtype == torch.float32
+    x = randn((5, k), g)
+    assert_fp32_accum_close(tfl.fp8_linear(x, wq, s32), torch_ops.fp8_linear(x, wq, s32), _absprod(x, wq, s32))
+    xb = x.to(torch.bfloat16)  # non-power-of-two scales: w·s rounded to bf16 on both sides
+    assert_fp32_accum_close(tfl.fp8_linear(xb, wq, s32, out_dtype=torch.float32),
+                            torch_ops.fp8_linear(xb, wq, s32, out_dtype=torch.float32), _absprod(xb, wq, s32))
+    wq8, s8 = _weights(n, k, g)  # UE8M0 given as float8_e8m0fnu, uint8 bytes; weight as fp8 or uint8
+    ref = torch_ops.fp8_linear(x, wq8, s8)
+    for w_ in (wq8, wq8.view(torch.uint8)):
+        for s_ in ([s8, s8.view(torch.uint8)] if E8M0 is not None else [s8]):
+            assert_fp32_accum_close(tfl.fp8_linear(x, w_, s_), ref, _absprod(x, wq8, s8))
+
+
+def test_decode_split_k_and_tile_overrides():
+    g = gen(11)
+    n, k = 96, 640  # 5 K blocks
+    wq, s = _weights(n, k, g)
+    x = randn((2, k), g)
+    ref = torch_ops.fp8_linear(x, wq, s)
+    ap = _absprod(x, wq, s)
+    cfg = tfl.pick_config(2, n, k, torch.device(DEV), {"split_k": 2})
+    assert cfg["split_k"] == 2 and cfg["k_per_split"] == 384 and cfg["BLOCK_M"] == 16
+    for over in ({"split_k": 2}, {"split_k": 5, "BLOCK_N": 32}, {"split_k": 1}):
+        assert_fp32_accum_close(tfl.fp8_linear(x, wq, s, config=over), ref, ap)
+    pre = tfl.pick_config(300, n, k, torch.device(DEV))
+    assert pre["BLOCK_M"] == 128 and pre["split_k"] == 1
+
+
+def test_leading_dims_and_empty():
+    g = gen(12)
+    wq, s = _weights(72, 136, g)
+    x = randn((2, 3, 136), g)
+    y = tfl.fp8_linear(x, wq, s)
+    assert y.shape == (2, 3, 72)
+    assert_fp32_accum_close(y, torch_ops.fp8_linear(x, wq, s), _absprod(x.reshape(6, 136), wq, s).reshape(2, 3, 72))
+    assert tfl.fp8_linear(x[:0], wq, s).shape == (0, 3, 72)
+
+
+def test_rejects_bad_scale_grid():
+    g = gen(13)
+    wq, s = _weights(130, 200, g)
+    with pytest.raises(ValueError, match="scale grid"):
+        tfl.fp8_linear(randn((1, 200), g), wq, s[:1])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="bitcast path is selected automatically on sm_89+")
+def test_native_bitcast_decode_path_matches():
+    g = gen(14)
+    wq, s = _weights(130, 200, g)
+    x = randn((3, 200), g)
+    assert_fp32_accum_close(tfl.fp8_linear(x, wq, s, config={"native": True}), torch_ops.fp8_linear(x, wq, s),
+                            _absprod(x, wq, s))
+
+
+def test_fnuz_weights():
+    g = gen(15)
+    wq, s = _weights(130, 256, g, fmt=FNUZ)
+    assert wq.dtype == torch.float8_e4m3fnuz
+    x = randn((4, 256), g)
+    assert_fp32_accum_close(tfl.fp8_linear(x, wq, s), torch_ops.fp8_linear(x, wq, s), _absprod(x, wq, s))
+
+
+def test_nan_weight_codes_decode_to_nan():
+    g = gen(16)
+    wq, s = _weights(64, 128, g)
+    wb = wq.view(torch.uint8).clone()
+    wb[3, 5] = 0x7F
+    x = randn((2, 128), g)
+    y = tfl.fp8_linear(x, wb, s)
+    ref = torch_ops.fp8_linear(x, wb, s)
+    assert torch.isnan(y[:, 3]).all() and torch.isnan(ref[:, 3]).all()
+    keep = torch.arange(64, device=y.device) != 3
+    assert_fp32_accum_close(y[:, keep], ref[:, keep], _absprod(x, wq, s)[:, keep])
+
+
+@pytest.mark.parametrize("fmt", ["ocp", "fnuz"])
+def test_act_quant_is_exact_fake_quant(fmt):
+    """Identity weight: y is exactly the per-128 power-of-two FP8 round trip of x."""
+    g = gen(17)
+    k = 256
+    x = randn((5, k), g) * torch.logspace(-3, 3, k, device=DEV)
+    x[1, :128] = 0.0  # all-zero block (amax floor 1e-4)
+    x[2, 7] = 1e-30  # underflows to zero / subnormal grid
+    eye_q, eye_s = quantize_block_fp8(torch.eye(k))
+    y = tfl.fp8_linear(x, eye_q.to(DEV), eye_s.to(DEV), act_quant=True, act_fmt=fmt)
+    want = fake_quant_fp8_pow2(x.float().cpu(), 128, fmt).to(DEV)
+    assert torch.equal(y, want)
+
+
+def test_act_quant_random_and_platform_default(monkeypatch):
+    g = gen(18)
+    wq, s = _weights(136, 384, g)
+    x = randn((9, 384), g)
+    ref = torch_ops.fp8_linear(x, wq, s, act_quant=True, act_fmt="ocp")
+    xq = fake_quant_fp8_pow2(x.float().cpu(), 128, OCP).to(DEV)
+    assert_fp32_accum_close(tfl.fp8_linear(x, wq, s, act_quant=True, act_fmt="ocp"), ref, _absprod(xq, wq, s))
+    from dsv4.ops.platform import detect_platform
+
+    monkeypatch.setenv("DSV4_PLATFORM_FP8", "fnuz")  # the platform's format (224 max) is the default
+    detect_platform.cache_clear()
+    try:
+        y = tfl.fp8_linear(x, wq, s, act_quant=True)
+        ref_fnuz = torch_ops.fp8_linear(x, wq, s, act_quant=True)
+    finally:
+        monkeypatch.delenv("DSV4_PLATFORM_FP8")
+        detect_platform.cache_clear()
+    xf = fake_quant_fp8_pow2(x.float().cpu(), 128, FNUZ).to(DEV)
+    assert_fp32_accum_close(y, ref_fnuz, _absprod(xf, wq, s))
+    # FNUZ (bias 8, quant max 224) is OCP's grid (bias 7, 448) shifted by one binade, and the
+    # power-of-two block scale absorbs the shift: the dequantized values agree, only the bytes differ
+    assert torch.equal(xf, xq)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tfl.fp8_linear(randn((1, 200), g), *_weights(8, 200, g), act_quant=True)
+
+
+def test_registry_resolves_to_this_kernel():
+    from dsv4.ops.platform import detect_platform
+
+    detect_platform.cache_clear()
+    name, fn = resolve("fp8_linear")
+    assert name == "triton" and fn is tfl.fp8_linear

@@ -1,0 +1,96 @@
+"""lm-eval's ``local-completions`` model runs two tiny local tasks against the server, offline.
+
+* ``tiny_mc``: multiple_choice → loglikelihood requests (echo + logprobs, token-id prompts);
+* ``tiny_gen``: generate_until with a stop sequence and a small max_gen_toks.
+
+The tasks are YAML + jsonl written to the test's tmp dir; lm-eval tokenizes with the checkpoint's
+tokenizer.json through transformers (tokenizer_backend=huggingface).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None  # found, not imported: it is heavy
+
+pytestmark = pytest.mark.skipif(not HAVE_LM_EVAL, reason='lm-eval is not installed (pip install "lm-eval[api]==0.4.13")')
+
+MC = [
+    {"question": "What color is the sky?", "choices": ["blue", "green", "red"], "label": 0},
+    {"question": "How many legs does a cat have?", "choices": ["two", "four"], "label": 1},
+    {"question": "Which is a fruit?", "choices": ["carrot", "apple", "stone"], "label": 1},
+]
+GEN = [
+    {"question": "Say hello.", "answer": "hello"},
+    {"question": "Count to three.", "answer": "1 2 3"},
+]
+
+
+def _write_tasks(root) -> str:
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in MC))
+    (tasks / "gen.jsonl").write_text("".join(json.dumps(d) + "\n" for d in GEN))
+    (tasks / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'mc.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+""")
+    (tasks / "tiny_gen.yaml").write_text(f"""task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'gen.jsonl'}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return str(tasks)
+
+
+def test_lm_eval_local_completions(real_server, tiny_ckpt, tmp_path):
+    tasks = _write_tasks(tmp_path)
+    out = tmp_path / "out"
+    model_args = (f"model=tiny,base_url={real_server.url}/v1/completions,tokenizer={tiny_ckpt},"
+                  "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=300")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+           "--include_path", tasks, "--tasks", "tiny_mc,tiny_gen", "--limit", "3", "--batch_size", "1",
+           "--output_path", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"lm_eval failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    files = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    assert files, r.stdout[-2000:]
+    results = json.loads(open(files[0]).read())["results"]
+    assert 0.0 <= results["tiny_mc"]["acc,none"] <= 1.0
+    assert "exact_match,none" in results["tiny_gen"]
+    # every request came through the server: 8 loglikelihood choices + 2 generations
+    metrics = httpx.get(real_server.url + "/metrics").text
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith('dsv4:http_requests_total{endpoint="/v1/completions",status="200"}'))
+    assert float(line.split()[-1]) >= 10
+    assert real_server.on_engine(lambda e: e.kv.leaks()) == []
