@@ -40,6 +40,18 @@ def bench(fn, rep_ms=60, warmup_ms=15):
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))  # ms
 
 
+def bench_graph(fn, rep_ms=60):
+    """Median kernel time with launches replayed from a CUDA graph (no Python/launch overhead);
+    None when ``fn`` cannot be captured (host synchronisation)."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    except Exception:  # noqa: BLE001 - not capturable
+        torch.cuda.synchronize()
+        return None
+
+
 def measure_bandwidth(dev) -> float:
     n = 4 << 30  # 4 GiB source, well past L2
     a = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -61,14 +73,18 @@ class Table:
     def __init__(self, bw, peak):
         self.bw, self.peak, self.rows = bw, peak, []
 
-    def add(self, kernel, shape, backend, ms, nbytes, flops, check):
+    def add(self, kernel, shape, backend, fn, nbytes, flops, check, rep_ms=60, warmup_ms=15, graph=True):
+        ms = bench(fn, rep_ms, warmup_ms)
+        gms = bench_graph(fn, rep_ms) if graph else None
         bound_ms = max(nbytes / self.bw, flops / self.peak) * 1e3
-        row = dict(kernel=kernel, shape=shape, backend=backend, ms=ms, bytes=nbytes, flops=flops,
+        row = dict(kernel=kernel, shape=shape, backend=backend, ms=ms, graph_ms=gms, bytes=nbytes, flops=flops,
                    bound_ms=bound_ms, bound="memory" if nbytes / self.bw >= flops / self.peak else "compute",
-                   fraction=bound_ms / ms if ms > 0 else None, check=check)
+                   fraction=bound_ms / ms if ms > 0 else None,
+                   graph_fraction=bound_ms / gms if gms else None, check=check)
         self.rows.append(row)
-        print(f"{kernel:<12} {shape:<26} {backend:<12} {ms * 1e3:>10.1f} us  bound {bound_ms * 1e3:>9.1f} us "
-              f"({row['bound'][:3]})  {100 * row['fraction']:>6.1f}%  {check}", flush=True)
+        gtxt = f"{gms * 1e3:>10.1f} us {100 * row['graph_fraction']:>6.1f}%" if gms else f"{'-':>13} {'':>7}"
+        print(f"{kernel:<12} {shape:<28} {backend:<10} {ms * 1e3:>10.1f} us {100 * row['fraction']:>6.1f}%  "
+              f"{gtxt}  bound {bound_ms * 1e3:>8.1f} us ({row['bound'][:3]})  {check}", flush=True)
 
 
 def check_close(y, ref, absprod=None, rel=1e-5):
@@ -103,10 +119,10 @@ def bench_linears(tab, dev, ms_list):
             nbytes = n * k + s.numel() + 2 * m * k + 2 * m * n
             flops = 2 * m * n * k
             shape = f"{name} M={m} N={n} K={k}"
-            tab.add("fp8_linear", shape, "torch_op", bench(lambda: torch_ops.fp8_linear(x, w, s)), nbytes, flops, chk)
-            tab.add("fp8_linear", shape, "bf16_dense", bench(lambda: torch.nn.functional.linear(x, w_bf16)),
+            tab.add("fp8_linear", shape, "torch_op", lambda: torch_ops.fp8_linear(x, w, s), nbytes, flops, chk)
+            tab.add("fp8_linear", shape, "bf16_dense", lambda: torch.nn.functional.linear(x, w_bf16),
                     2 * n * k + 2 * m * k + 2 * m * n, flops, "(pre-dequantized bf16 weight)")
-            tab.add("fp8_linear", shape, "triton", bench(lambda: tfl.fp8_linear(x, w, s)), nbytes, flops, chk)
+            tab.add("fp8_linear", shape, "triton", lambda: tfl.fp8_linear(x, w, s), nbytes, flops, chk)
         del w_bf16
         torch.cuda.empty_cache()
 
@@ -128,9 +144,9 @@ def bench_route(tab, dev):
         flops = t * N_EXP * 10
         shape = f"T={t} E={N_EXP} k={TOPK}"
         tab.add("moe_route", shape, "torch_op",
-                bench(lambda: torch_ops.moe_route(logits, bias, TOPK, 1.5, True, None, valid)), nbytes, flops, chk)
+                lambda: torch_ops.moe_route(logits, bias, TOPK, 1.5, True, None, valid), nbytes, flops, chk)
         tab.add("moe_route", shape, "triton",
-                bench(lambda: tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid)), nbytes, flops, chk)
+                lambda: tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid), nbytes, flops, chk)
 
 
 def bench_moe(tab, dev, t_list):
@@ -157,11 +173,67 @@ def bench_moe(tab, dev, t_list):
         flops = t * TOPK * 6 * HID * INTER
         shape = f"T={t} experts_used={used}"
         slow = t >= 1024
-        tab.add("moe_experts", shape, "torch_op",
-                bench(lambda: torch_ops.moe_experts(x, ids, w, w13, s13, w2, s2), rep_ms=30 if slow else 60,
-                      warmup_ms=5 if slow else 15), nbytes, flops, chk)
-        tab.add("moe_experts", shape, "triton", bench(lambda: tmoe.moe_experts(x, ids, w, w13, s13, w2, s2)),
+        # the torch op syncs (torch.unique): no graph timing
+        tab.add("moe_experts", shape, "torch_op", lambda: torch_ops.moe_experts(x, ids, w, w13, s13, w2, s2),
+                nbytes, flops, chk, rep_ms=30 if slow else 60, warmup_ms=5 if slow else 15, graph=False)
+        tab.add("moe_experts", shape, "triton", lambda: tmoe.moe_experts(x, ids, w, w13, s13, w2, s2),
                 nbytes, flops, chk)
+
+
+def sweep(dev, only=("linear", "moe")):
+    """Time candidate tile configurations (CUDA-graph medians) and print the best per case."""
+    from dsv4.ops.triton import fp8_linear as tfl
+    from dsv4.ops.triton import moe as tmoe
+    from dsv4.ops import torch_ops
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    out = {}
+    dec = [dict(BLOCK_N=bn, num_warps=wp, num_stages=st) for bn in (32, 64, 128) for wp in (4,) for st in (3, 5)]
+    pre = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=wp, num_stages=st, GROUP_M=8, split_k=1)
+           for bm, bn, wp, st in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 3), (128, 64, 4, 4),
+                                  (64, 256, 8, 3), (256, 128, 8, 3))]
+    for name in (("wq_b", "wo_b", "wq_a") if "linear" in only else ()):
+        n, k = LINEARS[name]
+        w = torch.randint(0, 126, (n, k), device=dev, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        s = torch.randint(118, 124, (math.ceil(n / 128), math.ceil(k / 128)), device=dev, dtype=torch.uint8,
+                          generator=g)
+        for m in (1, 64, 1024, 8192):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            res = []
+            for c in (dec if m <= 64 else pre):
+                try:
+                    res.append((bench_graph(lambda: tfl.fp8_linear(x, w, s, config=c), 30), c))
+                except Exception as e:  # noqa: BLE001
+                    res.append((None, f"{c}: {type(e).__name__}"))
+            ok = sorted([r for r in res if r[0]], key=lambda r: r[0])
+            out[f"fp8_linear {name} M={m}"] = [(r[0], str(r[1])) for r in res]
+            print(f"sweep fp8_linear {name} M={m}: " + "; ".join(f"{r[0] * 1e3:.1f}us {r[1]}" for r in ok[:3]),
+                  flush=True)
+    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    for t in ((1, 8, 64, 1024) if "moe" in only else ()):
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        if t * TOPK <= tmoe.DIRECT_MAX_SLOTS:
+            cands = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+                     for bn in (16, 32, 64) for bk in (128, 256) for wp in (2, 4, 8) for st in (3,)]
+            cands += [dict(direct=False, BLOCK_M=16, BLOCK_N=64)]
+        else:
+            cands = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=wp, num_stages=st)
+                     for bm in ((16, 32) if t <= 64 else (16, 32, 64)) for bn in (64, 128) for wp in (4, 8)
+                     for st in (3,)]
+        res = []
+        for c in cands:
+            try:
+                res.append((bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c), 30), c))
+            except Exception as e:  # noqa: BLE001
+                res.append((None, f"{c}: {type(e).__name__}"))
+        ok = sorted([r for r in res if r[0]], key=lambda r: r[0])
+        out[f"moe_experts T={t}"] = [(r[0], str(r[1])) for r in res]
+        print(f"sweep moe_experts T={t}: " + "; ".join(f"{r[0] * 1e3:.1f}us {r[1]}" for r in ok[:3]), flush=True)
+    return out
 
 
 def main(argv=None):
@@ -169,6 +241,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     ap.add_argument("--only", default="linear,route,moe", help="comma list of: linear, route, moe")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
@@ -178,11 +251,18 @@ def main(argv=None):
     from dsv4.ops.platform import detect_platform
 
     t0 = time.time()
+    if args.sweep:
+        res = sweep(dev, set(args.only.split(",")))
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+        print(f"sweep done in {time.time() - t0:.0f} s")
+        return 0
     plat = detect_platform()
     bw, peak = measure_bandwidth(dev), measure_peak(dev)
     print(f"{plat.describe()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s\n")
-    print(f"{'kernel':<12} {'shape':<26} {'backend':<12} {'median':>13}  {'bound':>15}         achieved  check")
+    print(f"{'kernel':<12} {'shape':<28} {'backend':<10} {'do_bench median':>21}  {'CUDA-graph median':>21}  "
+          f"{'bound':>25}  check")
     tab = Table(bw, peak)
     only = set(args.only.split(","))
     if "linear" in only:

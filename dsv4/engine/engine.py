@@ -177,8 +177,10 @@ class LLMEngine:
                                                 logits[prompt_rows[si]]])
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None \
                     and req.num_computed >= len(req.prompt_token_ids):
-                req.prompt_logprobs = self.sampler.prompt_logprobs(req, req._prompt_logits)
-                del req._prompt_logits
+                # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
+                rows = req.__dict__.pop("_prompt_logits", None)
+                req.prompt_logprobs = self.sampler.prompt_logprobs(
+                    req, rows if rows is not None else logits.new_zeros(0, logits.shape[1]))
         for row, (si, kind) in enumerate(batch.row_owner):
             if kind != "sample":
                 continue

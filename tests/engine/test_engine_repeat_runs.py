@@ -24,7 +24,7 @@ def test_fifty_runs_identical_and_finite(tiny_ckpt):
     lengths = torch.randint(2, 9, (BATCH,), generator=g).tolist()
     prompts = rand_prompts(12, lengths)
     llm = make_llm(tiny_ckpt, "auto", max_num_seqs=BATCH, max_num_batched_tokens=2048, max_model_len=256,
-                   kv_cache_memory=64 << 20)
+                   kv_cache_memory=96 << 20)
     engine = llm.engine
     seen = {"rows": 0, "bad": 0}
     run = engine.runner.run

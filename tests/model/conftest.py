@@ -14,15 +14,20 @@ def random_prompt(n: int = N_PROMPT, seed: int = 0, vocab: int = 129280) -> torc
 
 
 @pytest.fixture(scope="session")
-def full_logits_640(tiny_model_auto, tiny_model_fp8):
-    """get(kv_cache_dtype) → logits [640, V] of one whole-prompt forward of ``random_prompt()``
-    on ``tiny`` (computed once per cache dtype, shared by the self-consistency and FP8 tests)."""
-    models = {"auto": tiny_model_auto, "fp8_ds_mla": tiny_model_fp8}
-    done: dict[str, torch.Tensor] = {}
+def full_forward_640(tiny_model_auto, tiny_model_fp8):
+    """get(kv_cache_dtype) → ForwardOutput (logits [640, V] of every row, streams [640, 4, H]) of one
+    whole-prompt forward of ``random_prompt()`` on ``tiny``; computed once per cache dtype and
+    shared by the self-consistency and FP8 tests."""
+    from dsv4.model.attention import SeqChunk
 
-    def get(kv_cache_dtype: str) -> torch.Tensor:
+    models = {"auto": tiny_model_auto, "fp8_ds_mla": tiny_model_fp8}
+    done = {}
+
+    def get(kv_cache_dtype: str):
         if kv_cache_dtype not in done:
-            done[kv_cache_dtype] = models[kv_cache_dtype].prefill(random_prompt())[0]
+            model = models[kv_cache_dtype]
+            with torch.no_grad():
+                done[kv_cache_dtype] = model.forward(random_prompt(), [SeqChunk(model.new_cache(), 0, N_PROMPT)])
         return done[kv_cache_dtype]
 
     return get

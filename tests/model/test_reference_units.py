@@ -276,7 +276,7 @@ def test_compressed_visibility_through_attention(tiny_model_auto, monkeypatch):
 
     monkeypatch.setattr(attn_mod, "sparse_attention", spy)
     ids = torch.randint(2, 129280, (T,), generator=torch.Generator().manual_seed(12))
-    model.prefill(ids)
+    model.forward(ids, [SeqChunk(model.new_cache(), 0, T)], logits_rows=torch.tensor([T - 1]))
     assert len(calls) == model.cfg.num_hidden_layers
     w = model.cfg.sliding_window
     cases = {1: (4, [0, 2, 3, 4, 6, 7, 8, 126, 127, 128, 130]), 2: (128, [0, 126, 127, 128, 254, 255, 256, 259]),
@@ -432,7 +432,7 @@ def test_swiglu_clamps():
 
 @torch.no_grad()
 def test_mtp_forward_from_target_streams(tiny_model_auto):
-    model, T = tiny_model_auto, 200
+    model, T = tiny_model_auto, 136
     ids = torch.randint(2, 129280, (T + 1,), generator=torch.Generator().manual_seed(23))
     out = model.forward(ids[:T], [SeqChunk(model.new_cache(), 0, T)])
     logits = model.mtp_forward(ids[1:], out.streams, [SeqChunk(model.new_cache(), 0, T)])
@@ -443,6 +443,6 @@ def test_mtp_forward_from_target_streams(tiny_model_auto):
     assert not torch.allclose(logits, out.logits)  # its own block and head, not the target's
     # the MTP layer keeps its own sliding-window cache: chunked == whole, bitwise
     cache = model.new_cache()
-    a = model.mtp_forward(ids[1:121], out.streams[:120], [SeqChunk(cache, 0, 120)])
-    b = model.mtp_forward(ids[121:], out.streams[120:], [SeqChunk(cache, 120, T - 120)])
+    a = model.mtp_forward(ids[1:101], out.streams[:100], [SeqChunk(cache, 0, 100)])
+    b = model.mtp_forward(ids[101:], out.streams[100:], [SeqChunk(cache, 100, T - 100)])
     assert torch.equal(torch.cat([a, b]), logits)

@@ -61,8 +61,8 @@ def test_fp4_experts_match_torch(fp4_layer, t, dtype, seed, cfg):
     assert (y[~valid] == 0).all()
 
 
-@pytest.mark.parametrize("cfg", [{"direct": False, "BLOCK_M": 16, "BLOCK_N": 128},
-                                 {"direct": False, "BLOCK_M": 32, "BLOCK_K": 128}])
+@pytest.mark.parametrize("cfg", [{"direct": False, "BLOCK_M": 16, "BLOCK_N": 128, "num_stages": 2},
+                                 {"direct": False, "BLOCK_M": 32, "BLOCK_K": 256}])
 def test_fp4_grouped_mode_configs_and_padding(fp4_layer, cfg):
     g = gen(4)
     t = 7

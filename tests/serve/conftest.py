@@ -2,17 +2,13 @@
 
 The tiny model's weights are loaded once per session (``serve_model``); each test module builds
 its own LLMEngine on them and its own server (module scope), so every module starts from an empty
-KV cache and a fresh engine.
+KV cache and a fresh engine. Server dependencies are optional (``pip install -e .[serve]``): each
+test module skips itself when they are missing.
 """
 
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-
 from serve_test_support import make_engine
 
 

@@ -8,6 +8,9 @@ import pytest
 
 from serve_test_support import MAX_MODEL_LEN
 
+for _dep in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_dep)
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 U = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

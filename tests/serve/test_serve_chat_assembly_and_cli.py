@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-pytest.importorskip("fastapi")
+for _dep in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_dep)
 
 D = "｜DSML｜"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -96,12 +97,30 @@ def test_serve_command_errors(capsys):
     assert "256" in capsys.readouterr().err
 
 
+SERVER_DEPS = ("fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic")
+
+
 def test_import_dsv4_stays_free_of_server_deps():
+    """Only dsv4/serve may import the server stack: checked statically for every module, and live
+    for the light entry points (``import dsv4``, the CLI)."""
+    import ast
+    import pathlib
     import subprocess
     import sys
 
-    code = ("import sys, dsv4, dsv4.cli, dsv4.llm, dsv4.engine.engine; "
-            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    import dsv4
+
+    root = pathlib.Path(dsv4.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "serve" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in SERVER_DEPS]
+    assert offenders == []
+    code = ("import sys, dsv4, dsv4.cli, dsv4.chat; dsv4.cli.build_parser(); "
+            f"bad = [m for m in {SERVER_DEPS!r} if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

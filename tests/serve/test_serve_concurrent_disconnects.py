@@ -12,6 +12,10 @@ import json
 import time
 
 import httpx
+import pytest
+
+for _dep in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_dep)
 
 N_CLIENTS, N_DISCONNECT = 32, 8
 SHORT, LONG = 5, 400  # a disconnecting client asks for LONG tokens: finishing it would take minutes

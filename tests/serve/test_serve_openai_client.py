@@ -11,6 +11,9 @@ import json
 import httpx
 import pytest
 
+for _dep in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_dep)
+
 openai = pytest.importorskip("openai")
 
 

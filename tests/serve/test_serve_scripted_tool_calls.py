@@ -15,6 +15,9 @@ import pytest
 
 from serve_test_support import ScriptedBackend, ScriptedSampler, ServerThread, make_engine
 
+for _dep in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_dep)
+
 openai = pytest.importorskip("openai")
 
 KEY = "sk-test-123"
@@ -184,18 +187,32 @@ def test_step_failure_fails_the_step_and_keeps_serving(scripted, client):
 def test_step_failure_mid_stream_is_reported_in_band(scripted):
     """A failure after the stream started arrives as an SSE error event, then [DONE]."""
     scripted.wait_idle()
-    scripted.engine.model.fail_in(5, RuntimeError("late failure"))  # prefill, 3 decodes, then the fault
+    backend = scripted.engine.model
     failed_before = scripted.async_engine.stats.failed
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "alias", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", scripted.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
-        assert r.status_code == 200
-        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    payloads = [json.loads(e) for e in events[:-1]]
+    backend.delay = 0.05  # ~3 s for the script: plenty of time to arm the fault mid-stream
+    try:
+        with httpx.stream("POST", scripted.url + "/v1/chat/completions", json=body, headers=headers,
+                          timeout=120) as r:
+            assert r.status_code == 200
+            payloads = []
+            for ln in r.iter_lines():
+                if not ln.startswith("data: "):
+                    continue
+                if ln == "data: [DONE]":
+                    payloads.append("[DONE]")
+                    break
+                payloads.append(json.loads(ln[6:]))
+                if len(payloads) == 3:  # role chunk + two reasoning chunks: now the next forward fails
+                    backend.fail_in(1, RuntimeError("late failure"))
+    finally:
+        backend.delay = 0.01
+    assert payloads[-1] == "[DONE]", payloads
     assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "late failure" in payloads[-1]["error"]["message"] and payloads[-1]["error"]["type"] == "server_error"
-    assert not any(p.get("choices") and p["choices"][0]["finish_reason"] for p in payloads)
-    assert scripted.async_engine.stats.failed == failed_before + 1
+    assert "late failure" in payloads[-2]["error"]["message"], payloads
+    assert payloads[-2]["error"]["type"] == "server_error"
+    assert not any(p.get("choices") and p["choices"][0]["finish_reason"] for p in payloads[:-1])
     scripted.wait_idle()
+    assert scripted.async_engine.stats.failed == failed_before + 1
     assert scripted.on_engine(lambda e: e.kv.leaks()) == []

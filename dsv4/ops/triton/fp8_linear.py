@@ -15,9 +15,10 @@ Per K step (BLOCK_K = 128 = one scale block column):
    only narrow the MMA instead of padding it to 64 rows). fp32 x uses an IEEE fp32 dot, never
    TF32; the interpreter upcasts bf16 operands to fp32 because its bf16 dot is wrong (same values).
 
-Two configurations by M: decode (M ≤ 64: BLOCK_M 16/32/64, BLOCK_N 64, and split-K so that
-about two programs per SM run even when N is small; the fp32 partials are summed in torch) and
-prefill (128×128 tiles, grouped program order for L2 reuse of the weight tiles).
+Configurations by M (chosen from an H200 sweep, CUDA-graph timings): decode (M ≤ 64: BLOCK_M
+16/32/64, BLOCK_N 64/128, and split-K so that about two programs per SM run even when N is small;
+the fp32 partials are summed in torch) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that
+gives ≥ 96 tiles, else 128 × 64 with 4 warps; grouped program order for L2 reuse of weight tiles).
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
 
 def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
     """Tile configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override)."""
-    if m <= 64:
+    if m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        cfg = dict(BLOCK_M=bm, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=1, split_k=None)
-    else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
+        bn = 128 if (m > 16 and n >= 4096) else 64
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
+    elif math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
+        cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
+    else:  # mid-size M or narrow N: smaller tiles keep the SMs busy
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=8, split_k=1)
     if config:
         cfg.update(config)
     k_blocks = max(1, math.ceil(k / BLOCK))

@@ -7,19 +7,22 @@ Routing (``moe_route``), one program per BLOCK_T rows × all experts:
   same order as a stable descending sort. Hash layers read the ids instead. Weights = the scores
   at the ids / (float64 sum + 1e-20) × scale. Rows with valid == False → id -1, weight 0.
 
-Experts (``moe_experts``), three kernels over a slot list (slot = t·topk + j):
-  * grouping: slots sorted by expert in torch (stable argsort, no host sync) and each expert's run
+Experts (``moe_experts``) over a slot list (slot = t·topk + j):
+  * grouping: slots sorted by expert in torch (stable sort, no host sync) and each expert's run
     padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a
     block→expert table marks unused blocks -1. Slots with id -1 (padding tokens) are never placed.
-    For tiny batches (T·topk ≤ 48) the "direct" mode skips grouping: block b is slot b alone.
-  * up kernel, program = (block, BLOCK_N columns of I): for each K step the x rows of the block
-    (gathered by token), the W1 and W3 tiles of the block's expert (MXFP4 bytes: low nibble =
-    even k, high nibble = odd k, decoded separately so the dot runs over even and odd k with
-    de-interleaved x; scale 2^(b-127) per 32 k; or FP8 bytes × the 128×128 block scale), two
-    fp32 accumulators; epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u rounded to
-    x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype.
+  * up kernel, program = (block, BLOCK_N columns of I): per K step of 128 the x rows of the block
+    (gathered by token, loaded contiguously and split into even/odd k) and the W1 and W3 tiles of
+    the block's expert — MXFP4 bytes [BLOCK_N, 64]: low nibble = even k, high nibble = odd k, each
+    decoded to E2M1 × 2^(b-127) with the row's 4 scale bytes broadcast over their 32-k groups (or
+    FP8 bytes × the 128×128 block scale), rounded to x.dtype — then tl.dot(W_even, x_evenᵀ) +
+    tl.dot(W_odd, x_oddᵀ) into fp32 [BLOCK_N, BLOCK_M] accumulators (swap-AB: the decoded weight
+    is the register operand). Epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u
+    rounded to x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype.
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
+  * direct (decode) mode, T·topk ≤ 48: no grouping; one program per (slot, BLOCK_N columns) does
+    the same decode as a CUDA-core GEMV (Σ_k w·x in fp32; no MMA padding of a single row).
   * combine kernel, program = (token, BLOCK_H): Σ_j weight[t, j] · y[t·topk + j] in fp32 in slot
     order, skipping id -1 slots without reading them; rows with no valid slot are exactly 0.
 Weights stay packed in memory: tiles are decoded in registers, never materialized.
@@ -185,73 +188,84 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
-    """(expert, slot per row, row valid, h-buffer row) of block b."""
+def _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M: tl.constexpr):
+    """(expert, slot per row, row valid, h-buffer row) of grouped block b."""
     r = tl.arange(0, BLOCK_M)
-    if DIRECT:
-        e = tl.load(ids_ptr + b)
-        slot = tl.where(r == 0, b, -1)
-        ok = (r == 0) & ((r * 0 + e) >= 0)  # scalar broadcast first (interpreter mask dtype quirk)
-        hrow = slot
-    else:
-        e = tl.load(bexp_ptr + b)
-        slot = tl.load(slot_ptr + b * BLOCK_M + r)
-        ok = slot >= 0
-        hrow = b * BLOCK_M + r
+    e = tl.load(bexp_ptr + b)
+    slot = tl.load(slot_ptr + b * BLOCK_M + r)
+    ok = slot >= 0
+    hrow = b * BLOCK_M + r
     return e, slot, ok, hrow
 
 
 @triton.jit
 def _w_tile_fp4(w_base, s_base, rows, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
-                BLOCK_K: tl.constexpr):
-    """Decoded (even-k, odd-k) fp32 tiles [R, BLOCK_K/2] of MXFP4 rows ``rows`` at k0..k0+BLOCK_K."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """(even-k, odd-k) tiles [BLOCK_N, BLOCK_K/2] in DTYPE of the MXFP4 rows ``rows``, K range
+    k0..k0+BLOCK_K: byte j holds k0+2j (low nibble) and k0+2j+1 (high nibble), both in scale
+    group (k0 + 2j) // 32; the BLOCK_K/32 scales of a row are loaded once and broadcast."""
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j
     m = r_mask[:, None] & (kb < KH // 2)[None, :]
     byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0).to(tl.int32)
-    sb = tl.load(s_base + rows[:, None] * stride_sn + ((k0 + 2 * j) // 32)[None, :] * stride_sk, mask=m, other=127)
+    gi = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sb = tl.load(s_base + rows[:, None] * stride_sn + gi[None, :] * stride_sk,
+                 mask=r_mask[:, None] & (gi < KH // 32)[None, :], other=127)
     sc = ue8m0_to_f32(sb)
-    lo = e2m1_to_f32(byte & 15) * sc
-    hi = e2m1_to_f32((byte >> 4) & 15) * sc
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    lo = cast(e2m1_to_f32(byte & 15) * sc, DTYPE, INTERP)
+    hi = cast(e2m1_to_f32((byte >> 4) & 15) * sc, DTYPE, INTERP)
     return lo, hi
 
 
 @triton.jit
 def _w_tile_fp8(w_base, s_base, rows, srow0, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
-                BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr):
-    """Decoded fp32 tile [R, BLOCK_K] of FP8 rows ``rows`` (scale rows srow0 + local_row // 128)."""
+                BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Tile [R, BLOCK_K] in DTYPE of FP8 rows ``rows`` (scale row srow0 + row // 128, column k0 // 128)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     m = r_mask[:, None] & (kk < KH)[None, :]
     byte = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :] * stride_wk, mask=m, other=0)
-    sb = tl.load(s_base + (srow0 + rows // 128) * stride_sn + (k0 // 128) * stride_sk,
-                 mask=r_mask, other=0)
+    sb = tl.load(s_base + (srow0 + rows // 128) * stride_sn + (k0 // 128) * stride_sk, mask=r_mask, other=0)
     if SCALE_UE8M0:
         sc = ue8m0_to_f32(sb)
     else:
         sc = sb.to(tl.float32)
-    return fp8_to_f32(byte, NATIVE, FNUZ) * sc[:, None]
+    return cast(fp8_to_f32(byte, NATIVE, FNUZ) * sc[:, None], DTYPE, INTERP)
 
 
 @triton.jit
-def _dot(a, b_rows, DOT_F32: tl.constexpr):
-    """a [M, K] · b_rowsᵀ ([N, K]) with fp32 accumulation; both already in the operand dtype."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), tl.trans(b_rows.to(tl.float32)), input_precision="ieee")
+def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """Activation rows [BLOCK_M, BLOCK_K] at k0 (contiguous load); SPLIT: de-interleaved (even, odd)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    v = tl.load(row_ptrs + kk[None, :] * stride_k, mask=ok[:, None] & (kk < KH)[None, :], other=0.0)
+    if SPLIT:
+        return tl.split(tl.reshape(v, (BLOCK_M, BLOCK_K // 2, 2)))
     else:
-        return tl.dot(a, tl.trans(b_rows))
+        return v, v
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr, ids_ptr,
+def _dot(w, x, DOT_F32: tl.constexpr):
+    """w [N, K] · xᵀ ([M, K]) -> [N, M] with fp32 accumulation ("swap-AB": the decoded weight is
+    the register-resident left operand, the few token rows only set the MMA's N width)."""
+    if DOT_F32:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(w, tl.trans(x))
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    H, I, TOPK, S3_ROW, limit,
                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                    stride_hp, stride_hi,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                   DIRECT: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                   SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M, DIRECT)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
     if e >= 0:
         x_dtype = x_ptr.dtype.element_ty
         tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
@@ -259,73 +273,151 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr, ids_ptr,
         n_mask = offs_n < I
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
-        x_row = x_ptr + tok[:, None] * stride_xt
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + tok[:, None] * stride_xt
+        acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gate, [n, m]
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # up
         for k0 in range(0, H, BLOCK_K):
+            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4)
             if FP4:
-                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-                xm = ok[:, None] & (ke < H)[None, :]
-                xe = tl.load(x_row + ke[None, :] * stride_xh, mask=xm, other=0.0)
-                xo = tl.load(x_row + (ke + 1)[None, :] * stride_xh, mask=xm, other=0.0)
                 lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_K)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                acc1 += _dot(lo1, xe, DOT_F32) + _dot(hi1, xo, DOT_F32)
                 lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_K)
-                acc1 += _dot(xe, cast(lo1, x_dtype, INTERP), DOT_F32) + _dot(xo, cast(hi1, x_dtype, INTERP), DOT_F32)
-                acc3 += _dot(xe, cast(lo3, x_dtype, INTERP), DOT_F32) + _dot(xo, cast(hi3, x_dtype, INTERP), DOT_F32)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                acc3 += _dot(lo3, xe, DOT_F32) + _dot(hi3, xo, DOT_F32)
             else:
-                kk = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(x_row + kk[None, :] * stride_xh, mask=ok[:, None] & (kk < H)[None, :], other=0.0)
                 w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
-                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
+                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
+                acc1 += _dot(w1, xe, DOT_F32)
                 w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
-                                 stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
-                acc1 += _dot(xv, cast(w1, x_dtype, INTERP), DOT_F32)
-                acc3 += _dot(xv, cast(w3, x_dtype, INTERP), DOT_F32)
+                                 stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
+                acc3 += _dot(w3, xe, DOT_F32)
         g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
         u = cast(acc3, x_dtype, INTERP).to(tl.float32)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         hv = g / (1.0 + tl.exp(-g)) * u
-        hp = h_ptr + hrow.to(tl.int64)[:, None] * stride_hp + offs_n[None, :] * stride_hi
-        tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=ok[:, None] & n_mask[None, :])
+        hp = h_ptr + hrow.to(tl.int64)[None, :] * stride_hp + offs_n[:, None] * stride_hi
+        tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, ids_ptr, H, I,
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_ys, stride_yh,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                     DIRECT: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                     SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, ids_ptr, b, BLOCK_M, DIRECT)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
     if e >= 0:
         h_dtype = h_ptr.dtype.element_ty
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
-        h_row = h_ptr + tl.where(ok, hrow, 0).to(tl.int64)[:, None] * stride_hp
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        h_rows = h_ptr + tl.where(ok, hrow, 0).to(tl.int64)[:, None] * stride_hp
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4)
+            if FP4:
+                lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
+                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP)
+                acc += _dot(lo, he, DOT_F32) + _dot(hi, ho, DOT_F32)
+            else:
+                w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
+                                stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
+                acc += _dot(w, he, DOT_F32)
+        yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[None, :] * stride_ys + offs_n[:, None] * stride_yh
+        tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
+
+
+@triton.jit
+def _gemv_rows(w, x, INTERP: tl.constexpr):
+    """Σ_k w[n, k] · x[k] in fp32 ([N]); w already rounded to the activation dtype."""
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _moe_up_gemv_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, H, I, TOPK, S3_ROW, limit,
+                        stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                        stride_hp, stride_hi,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+                        SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr):
+    """Direct (decode) mode: one program = one slot × BLOCK_N columns of I, CUDA-core GEMV."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot)
+    if e >= 0:
+        x_dtype = x_ptr.dtype.element_ty
+        x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if FP4:
+                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                xe = tl.load(x_row + ke * stride_xh, mask=ke < H, other=0.0)
+                xo = tl.load(x_row + (ke + 1) * stride_xh, mask=ke < H, other=0.0)
+                lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                acc1 += _gemv_rows(lo1, xe, INTERP) + _gemv_rows(hi1, xo, INTERP)
+                lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                acc3 += _gemv_rows(lo3, xe, INTERP) + _gemv_rows(hi3, xo, INTERP)
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(x_row + kk * stride_xh, mask=kk < H, other=0.0)
+                w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
+                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
+                acc1 += _gemv_rows(w1, xv, INTERP)
+                w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
+                                 stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
+                acc3 += _gemv_rows(w3, xv, INTERP)
+        g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
+        u = cast(acc3, x_dtype, INTERP).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        hv = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + slot.to(tl.int64) * stride_hp + offs_n * stride_hi, cast(hv, h_ptr.dtype.element_ty, INTERP),
+                 mask=n_mask)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
+                          stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                          stride_ys, stride_yh,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+                          SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot)
+    if e >= 0:
+        h_dtype = h_ptr.dtype.element_ty
+        h_row = h_ptr + slot.to(tl.int64) * stride_hp
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             if FP4:
                 ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-                hm = ok[:, None] & (ke < I)[None, :]
-                he = tl.load(h_row + ke[None, :] * stride_hi, mask=hm, other=0.0)
-                ho = tl.load(h_row + (ke + 1)[None, :] * stride_hi, mask=hm, other=0.0)
+                he = tl.load(h_row + ke * stride_hi, mask=ke < I, other=0.0)
+                ho = tl.load(h_row + (ke + 1) * stride_hi, mask=ke < I, other=0.0)
                 lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, BLOCK_K)
-                acc += _dot(he, cast(lo, h_dtype, INTERP), DOT_F32) + _dot(ho, cast(hi, h_dtype, INTERP), DOT_F32)
+                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP)
+                acc += _gemv_rows(lo, he, INTERP) + _gemv_rows(hi, ho, INTERP)
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
-                hv = tl.load(h_row + kk[None, :] * stride_hi, mask=ok[:, None] & (kk < I)[None, :], other=0.0)
+                hv = tl.load(h_row + kk * stride_hi, mask=kk < I, other=0.0)
                 w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
-                                stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ)
-                acc += _dot(hv, cast(w, h_dtype, INTERP), DOT_F32)
-        yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_ys + offs_n[None, :] * stride_yh
-        tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=ok[:, None] & n_mask[None, :])
+                                stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
+                acc += _gemv_rows(w, hv, INTERP)
+        tl.store(y_ptr + slot.to(tl.int64) * stride_ys + offs_n * stride_yh, cast(acc, y_ptr.dtype.element_ty, INTERP),
+                 mask=n_mask)
 
 
 @triton.jit
@@ -342,26 +434,34 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, stride_yh,
         use = m & ((offs * 0 + eid) >= 0)
         yv = tl.load(y_ptr + sl.to(tl.int64) * stride_ys + offs * stride_yh, mask=use, other=0.0)
         acc += tl.where(use, yv.to(tl.float32) * wt, 0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, cast(acc, out_ptr.dtype.element_ty, INTERP), mask=m)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, cast(acc, out_ptr.dtype.element_ty, INTERP),
+             mask=m)
 
 
 DIRECT_MAX_SLOTS = 48
 
 
-def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config: dict | None = None) -> dict:
+def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config: dict | None = None,
+                    x_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile configuration (``config`` entries override). Direct mode for T·topk ≤ DIRECT_MAX_SLOTS;
+    otherwise BLOCK_M from the mean rows per expert. BLOCK_K is 128 (one FP8 scale block; four
+    MXFP4 scale groups)."""
     n = t * topk
     if n <= DIRECT_MAX_SLOTS:
-        cfg = dict(direct=True, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3)
+        cfg = dict(direct=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     else:
         avg = n / n_experts
         bm = 16 if avg <= 16 else (32 if avg <= 32 else (64 if avg <= 96 else 128))
-        cfg = dict(direct=False, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, num_warps=4 if bm <= 32 else 8,
-                   num_stages=3)
-    cfg["BLOCK_K"] = 256 if (expert_dtype == "fp4" and cfg["BLOCK_M"] <= 32) else 128
+        cfg = dict(direct=False, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, BLOCK_K=128,
+                   num_warps=4 if bm <= 32 else 8, num_stages=3)
+    if x_dtype == torch.float32 and not interpreting():  # fp32 operands: 2x the shared memory
+        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=2)
     if config:
         cfg.update(config)
     if expert_dtype == "fp8" and cfg["BLOCK_K"] != 128:
         raise ValueError("FP8 experts need BLOCK_K = 128 (one scale block per K step)")
+    if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
+        raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
     return cfg
 
 
@@ -408,13 +508,12 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
         return out
-    cfg = pick_moe_config(t, topk, n_exp, expert_dtype, config)
+    cfg = pick_moe_config(t, topk, n_exp, expert_dtype, config, x.dtype)
     bm = cfg["BLOCK_M"]
     ids32 = ids.to(torch.int32).contiguous()
     wts = weights.to(torch.float32).contiguous()
     if cfg["direct"]:
         nblocks = t * topk
-        slot_ids = bexp = ids32  # unused placeholders in direct mode
         h = torch.empty((t * topk, idim), dtype=x.dtype, device=dev)
     else:
         slot_ids, bexp = group_slots(ids32, n_exp, bm)
@@ -423,20 +522,32 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
     native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
-    common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", DIRECT=cfg["direct"],
+    common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bn = cfg["BLOCK_N"]
-    _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
-        x, w13b, s13b, h, slot_ids, bexp, ids32, hdim, idim, topk, s3_row, float(limit),
-        x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-        s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-        BLOCK_N=bn, **common)
-    _moe_down_kernel[(nblocks, triton.cdiv(hdim, bn))](
-        h, w2b, s2b, y, slot_ids, bexp, ids32, hdim, idim,
-        h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
-        s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
-        BLOCK_N=bn, **common)
+    if cfg["direct"]:
+        g = dict(BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz,
+                 INTERP=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
+            x, w13b, s13b, h, ids32, hdim, idim, topk, s3_row, float(limit),
+            x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
+            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1), BLOCK_N=bn, **g)
+        _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
+            h, w2b, s2b, y, ids32, hdim, idim,
+            h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
+            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, **g)
+    else:
+        _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
+            x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
+            x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
+            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
+            BLOCK_N=bn, **common)
+        _moe_down_kernel[(nblocks, triton.cdiv(hdim, bn))](
+            h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
+            h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
+            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
+            BLOCK_N=bn, **common)
     block_h = min(1024, triton.next_power_of_2(hdim))
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
         y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),

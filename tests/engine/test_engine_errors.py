@@ -1,0 +1,100 @@
+"""Bad input raises ValueError naming the limit or field and the offending value, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dsv4.engine.sampling_params import SamplingParams
+
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return make_llm(tiny_ckpt, "auto", max_model_len=MAX_LEN, max_num_seqs=4)
+
+
+def _raises(fn, *needles):
+    with pytest.raises(ValueError) as e:
+        fn()
+    msg = str(e.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in the message {msg!r}"
+    return msg
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    long = rand_prompts(41, [MAX_LEN + 44])[0]
+    _raises(lambda: llm.generate([long], greedy(4)), f"{MAX_LEN + 44} tokens", f"max_model_len={MAX_LEN}")
+    # the prompt fits but not with the requested new tokens
+    near = long[: MAX_LEN - 2]
+    _raises(lambda: llm.generate([near], greedy(4)), f"{MAX_LEN - 2} tokens", "max_tokens=4",
+            f"max_model_len={MAX_LEN}")
+    _raises(lambda: llm.engine.add_request(long, greedy(1)), f"max_model_len={MAX_LEN}")
+    assert_no_leaks(llm)
+    # a prompt that exactly fills the context with its new tokens is fine
+    out = llm.generate([long[: MAX_LEN - 2]], greedy(2))[0]
+    assert len(out.outputs[0].token_ids) == 2
+    assert_no_leaks(llm)
+
+
+BAD_PARAMS = [
+    ("temperature", -0.5),
+    ("top_p", 0),
+    ("top_p", 1.5),
+    ("top_k", -2),
+    ("min_p", 2),
+    ("max_tokens", 0),
+    ("n", 0),
+    ("logprobs", 50),
+    ("prompt_logprobs", 21),
+    ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0),
+    ("min_tokens", -1),
+    ("stop", ""),
+    ("stop_token_ids", [-1]),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_PARAMS, ids=[f"{f}={v!r}" for f, v in BAD_PARAMS])
+def test_invalid_sampling_value(field, value):
+    msg = _raises(lambda: SamplingParams(**{field: value}), repr(value))
+    assert re.search(rf"\b{field}\b", msg), f"{field!r} not named in {msg!r}"
+
+
+def test_min_tokens_above_max_tokens():
+    _raises(lambda: SamplingParams(min_tokens=5, max_tokens=3), "min_tokens", "5", "max_tokens", "3")
+    SamplingParams(min_tokens=3, max_tokens=3)  # equal is fine
+
+
+def test_cache_budget_too_small_for_one_request(tiny_ckpt):
+    msg = _raises(lambda: make_llm(tiny_ckpt, "auto", max_model_len=1024, max_num_seqs=4, kv_cache_memory=8 << 20),
+                  "max_model_len=1024", "8.0 MiB")
+    assert re.search(r"at least \d+(\.\d+)? MiB", msg)  # and says what would be enough
+
+
+def test_out_of_vocabulary_token_id(llm):
+    vocab = llm.engine.model_config.vocab_size
+    for bad in (vocab, vocab + 1000, -1):
+        _raises(lambda: llm.generate([[5, 6, bad, 7]], greedy(2)), f"token id {bad}", str(vocab))
+    assert_no_leaks(llm)
+    out = llm.generate([[5, 6, vocab - 1, 7]], greedy(1))[0]  # the last id is fine
+    assert len(out.outputs[0].token_ids) == 1
+    assert_no_leaks(llm)
+
+
+def test_other_request_errors_leave_nothing_behind(llm):
+    good = rand_prompts(42, [10])[0]
+    _raises(lambda: llm.generate([[]], greedy(2)), "empty")
+    # a batch whose second prompt is bad: the first, already added, is withdrawn again
+    _raises(lambda: llm.generate([good, [good[0], -5]], greedy(2)), "token id -5")
+    assert_no_leaks(llm)
+    rid = llm.engine.add_request(good, greedy(2), request_id="dup")
+    _raises(lambda: llm.engine.add_request(good, greedy(2), request_id="dup"), "'dup'")
+    llm.engine.run_to_completion([rid])
+    assert_no_leaks(llm)

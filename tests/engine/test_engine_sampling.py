@@ -1,0 +1,311 @@
+"""Sampling: seeds, temperature/top-k/top-p/min-p, penalties, logprobs, n, min_tokens, stops, finish reasons."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4.engine.request import Request
+from dsv4.engine.sampler import apply_penalties, filter_logits
+from dsv4.engine.sampling_params import SamplingParams
+
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
+
+NEG = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return make_llm(tiny_ckpt, "auto", max_num_seqs=8, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return rand_prompts(31, [9, 14, 6, 21])
+
+
+def _tokens(out, i=0):
+    return out.outputs[i].token_ids
+
+
+# ---- pure functions on hand-made vectors ---------------------------------------------------
+def test_filter_logits_on_hand_made_vector():
+    x = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
+    p = torch.softmax(x, -1)  # ≈ [.032, .636, .086, .234, .012]; order by size: 1, 3, 2, 0, 4
+
+    def kept(y):
+        assert torch.equal(y[torch.isfinite(y)], x[torch.isfinite(y)])  # survivors keep their values
+        return sorted(torch.nonzero(torch.isfinite(y)).flatten().tolist())
+
+    assert kept(filter_logits(x.clone(), 0, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+    assert kept(filter_logits(x.clone(), -1, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+    assert kept(filter_logits(x.clone(), 1, 1.0, 0.0)) == [1]
+    assert kept(filter_logits(x.clone(), 2, 1.0, 0.0)) == [1, 3]
+    assert kept(filter_logits(x.clone(), 5, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+    # top-p keeps the smallest most-probable set whose mass reaches p
+    assert kept(filter_logits(x.clone(), 0, float(p[1]) - 1e-3, 0.0)) == [1]
+    assert kept(filter_logits(x.clone(), 0, 0.7, 0.0)) == [1, 3]
+    assert kept(filter_logits(x.clone(), 0, 0.9, 0.0)) == [1, 2, 3]
+    assert kept(filter_logits(x.clone(), 0, 1e-6, 0.0)) == [1]
+    # min-p drops tokens less likely than min_p × the top probability
+    assert kept(filter_logits(x.clone(), 0, 1.0, 0.2)) == [1, 3]  # threshold .127
+    assert kept(filter_logits(x.clone(), 0, 1.0, 0.1)) == [1, 2, 3]  # threshold .064
+    assert kept(filter_logits(x.clone(), 0, 1.0, 1.0)) == [1]
+    # combined: top-k 3 then top-p .8 of the renormalised three
+    assert kept(filter_logits(x.clone(), 3, 0.8, 0.0)) == [1, 3]
+
+
+def _req(prompt, output, **kw) -> Request:
+    r = Request("u", prompt, SamplingParams(**kw))
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_apply_penalties_as_defined():
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0, 0.5, -0.5, 2.0])
+    prompt, output = [0, 1, 5], [2, 3, 3, 6]  # seen: 0,1,5 (prompt) and 2,3,6 (output; 3 twice)
+
+    # repetition: every seen token (prompt and output), positive logits divided, negative multiplied
+    y = apply_penalties(x.clone(), _req(prompt, output, repetition_penalty=2.0))
+    want = x.clone()
+    for t in (0, 1, 2, 3, 5, 6):
+        want[t] = x[t] / 2 if x[t] > 0 else x[t] * 2
+    assert torch.equal(y, want)
+
+    # presence: a flat amount off every token that appeared in the output (not the prompt)
+    y = apply_penalties(x.clone(), _req(prompt, output, presence_penalty=0.5))
+    want = x.clone()
+    want[[2, 3, 6]] -= 0.5
+    assert torch.equal(y, want)
+
+    # frequency: proportional to the number of times a token appeared in the output
+    y = apply_penalties(x.clone(), _req(prompt, output, frequency_penalty=0.25))
+    want = x.clone()
+    want[2] -= 0.25
+    want[3] -= 0.5
+    want[6] -= 0.25
+    assert torch.equal(y, want)
+
+    # negative values reward repetition; all three together apply repetition first
+    y = apply_penalties(x.clone(), _req(prompt, output, presence_penalty=-1.0, frequency_penalty=1.0,
+                                         repetition_penalty=1.5))
+    want = x.clone()
+    for t in (0, 1, 2, 3, 5, 6):
+        want[t] = x[t] / 1.5 if x[t] > 0 else x[t] * 1.5
+    for t, count in ((2, 1), (3, 2), (6, 1)):
+        want[t] -= 1.0 * count - 1.0
+    assert torch.allclose(y, want, rtol=0, atol=1e-6)
+
+    # nothing generated yet: presence/frequency leave the logits alone; defaults change nothing
+    assert torch.equal(apply_penalties(x.clone(), _req(prompt, [], presence_penalty=2, frequency_penalty=2)), x)
+    assert torch.equal(apply_penalties(x.clone(), _req(prompt, output)), x)
+
+
+# ---- through the engine --------------------------------------------------------------------
+def test_seeded_sampling_reproducible_and_batch_independent(llm, prompts):
+    p = prompts[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    a = _tokens(llm.generate([p], seeded)[0])
+    b = _tokens(llm.generate([p], seeded)[0])
+    assert a == b
+    # same request amid others (unseeded ones draw from the engine's generator, other seeds)
+    others = [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=99, max_tokens=8, ignore_eos=True, top_p=0.9),
+              SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)]
+    outs = llm.generate([prompts[1], prompts[2], p, prompts[3]], [others[0], others[1], seeded, others[2]])
+    assert _tokens(outs[2]) == a
+    # a different seed gives a different draw
+    c = _tokens(llm.generate([p], SamplingParams(temperature=1.0, seed=1235, max_tokens=8, ignore_eos=True))[0])
+    assert c != a
+    assert_no_leaks(llm)
+
+
+def test_truncation_to_one_token_equals_greedy(llm, prompts):
+    p = prompts[1]
+    params = [greedy(8, logprobs=None),
+              SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=2.0, top_p=1e-6, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.5, min_p=1.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)]
+    outs = llm.generate([p] * len(params), params)
+    g = _tokens(outs[0])
+    assert _tokens(outs[1]) == g and _tokens(outs[2]) == g and _tokens(outs[3]) == g
+    assert _tokens(outs[4]) != g  # plain temperature sampling does leave the argmax
+    assert_no_leaks(llm)
+
+
+def test_logprobs(llm, prompts):
+    n = 5
+    params = [greedy(6, logprobs=n), SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=n)]
+    outs = llm.generate([prompts[2]] * 2, params)
+    tok = llm.get_tokenizer()
+    for k, out in enumerate(outs):
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        total = 0.0
+        for t, entry in zip(c.token_ids, c.logprobs):
+            assert n <= len(entry) <= n + 1
+            assert t in entry
+            assert all(lp.logprob <= 0 and math.isfinite(lp.logprob) for lp in entry.values())
+            top = sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda lp: lp.rank)
+            assert [lp.rank for lp in top] == list(range(1, n + 1))
+            assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+            mine = entry[t]
+            assert mine.rank == 1 + sum(lp.logprob > mine.logprob for lp in top) or mine.rank > n
+            assert mine.decoded_token == tok.decode([t])
+            total += mine.logprob
+            if k == 0:  # greedy: the sampled token is the most likely one
+                assert mine.rank == 1
+        assert c.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    # without logprobs nothing is reported
+    out = llm.generate([prompts[2]], greedy(2, logprobs=None))[0].outputs[0]
+    assert out.logprobs is None and out.cumulative_logprob is None
+    assert_no_leaks(llm)
+
+
+def test_prompt_logprobs(llm, prompts):
+    p = prompts[3]
+    out = llm.generate([p], greedy(2, prompt_logprobs=3))[0]
+    pl = out.prompt_logprobs
+    assert len(pl) == len(p) and pl[0] is None
+    ref_logits, _ = llm.engine.model.prefill(p)
+    ref = torch.log_softmax(ref_logits.float(), -1)
+    for i in range(1, len(p)):
+        assert p[i] in pl[i] and 3 <= len(pl[i]) <= 4
+        assert all(lp.logprob <= 0 for lp in pl[i].values())
+        # the logprob of prompt token i given tokens < i, bitwise as the reference computes it
+        assert pl[i][p[i]].logprob == float(ref[i - 1, p[i]])
+    # the generated part is unaffected by asking for prompt logprobs
+    assert _tokens(out) == _tokens(llm.generate([p], greedy(2))[0])
+    assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt(llm):
+    out = llm.generate([[1234]], greedy(2, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None]
+    assert len(_tokens(out)) == 2
+    assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_chunked_and_preempted(tiny_ckpt, prompts):
+    """Prompt logprobs gathered over several prefill chunks, and across a preemption mid-prefill."""
+    from dsv4.cache.paged import plan_budget, unit_bytes
+    from dsv4.config import load_config
+    from dsv4.model.cache import CacheNumerics
+
+    cfg, num = load_config(tiny_ckpt), CacheNumerics("auto")
+    blk, swa, _ = unit_bytes(cfg, num, torch.float32)
+    big = plan_budget(cfg, num, torch.float32, 1 << 34, 2, 64, 512)
+    mem = big.total_bytes - (big.num_blocks - 3) * (blk + 2 * swa)  # 3 blocks of 256 tokens
+    llm = make_llm(tiny_ckpt, "auto", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=512,
+                   kv_cache_memory=mem)
+    assert llm.engine.kv_cache.budget.num_blocks == 3
+    a, b = rand_prompts(32, [250, 400])
+    sched = llm.engine.scheduler
+    preempted = []
+    orig = sched._preempt
+
+    def record(victim):
+        preempted.append((len(victim.prompt_token_ids), victim.num_computed, len(victim.output_token_ids)))
+        orig(victim)
+
+    sched._preempt = record
+    # a (1 block) decodes into its 2nd block while b (2 blocks) is still prefilling: b is preempted
+    outs = llm.generate([a, b], [greedy(12), greedy(2, prompt_logprobs=0)])
+    assert any(n == len(b) and 0 < done < n and not out for n, done, out in preempted), preempted
+    pl = outs[1].prompt_logprobs
+    assert len(pl) == len(b) and pl[0] is None
+    ref_logits, _ = llm.engine.model.prefill(b)
+    ref = torch.log_softmax(ref_logits.float(), -1)
+    got = [pl[i][b[i]].logprob for i in range(1, len(b))]
+    want = [float(ref[i - 1, b[i]]) for i in range(1, len(b))]
+    assert got == want
+    assert_no_leaks(llm)
+
+
+def test_n_completions(llm, prompts):
+    p = prompts[0]
+    out = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=5, ignore_eos=True))[0]
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in out.outputs)
+    # with a seed, completion i draws with seed + i: the same as a single request with that seed
+    singles = llm.generate([p] * 3, [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=5, ignore_eos=True)
+                                     for i in range(3)])
+    assert [c.token_ids for c in out.outputs] == [_tokens(s) for s in singles]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # greedy n=3: three identical completions
+    out = llm.generate([p], SamplingParams(n=3, temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) == 1
+    assert_no_leaks(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm, prompts):
+    p = prompts[1]
+    g = _tokens(llm.generate([p], SamplingParams(temperature=0, max_tokens=6))[0])
+    assert len(g) == 6 and len(set(g[:2])) == 2
+    # a stop id ends the output at its first occurrence (included in token_ids)
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[g[1]]))[0].outputs[0]
+    assert out.token_ids == g[:2] and out.finish_reason == "stop" and out.stop_reason == g[1]
+    # min_tokens: the stop id cannot be produced before min_tokens tokens exist
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[g[0]], min_tokens=2))[0]
+    toks = out.outputs[0].token_ids
+    assert len(toks) >= 2 and g[0] not in toks[:2]
+    if g[0] in toks:
+        assert toks[-1] == g[0] and toks.index(g[0]) == len(toks) - 1 and out.outputs[0].finish_reason == "stop"
+    else:
+        assert len(toks) == 6 and out.outputs[0].finish_reason == "length"
+    # max_tokens ends with "length" and no stop reason
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    assert out.token_ids == g[:3] and out.finish_reason == "length" and out.stop_reason is None
+    assert_no_leaks(llm)
+
+
+def test_eos_min_tokens_and_ignore_eos(llm, prompts, monkeypatch):
+    """With EOS made the argmax at every step: EOS stops, min_tokens holds it off, ignore_eos runs on."""
+    engine = llm.engine
+    eos = engine.model_config.eos_token_id
+    run = engine.runner.run
+
+    def eos_wins(schedule):
+        batch, logits = run(schedule)
+        logits[:, eos] = logits.max(dim=-1).values + 100.0  # probability 1 at any temperature
+        return batch, logits
+
+    monkeypatch.setattr(engine.runner, "run", eos_wins)
+    p = prompts[2]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == ""  # EOS is a special token: skipped in the text
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6, min_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.token_ids[3] == eos
+    assert out.finish_reason == "stop"
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == [eos] * 4 and out.finish_reason == "length"
+    # sampled (not greedy) requests obey min_tokens the same way
+    out = llm.generate([p], SamplingParams(temperature=1.0, seed=1, max_tokens=6, min_tokens=2))[0].outputs[0]
+    assert eos not in out.token_ids[:2] and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+def test_stop_strings(llm, prompts):
+    p = prompts[3]
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    text, g = full.text, full.token_ids
+    assert len(text) >= 8, f"need some generated text to pick a stop string from, got {text!r}"
+    mid = len(text) // 2
+    stop = text[mid: mid + 3]  # very likely spans a token boundary
+    at = text.find(stop)
+    for include in (False, True):
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop, "\x00never"],
+                                               include_stop_str_in_output=include))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == (text[: at + len(stop)] if include else text[:at])
+        assert out.token_ids == g[: len(out.token_ids)] and len(out.token_ids) <= 12
+        # generation stopped at the token that completed the stop string
+        assert stop not in llm.get_tokenizer().decode(out.token_ids[:-1], skip_special_tokens=True)
+    # a stop string that never appears changes nothing
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop="\x00never"))[0]
+    assert out.outputs[0].text == text and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
