@@ -27,7 +27,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=a.enable_prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
-              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format)
+              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format, backend=a.backend)
     if a.kv_cache_memory is not None:
         kw["kv_cache_memory"] = int(a.kv_cache_memory * 2**20)
     return kw
@@ -45,6 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in MiB")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels where the platform has them; torch: the reference path")
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:

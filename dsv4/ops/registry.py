@@ -43,7 +43,11 @@ class Backend:
     def load(self) -> Callable:
         if isinstance(self.fn, str):
             mod, _, attr = self.fn.partition(":")
-            self.fn = getattr(importlib.import_module(mod), attr)
+            try:
+                self.fn = getattr(importlib.import_module(mod), attr)
+            except (ImportError, AttributeError) as e:
+                raise BackendError(f"backend {self.name!r} of op {self.op!r} could not be loaded "
+                                   f"from {self.fn!r}: {e}") from e
         return self.fn
 
     def is_available(self, platform: Platform) -> bool:

@@ -87,9 +87,10 @@ def test_abort_mid_decode_mid_prefill_and_waiting_leaks_nothing(llm):
     r = engine.requests[rid][0]
     assert kv.hits == hits + BLOCK and r.alloc.blocks and kv.blocks.ref[r.alloc.blocks[0]] == 1
     assert r.output_token_ids  # decoding
+    shared = r.alloc.blocks[0]
     engine.abort_request(rid)
     assert_no_leaks(llm)
-    assert len(kv.cached) == 1  # the shared block stays cached for the next request
+    assert shared in kv.block_hash and shared in kv.blocks.evictable  # still cached for the next request
     assert_all_free_after_reset(llm)
 
 
