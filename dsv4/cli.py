@@ -87,6 +87,85 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     return serve(a, _engine_kwargs(a))
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _cmd_probe(a: argparse.Namespace) -> int:
+    from .validate.probe import ProbeOptions, load_prompts, run_probe
+
+    verdict = {k: v for k, v in (("max_run", a.max_run),) if v is not None}
+    opts = ProbeOptions(model=a.model, engine_kwargs=_engine_kwargs(a),
+                        prompts=load_prompts(a.prompts) if a.prompts else None, max_tokens=a.max_tokens,
+                        batch_sizes=tuple(a.batch_sizes), repeats=a.repeats, validate=a.validate,
+                        ref_tokens=a.ref_tokens, ref_tol=a.ref_tol, logprob_tol=a.logprob_tol, oracle=a.oracle,
+                        expect=a.expect, record=a.record, json_report=a.json_report, thinking=a.thinking,
+                        seed=a.seed, verdict=verdict)
+    return run_probe(opts).exit_code
+
+
+def _cmd_diff(a: argparse.Namespace) -> int:
+    from .validate.diff import DiffOptions, run_diff
+
+    opts = DiffOptions(model=a.model, backend_a=a.backend_a, backend_b=a.backend_b, dtype=a.dtype,
+                       kv_cache_dtype=a.kv_cache_dtype, fp8_format=a.fp8_format, prompt_len=a.prompt_len,
+                       greedy_tokens=a.greedy_tokens, top_k=a.top_k, cos_tol=a.cos_tol, rel_tol=a.rel_tol,
+                       seed=a.seed, json_report=a.json_report)
+    return run_diff(opts).exit_code
+
+
+def _cmd_bench_serve(a: argparse.Namespace) -> int:
+    from .validate.bench import bench_options_from_args, run_bench
+
+    return run_bench(bench_options_from_args(a)).exit_code
+
+
+def _add_probe_args(pr: argparse.ArgumentParser) -> None:
+    _add_engine_args(pr)
+    pr.add_argument("--tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
+                    help="same as --tensor-parallel-size")
+    pr.add_argument("--prompts", default=None, help="prompt file (.json list, or one prompt per line with "
+                    "chat:/raw: prefixes); default: two chat and two raw prompts")
+    pr.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (≥ 2: decode must run)")
+    pr.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 8, 16], help="e.g. 1,2,8,16")
+    pr.add_argument("--repeats", type=int, default=2, help="runs of the largest batch, compared with each other")
+    pr.add_argument("--validate", action="store_true",
+                    help="finite checks at every layer boundary and inside attention (q, k, logits, probs)")
+    pr.add_argument("--ref-tokens", type=int, default=4, help="reference agreement over the first N tokens (0: all)")
+    pr.add_argument("--ref-tol", type=float, default=0.05, help="nats: a top-1 disagreement within it is a near-tie")
+    pr.add_argument("--logprob-tol", type=float, default=0.1, help="nats: engine vs reference logprob of a token")
+    pr.add_argument("--oracle", choices=["shared", "torch", "off"], default="shared",
+                    help="shared: the engine's model on a dense cache; torch: a separately loaded torch reference")
+    pr.add_argument("--expect", default=None, metavar="FILE", help="PASS only if the tokens equal this golden run")
+    pr.add_argument("--record", default=None, metavar="FILE", help="write this run's tokens as a golden file")
+    pr.add_argument("--json-report", default=None, metavar="FILE")
+    pr.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                    help="chat prompts in thinking mode")
+    pr.add_argument("--max-run", type=int, default=None, help="verdict: a token repeated this often in a row fails")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.set_defaults(fn=_cmd_probe)
+
+
+def _add_diff_args(d: argparse.ArgumentParser) -> None:
+    d.add_argument("--model", required=True, help="model directory")
+    d.add_argument("--backend-a", default="torch", choices=["auto", "torch", "triton"])
+    d.add_argument("--backend-b", default="triton", choices=["auto", "torch", "triton"])
+    d.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    d.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
+    d.add_argument("--fp8-format", default="ocp", choices=["ocp", "fnuz"])
+    d.add_argument("--prompt-len", type=int, default=300, help="random prompt length (crosses pages and windows)")
+    d.add_argument("--greedy-tokens", type=int, default=8)
+    d.add_argument("--top-k", type=int, default=10)
+    d.add_argument("--cos-tol", type=float, default=1e-3, help="a row fails when 1 - cosine exceeds this")
+    d.add_argument("--rel-tol", type=float, default=5e-2, help="a row fails when max|a-b| / max|a| exceeds this")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json-report", default=None, metavar="FILE")
+    d.set_defaults(fn=_cmd_diff)
+
+
 def _add_serve_args(s: argparse.ArgumentParser) -> None:
     """vLLM's ``vllm serve`` flags, so that its commands work with ``dsv4`` in place of ``vllm``."""
     s.add_argument("model_tag", nargs="?", default=None, help="model directory (same as --model)")
@@ -142,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="summarize and validate a model directory")
     i.add_argument("model_dir")
     i.set_defaults(fn=_cmd_inspect)
+
+    _add_probe_args(sub.add_parser("probe", help="stage-by-stage bring-up probe with a token-level verdict"))
+    _add_diff_args(sub.add_parser("diff", help="layered numerical evidence chain between two backends"))
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    from .validate.bench_args import add_bench_serve_args  # argparse only: no httpx import
+
+    add_bench_serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server (vllm bench serve)"))
+    bsub.choices["serve"].set_defaults(fn=_cmd_bench_serve)
     return p
 
 

@@ -9,9 +9,9 @@ from dsv4.llm import LLM
 
 DTYPES = ("auto", "fp8_ds_mla")
 # lengths around the 64-token SWA page, the 128-token window / HCA ratio, the ratio-4 groups and
-# the 256-token block; with 6 new tokens 63, 126 and 255 also cross a boundary while decoding
+# the 256-token block; with 4 new tokens 63, 126 and 255 also cross a boundary while decoding
 BOUNDARY_LENGTHS = (5, 63, 64, 126, 129, 255, 257, 300)
-BOUNDARY_NEW_TOKENS = 6
+BOUNDARY_NEW_TOKENS = 4
 TOKEN_LO, TOKEN_HI = 3, 129000  # avoid BOS/EOS (0/1) and the added tokens at the top of the vocabulary
 
 

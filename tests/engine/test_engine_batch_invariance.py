@@ -12,7 +12,7 @@ import pytest
 
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompt, rand_prompts, signature
 
-MAX_TOKENS = 4
+MAX_TOKENS = 3
 # 16 short prompts; 65 and 130 cross the 64-token page and the 128 window / HCA ratio under chunking
 LENGTHS = (3, 7, 12, 17, 20, 24, 31, 9, 38, 41, 45, 48, 65, 130, 27, 33)
 
@@ -66,13 +66,11 @@ def test_batch_and_chunk_invariance(tiny_ckpt, prompts, alone, first_config, kv_
     chunked = False
     done = {}
     while engine.has_unfinished_requests():
-        sched_budget = engine.scheduler.budget
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
         widest = max(widest, len(engine.scheduler.running))
         chunked |= any(0 < r.num_computed < len(r.prompt_token_ids) for r in engine.scheduler.running)
-        assert sched_budget == budget
     # the configuration really batched / chunked as intended (a 16-token budget caps the batch:
     # decodes take one token each)
     if budget >= sum(LENGTHS):
@@ -112,25 +110,18 @@ def test_prefix_cache_invariance(tiny_ckpt, shared_prompts, kv_dtype):
     assert_no_leaks(off)
     del off
 
-    # prefix caching on, one request at a time: the 2nd restores all 512 shared tokens
-    on = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=True, max_num_seqs=1, max_num_batched_tokens=4096)
-    got = [signature(o) for o in on.generate(shared_prompts, greedy(MAX_TOKENS))]
-    assert on.engine.kv.hits == SHARED
-    assert got == base, "a prefix-cache hit changed the output"
-    assert_no_leaks(on)
-    # the same requests again: now both hit
-    on.engine.kv.hits = 0
-    again = [signature(o) for o in on.generate(shared_prompts, greedy(MAX_TOKENS))]
-    assert on.engine.kv.hits == 2 * SHARED
-    assert again == base
-    assert_no_leaks(on)
-    del on
-
     # prefix caching on, concurrent with a chunked-prefill budget of 100: the 2nd request is admitted
-    # while the 1st is still prefilling (5 steps of 100, then 15 + the 2nd's first 85) and hits the
-    # one block completed by then: a 256-token hit, restored mid-way through the shared prompt
-    chunked = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=100)
-    got = [signature(o) for o in chunked.generate(shared_prompts, greedy(MAX_TOKENS))]
-    assert chunked.engine.kv.hits == 256
-    assert got == base, "a prefix-cache hit under chunked prefill changed the output"
-    assert_no_leaks(chunked)
+    # while the 1st is still prefilling (5 steps of 100, then its last 15 + the 2nd's first 85) and
+    # hits the one block completed by then: a 256-token hit, mid-way through the shared prompt
+    on = make_llm(tiny_ckpt, kv_dtype, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=100)
+    got = [signature(o) for o in on.generate(shared_prompts, greedy(MAX_TOKENS))]
+    assert on.engine.kv.hits == 256
+    assert got == base, "a 256-token prefix-cache hit under chunked prefill changed the output"
+    assert_no_leaks(on)
+    # the same requests again, one after the other: both restore all 512 shared tokens
+    on.engine.kv.hits = 0
+    again = [signature(o) for o in on.generate(shared_prompts[:1], greedy(MAX_TOKENS))]
+    again += [signature(o) for o in on.generate(shared_prompts[1:], greedy(MAX_TOKENS))]
+    assert on.engine.kv.hits == 2 * SHARED
+    assert again == base, "a 512-token prefix-cache hit changed the output"
+    assert_no_leaks(on)

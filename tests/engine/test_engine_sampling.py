@@ -190,7 +190,10 @@ def test_prompt_logprobs_of_a_one_token_prompt(llm):
 
 
 def test_prompt_logprobs_chunked_and_preempted(tiny_ckpt, prompts):
-    """Prompt logprobs gathered over several prefill chunks, and across a preemption mid-prefill."""
+    """Prompt logprobs gathered over several prefill chunks, and across a preemption mid-prefill.
+
+    (Before the fix in Scheduler._preempt the rows gathered before the preemption were kept and the
+    recomputed ones appended after them, so entries past the preemption point were wrong.)"""
     from dsv4.cache.paged import plan_budget, unit_bytes
     from dsv4.config import load_config
     from dsv4.model.cache import CacheNumerics
@@ -202,7 +205,7 @@ def test_prompt_logprobs_chunked_and_preempted(tiny_ckpt, prompts):
     llm = make_llm(tiny_ckpt, "auto", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=512,
                    kv_cache_memory=mem)
     assert llm.engine.kv_cache.budget.num_blocks == 3
-    a, b = rand_prompts(32, [250, 400])
+    a, b = rand_prompts(32, [254, 300])
     sched = llm.engine.scheduler
     preempted = []
     orig = sched._preempt
@@ -212,8 +215,9 @@ def test_prompt_logprobs_chunked_and_preempted(tiny_ckpt, prompts):
         orig(victim)
 
     sched._preempt = record
-    # a (1 block) decodes into its 2nd block while b (2 blocks) is still prefilling: b is preempted
-    outs = llm.generate([a, b], [greedy(12), greedy(2, prompt_logprobs=0)])
+    # a (1 block) takes the last free block for its 3rd token while b is still prefilling; b, needing
+    # its 2nd block at token 256, is preempted with 254 prompt tokens computed and later recomputed
+    outs = llm.generate([a, b], [greedy(8), greedy(2, prompt_logprobs=0)])
     assert any(n == len(b) and 0 < done < n and not out for n, done, out in preempted), preempted
     pl = outs[1].prompt_logprobs
     assert len(pl) == len(b) and pl[0] is None

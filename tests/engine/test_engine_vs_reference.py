@@ -68,8 +68,8 @@ def _tiny_cache_bytes(ckpt, kv_dtype, max_model_len, max_num_seqs, max_num_batch
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_preemption_under_tiny_cache_matches_reference(tiny_ckpt, kv_dtype, boundary_prompts, reference_greedy):
     # 512 tokens of context need 2 blocks; give the cache 3 while the 8 prompts need 11 together.
-    # Order: the 255-token prompt runs first and needs a 2nd block two tokens into decoding, when
-    # the others hold every block, so a running request must be preempted and later recomputed.
+    # Order: the 255-token prompt runs first and needs a 2nd block for its 3rd token, when the
+    # others hold every block, so a running request must be preempted and later recomputed.
     order = [5, 4, 3, 7, 0, 1, 2, 6]  # lengths 255, 129, 126, 300, 5, 63, 64, 257
     prompts = [boundary_prompts[i] for i in order]
     mem, n_blocks = _tiny_cache_bytes(tiny_ckpt, kv_dtype, 512, 8, 2048, extra_blocks=1)

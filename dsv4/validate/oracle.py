@@ -1,0 +1,109 @@
+"""Reference agreement: the engine's greedy tokens against the dense-cache reference model.
+
+A deterministic wrong cache reader gives *consistent* garbage — the same tokens at every batch
+size and on every repeat — so consistency checks alone cannot see it. The oracle here is the
+reference model's forward over a :class:`~dsv4.model.cache.DenseSequenceCache` (plain tensors, no
+paging, no block-packed bytes to misread) in the same numerics as the engine (compute dtype, KV
+cache dtype, FP8 encoding). It runs **teacher-forced**: one forward over the prompt plus the
+engine's first ``n - 1`` tokens gives the oracle's next-token distribution at each of the engine's
+first ``n`` steps, so a disagreement at step 3 is not blurred by a divergence at step 2.
+
+Per step: the engine's token vs the oracle's top-1 (FAIL when they differ by a log-prob margin above
+``tol``; a near-tie below it is a warning), the engine's reported log-prob of its token vs the
+oracle's (FAIL above ``logprob_tol``), and the top-k overlap. By default the oracle shares the
+engine's model object (weights and kernels) and differs only in the cache path and batching: it
+cannot see a fault both share — a wrong activation formula, say. The probe's golden-token check
+(``--expect``) and a trained canary are the detectors for those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepAgreement:
+    step: int
+    engine_token: int
+    oracle_token: int
+    margin: float  # oracle logprob(top-1) - oracle logprob(engine token); 0 when they agree
+    engine_logprob: float | None
+    oracle_logprob: float  # oracle's logprob of the engine's token
+    topk_overlap: float | None  # |engine top-k ∩ oracle top-k| / k, when the engine reported top-k
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Agreement:
+    steps: list[StepAgreement] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "problems": self.problems, "warnings": self.warnings,
+                "steps": [s.to_dict() for s in self.steps]}
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, numerics, prompt_ids: list[int], gen_ids: list[int], n: int) -> torch.Tensor:
+    """Oracle logits [n, V] (fp32, CPU) for the engine's steps 0..n-1 of ``gen_ids`` after ``prompt_ids``."""
+    from ..model.attention import SeqChunk
+    from ..model.cache import DenseSequenceCache
+
+    n = min(n, len(gen_ids))
+    ids = list(prompt_ids) + list(gen_ids[: max(n - 1, 0)])
+    cache = DenseSequenceCache(model.cfg, numerics)
+    dev = model.device
+    rows = torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + n, device=dev)
+    out = model.forward(torch.tensor(ids, dtype=torch.long, device=dev), [SeqChunk(cache, 0, len(ids))],
+                        logits_rows=rows)
+    return out.logits.float().cpu()
+
+
+def _first_argmax(x: torch.Tensor) -> int:
+    return int(torch.nonzero(x == x.max())[0, 0])
+
+
+def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: list[dict] | None = None,
+            tol: float = 0.05, logprob_tol: float = 0.1, top_k: int = 5) -> Agreement:
+    """Judge the engine's tokens (and reported logprobs) against teacher-forced oracle logits."""
+    a = Agreement()
+    for i in range(oracle_logits.shape[0]):
+        row = oracle_logits[i]
+        t = int(gen_ids[i])
+        if not bool(torch.isfinite(row).all()):
+            a.problems.append(f"step {i}: the reference itself produced non-finite logits (a fault it shares with "
+                              f"the engine, or bad weights)")
+            break
+        lp = torch.log_softmax(row.double(), dim=-1)
+        o = _first_argmax(row)
+        margin = float(lp[o] - lp[t])
+        e_lp = None
+        overlap = None
+        if engine_logprobs is not None and i < len(engine_logprobs) and engine_logprobs[i]:
+            d = engine_logprobs[i]
+            entry = d.get(t)
+            e_lp = None if entry is None else float(getattr(entry, "logprob", entry))
+            ranked = [k for k, v in d.items() if getattr(v, "rank", None) is not None and v.rank <= top_k]
+            if top_k > 0 and len(ranked) >= top_k:
+                otop = set(torch.topk(row, top_k).indices.tolist())
+                overlap = len(otop & set(ranked)) / top_k
+        s = StepAgreement(i, t, o, margin, e_lp, float(lp[t]), overlap)
+        a.steps.append(s)
+        what = "first token" if i == 0 else f"step {i}"
+        if t != o:
+            msg = (f"{what}: engine token {t} differs from the reference's top-1 {o} "
+                   f"(margin {margin:.4g} nats, tolerance {tol:g})")
+            (a.problems if margin > tol else a.warnings).append(msg if margin > tol else msg + ": a near-tie")
+        if e_lp is not None and (not torch.isfinite(torch.tensor(e_lp)) or abs(e_lp - float(lp[t])) > logprob_tol):
+            a.problems.append(f"{what}: engine logprob of token {t} is {e_lp:.5g}, the reference's {float(lp[t]):.5g} "
+                              f"(|Δ| > {logprob_tol:g})")
+    return a
