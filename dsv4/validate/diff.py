@@ -45,7 +45,7 @@ class DiffOptions:
     greedy_tokens: int = 8
     top_k: int = 10
     cos_tol: float = 1e-3  # a row fails when 1 - cos exceeds this …
-    rel_tol: float = 5e-2  # … or max|a-b| / max|a| exceeds this
+    rel_tol: float = 0.15  # … or max|a-b| / max|a| exceeds this (one FP8 E4M3 step: up to 12.5 % of a value)
     margin_tol: float = 0.05  # nats: top-1 disagreement within this is a near-tie
     seed: int = 0
     json_report: str | None = None
@@ -122,6 +122,11 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, cos_tol: float, rel_tol: f
 
 
 def _first_argmax(x: torch.Tensor) -> int:
+    """Lowest id among the maxima, ignoring NaN; -1 when no value is finite."""
+    fin = torch.isfinite(x)
+    if not bool(fin.any()):
+        return -1
+    x = torch.where(fin, x, torch.full_like(x, float("-inf")))
     return int(torch.nonzero(x == x.max())[0, 0])
 
 
@@ -238,19 +243,24 @@ class Diff:
             want = num.kv(x.to(m.dtype).float()).to(m.dtype) if num.quantized else x.to(m.dtype)
             got = view.read_kv(layer, pos)
             cmp = list(compare_tensors(want, got, 0.0, 0.0, exact=True))
+            values_ok = cmp[3] == "PASS"
             note = []
+            bytes_ok = True
             if num.quantized:
                 t = view.kvc.swa[layer]
                 pages, off = view._swa_slots(pos)
                 data, scale = read_kv_raw(t, pages, off, None, SWA_PAGE)
                 qd, qs = quantize_kv(x.to(m.dtype).float(), num.fmt)
                 bytes_ok = torch.equal(data.cpu(), qd.cpu()) and torch.equal(scale.cpu(), qs.cpu())
-                note.append(f"bytes at the writer's addresses {'== codec' if bytes_ok else '!= codec (the writer)'}")
+                note.append(f"bytes at the writer's addresses {'== codec' if bytes_ok else '!= codec'}")
                 note.append(f"scale bytes of token 0: {scale[0].tolist()}")
                 if not bytes_ok:
                     cmp[3] = "FAIL"
-            if cmp[3] == "FAIL" and cmp[0] is not None:
-                note.insert(0, "values read back != the codec's fake quant (the reader)")
+            if not values_ok:
+                note.insert(0, "values read back != the codec's fake quant: "
+                               + ("the bytes are right, so the reader" if bytes_ok else "the bytes are wrong (the writer)"))
+            elif not bytes_ok:
+                note.insert(0, "the writer's bytes differ from the codec")
             cmp[4] = "; ".join([cmp[4]] + note if cmp[4] else note)
             self.add(stage, f"layers.{layer} window KV ({n} tokens)", cmp)
         for layer in range(cfg.num_hidden_layers):
@@ -296,6 +306,7 @@ class Diff:
         cap["prefill_logits"] = out.logits[-1].float().cpu()
         first = _first_argmax(cap["prefill_logits"])
         tok = first if feed is None else feed
+        tok = max(tok, 0)  # non-finite logits everywhere: feed token 0 so the chain still runs
         # decode step with attention captures
         wrapped = []
         order = cap["order"]
@@ -336,6 +347,8 @@ class Diff:
         for _ in range(self.o.greedy_tokens - 1):
             t = _first_argmax(last)
             seq.append(t)
+            if t < 0:  # non-finite logits: nothing left to follow
+                break
             last = m.forward(torch.tensor([t], device=dev), [SeqChunk(view, pos, 1)]).logits[-1].float().cpu()
             pos += 1
         cap["greedy"] = seq
@@ -374,6 +387,7 @@ class Diff:
                 self.add("decode step", name, (None, None, None, "FAIL", "missing on B"))
                 continue
             self.add("decode step", name, compare_tensors(ca["decode"][name], cb["decode"][name], o.cos_tol, o.rel_tol))
+        self._annotate_selection()
         self.add("next-token logits", "after prefill",
                  compare_logits(ca["prefill_logits"], cb["prefill_logits"], o.top_k, o.cos_tol, o.rel_tol, o.margin_tol))
         self.add("next-token logits", f"after decode of token {ca['fed']}",
@@ -390,6 +404,23 @@ class Diff:
         self._print()
         self._write_json()
         return self.report
+
+    def _annotate_selection(self) -> None:
+        """Attention logits that part while q and the keys agree: the key *set* differs (a near-tie in the
+        CSA Lightning Indexer's top-k moves an entry in or out), not the arithmetic."""
+        from ..config import LayerType
+
+        rows = {r.where: r for r in self.report.rows if r.stage == "decode step"}
+        for layer in range(self.cfg.num_hidden_layers):
+            pre = f"layers.{layer}.attn."
+            lg = rows.get(pre + "logits")
+            if lg is None or lg.status != "FAIL":
+                continue
+            inputs = [rows.get(pre + k) for k in ("q", "k_window", "k_compressed")]
+            if all(r is None or r.status == "PASS" for r in inputs):
+                csa = self.cfg.layer_type(layer) == LayerType.CSA
+                lg.note = ("q and keys agree: " + ("the Lightning Indexer's top-k selection differs (near-tie scores)"
+                                                   if csa else "the set of keys differs"))
 
     # ---- output ------------------------------------------------------------------------------------------
     def _print(self) -> None:

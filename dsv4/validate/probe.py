@@ -130,6 +130,7 @@ class ProbeOptions:
     ref_tol: float = 0.05  # nats: a top-1 disagreement within this margin is a near-tie
     logprob_tol: float = 0.1  # nats: engine logprob of its token vs the reference's
     top_logprobs: int = 5
+    batch_tie_tol: float = 0.0  # nats: outputs that part at a near-tie this close only warn (0: any difference fails)
     oracle: str = "shared"  # shared: the engine's model on a dense cache; torch: a separate torch model; off
     expect: str | None = None
     record: str | None = None
@@ -148,6 +149,8 @@ class ProbeOptions:
             raise ValueError("--repeats must be ≥ 1")
         if self.oracle not in ("shared", "torch", "off"):
             raise ValueError(f"--oracle must be shared, torch or off, got {self.oracle!r}")
+        if self.batch_tie_tol < 0:
+            raise ValueError("--batch-tie-tol must be ≥ 0")
         if self.ref_tokens < 0:
             raise ValueError("--ref-tokens must be ≥ 0 (0: all generated tokens)")
 
@@ -191,7 +194,10 @@ class Generation:
         return {"prompt_index": self.prompt_index, "context": self.context, "batch_size": self.batch_size,
                 "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
                 "token_decode": self.token_decode, "text": self.text, "finish_reason": self.finish_reason,
-                "error": self.error, "verdict": self.verdict.to_dict() if self.verdict else None}
+                "error": self.error, "verdict": self.verdict.to_dict() if self.verdict else None,
+                "top_logprobs": None if self.logprobs is None else
+                [sorted(([t, round(v.logprob, 5)] for t, v in d.items()), key=lambda x: -x[1]) if d else None
+                 for d in self.logprobs]}
 
 
 @dataclass
@@ -624,13 +630,19 @@ class Probe:
             if g.token_ids == base.token_ids:
                 same += 1
                 continue
-            if g.token_ids[:1] != base.token_ids[:1]:
-                st.fail(f"{tag}: first token {g.token_ids[:1]} differs from the {ref_name} run's {base.token_ids[:1]}")
+            p = next((k for k, (x, y) in enumerate(zip(g.token_ids, base.token_ids)) if x != y),
+                     min(len(g.token_ids), len(base.token_ids)))
+            margin, how = _tie_margin(base, g, p)
+            if p == 0:
+                msg = f"{tag}: first token {g.token_ids[:1]} differs from the {ref_name} run's {base.token_ids[:1]}"
             else:
-                p = next((k for k, (x, y) in enumerate(zip(g.token_ids, base.token_ids)) if x != y),
-                         min(len(g.token_ids), len(base.token_ids)))
-                st.fail(f"{tag}: tokens differ from the {ref_name} run from position {p} "
-                        f"({g.token_ids[p:p + 4]} vs {base.token_ids[p:p + 4]})")
+                msg = (f"{tag}: tokens differ from the {ref_name} run from position {p} "
+                       f"({g.token_ids[p:p + 4]} vs {base.token_ids[p:p + 4]})")
+            msg += f"; {how}"
+            if margin is not None and margin <= self.o.batch_tie_tol:
+                st.warn(msg + f" ≤ --batch-tie-tol {self.o.batch_tie_tol:g}: a near-tie")
+            else:
+                st.fail(msg)
             self.say(f"    {tag} TOKEN_IDS: {g.token_ids}")
             self.say(f"    {ref_name} run TOKEN_IDS: {base.token_ids}")
         return same
@@ -786,6 +798,29 @@ class Probe:
         for e in m.events[1:6]:
             self.say(f"    then: {e.describe()}")
         st.fail(f"first non-finite value: {m.first.describe()}")
+
+
+def _tie_margin(a: Generation, b: Generation, p: int) -> tuple[float | None, str]:
+    """How close the two runs were to choosing each other's token at the first differing step ``p``
+    (their prefixes are equal there): the larger of the two runs' logprob gaps, and a description."""
+    if p >= len(a.token_ids) or p >= len(b.token_ids) or not a.logprobs or not b.logprobs:
+        return None, "no logprobs at the divergence"
+    ta, tb = a.token_ids[p], b.token_ids[p]
+    gaps, parts = [], []
+    for name, g, mine, other in (("A", a, ta, tb), ("B", b, tb, ta)):
+        d = g.logprobs[p] if p < len(g.logprobs) else None
+        if not d or mine not in d:
+            return None, "no logprobs at the divergence"
+        lp_mine = d[mine].logprob
+        if other in d:
+            gaps.append(lp_mine - d[other].logprob)
+            parts.append(f"{g.context}: {mine} {lp_mine:.4f} vs {other} {d[other].logprob:.4f}")
+        else:
+            low = min(v.logprob for v in d.values())
+            gaps.append(lp_mine - low)
+            parts.append(f"{g.context}: {mine} {lp_mine:.4f}, {other} below its top-{len(d) - 1} (< {low:.4f})")
+    m = max(gaps)
+    return m, f"at that step {'; '.join(parts)}: margin {m:.4g} nats"
 
 
 def run_probe(opts: ProbeOptions, out: TextIO | None = None, model=None) -> ProbeReport:

@@ -1,0 +1,90 @@
+"""``dsv4 bench serve`` against a real server (the tiny model on 127.0.0.1) and on synthetic timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4.cli import main
+from dsv4.validate.bench import RequestResult, calculate_metrics, format_table
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+TABLE_ROWS = ["Successful requests:", "Failed requests:", "Maximum request concurrency:", "Benchmark duration (s):",
+              "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
+              "Output token throughput (tok/s):", "Peak output token throughput (tok/s):", "Peak concurrent requests:",
+              "Total token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
+              "Mean TPOT (ms):", "Median TPOT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Median ITL (ms):",
+              "P99 ITL (ms):"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, validate_model):
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+    from dsv4.serve import build_app
+    from validate_test_support import ServerThread
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=128 << 20, max_model_len=256, max_num_seqs=8),
+                       backend=validate_model)
+    with ServerThread(build_app(engine, served_model_name="tiny")) as srv:
+        yield srv
+
+
+def bench(url, *extra):
+    return ["bench", "serve", "--base-url", url, "--model", "tiny", "--dataset", "random", "--random-input-len", "8",
+            "--random-output-len", "3", "--ignore-eos", "--seed", "0", *extra]
+
+
+def test_bench_serve_against_the_tiny_server(server, tmp_path, capsys):
+    res = tmp_path / "bench.json"
+    rc = main(bench(server.url, "--num-prompts", "4", "--max-concurrency", "2", "--result-json", str(res)))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "prompts: 4 random (server /detokenize)" in out
+    table = out[out.index("=" * 12 + " Serving Benchmark Result " + "=" * 12):]
+    lines = table.splitlines()
+    assert [ln[:40].rstrip() for ln in lines if ln[:40].rstrip() in TABLE_ROWS] == TABLE_ROWS
+    assert "---------------Time to First Token----------------" in lines
+    assert "-----Time per Output Token (excl. 1st token)------" in lines
+    assert any(ln.startswith("Successful requests:") and ln.split()[-1] == "4" for ln in lines)
+    d = json.loads(res.read_text())
+    assert d["completed"] == 4 and d["failed"] == 0 and d["total_output_tokens"] == 4 * 3
+    assert d["max_concurrency"] == 2 and d["max_concurrent_requests"] <= 2
+    assert all(n > 0 for n in d["input_lens"]) and d["output_lens"] == [3] * 4
+    assert d["median_ttft_ms"] > 0 and d["mean_tpot_ms"] > 0 and len(d["itls"][0]) == 2
+
+
+def test_bench_serve_sweep_prints_a_summary(server, capsys):
+    rc = main(bench(server.url, "--num-prompts", "2", "--sweep-concurrency", "1,2", "--no-warmup",
+                    "--random-output-len", "2"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count(" Serving Benchmark Result ") == 2
+    assert "Max concurrency  Successful  Failed  Output tok/s" in out
+
+
+def test_bench_serve_counts_failures(server, capsys):
+    assert main(bench(server.url, "--num-prompts", "2", "--model", "no-such-model")) == 1
+    assert "initial test run failed: HTTP 404" in capsys.readouterr().out
+    rc = main(bench(server.url, "--num-prompts", "2", "--no-warmup", "--request-timeout", "0.001"))
+    out = capsys.readouterr().out
+    assert rc == 1 and "Failed requests:                         2" in out
+
+
+def test_metrics_and_table_on_synthetic_timings():
+    rs = [RequestResult(True, 10, 3, ttft=0.1, latency=0.3, itl=[0.1, 0.1], start=0.0, chunk_times=[0.1, 0.2, 0.3]),
+          RequestResult(True, 20, 5, ttft=0.2, latency=1.0, itl=[0.2] * 4, start=0.5, chunk_times=[0.7, 0.9, 1.1, 1.3, 1.5]),
+          RequestResult(False, 7, 0, start=0.6, latency=0.1, error="HTTP 500")]
+    m = calculate_metrics(rs, duration=2.0, percentiles=(50.0, 99.0))
+    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (2, 1, 30, 8)
+    assert m["output_throughput"] == 4.0 and m["total_token_throughput"] == 19.0
+    assert m["mean_ttft_ms"] == pytest.approx(150.0) and m["median_ttft_ms"] == pytest.approx(150.0)
+    assert m["mean_tpot_ms"] == pytest.approx((100.0 + 200.0) / 2)
+    assert m["p50_itl_ms"] == pytest.approx(200.0) and m["max_concurrent_requests"] == 2.0
+    assert m["max_output_tokens_per_s"] == 5.0  # chunks at 0.1-0.9 s fall in the first second
+    t = format_table(m, 2.0, 4, float("inf"), ("ttft", "tpot", "itl"), (99.0,))
+    assert t.splitlines()[0] == "============ Serving Benchmark Result ============"
+    assert "Maximum request concurrency:             4" in t and t.splitlines()[-1] == "=" * 50
