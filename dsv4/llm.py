@@ -65,7 +65,12 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done = self.engine.run_to_completion(ids)
+        try:
+            done = self.engine.run_to_completion(ids)
+        except BaseException:
+            for rid in ids:  # a failed step must not leave this call's requests holding pages
+                self.engine.abort_request(rid)
+            raise
         return [done[r] for r in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, thinking: bool | None = None,

@@ -165,3 +165,23 @@ def test_fault_d_bos_after_the_first_token(tiny_ckpt, validate_model, monkeypatc
 def test_max_tokens_below_two_is_rejected(tiny_ckpt):
     with pytest.raises(ValueError, match="at least 2"):
         ProbeOptions(model=str(tiny_ckpt), max_tokens=1).check()
+
+
+def test_tie_margin_of_two_runs_that_part():
+    """What --batch-tie-tol judges: at the first differing step, how close each run was to the other's
+    token. (Seen on an H200 in bf16: bs=1 and bs=8 split at an exact bf16 tie, margin 0.031 nats.)"""
+    from dsv4.engine.outputs import Logprob
+    from dsv4.validate.probe import Generation, _tie_margin
+
+    def gen(ctx, toks, steps):
+        g = Generation(0, ctx, 1, [5, 6], token_ids=toks)
+        g.logprobs = [{t: Logprob(lp, r) for r, (t, lp) in enumerate(step, 1)} for step in steps]
+        return g
+
+    a = gen("bs=1", [10, 29108, 7], [[(10, -1.0)], [(29108, -8.0269), (31194, -8.0269)], [(7, -2.0)]])
+    b = gen("bs=8", [10, 31194, 9], [[(10, -1.0)], [(31194, -7.9955), (29108, -8.0268)], [(9, -2.0)]])
+    m, how = _tie_margin(a, b, 1)
+    assert m == pytest.approx(0.0313, abs=1e-4) and "margin 0.0313 nats" in how
+    far = gen("bs=8", [10, 31194, 9], [[(10, -1.0)], [(31194, -3.0), (4, -9.0)], [(9, -2.0)]])
+    m, how = _tie_margin(a, far, 1)
+    assert m == pytest.approx(6.0) and "below its top-1" in how
