@@ -37,7 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--model", required=model_required, help="model directory (config.json + safetensors)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
-    p.add_argument("--fp8-format", default="ocp", choices=["ocp", "fnuz"])
+    p.add_argument("--fp8-format", default="auto", choices=["auto", "ocp", "fnuz"],
+                   help="FP8 encoding of the KV cache bytes; auto: the platform profile (DSV4_PLATFORM_FP8 forces it)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

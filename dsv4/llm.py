@@ -14,7 +14,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 fp8_format: str = "ocp", device: str | None = None, act_quant: bool = False, backend: str = "auto",
+                 fp8_format: str = "auto", device: str | None = None, act_quant: bool = False, backend: str = "auto",
                  tokenizer=None):
         if model is None:
             raise ValueError("LLM(model=...) needs a model directory (no embedded default model yet)")

@@ -29,7 +29,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto → bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "fp8_ds_mla"
-    fp8_format: str = "ocp"
+    fp8_format: str = "auto"  # auto: the platform profile's encoding (FNUZ on gfx942, else OCP)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -73,6 +73,10 @@ class LLMEngine:
 
         if config.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not available yet")
+        if config.fp8_format == "auto":
+            from ..ops.platform import detect_platform
+
+            config.fp8_format = detect_platform().fp8_format or "ocp"
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = config.torch_dtype(device)

@@ -369,7 +369,9 @@ class Probe:
         d["platform"] = plat.describe()
         d["platform_fp8"] = plat.fp8_format
         d["native_fp8"] = plat.native_fp8
-        engine_fp8 = self.o.engine_kwargs.get("fp8_format", "ocp")
+        engine_fp8 = self.o.engine_kwargs.get("fp8_format", "auto")
+        if engine_fp8 == "auto":
+            engine_fp8 = plat.fp8_format or "ocp"
         d["engine_fp8_format"] = engine_fp8
         d["DSV4_PLATFORM_FP8"] = os.environ.get("DSV4_PLATFORM_FP8")
         d["triton"] = _triton_version()
