@@ -170,21 +170,19 @@ class LLMEngine:
         prompt_rows: dict[int, list[int]] = {}
         touched: dict[str, None] = {}
         for row, (si, kind) in enumerate(batch.row_owner):
-            req = schedule[si].req
             if kind == "prompt":
                 prompt_rows.setdefault(si, []).append(row)
-                continue
         for si, sc in enumerate(schedule):
             req = sc.req
             if si in prompt_rows:
-                req._prompt_logits = torch.cat([getattr(req, "_prompt_logits", torch.empty(0, logits.shape[1])),
-                                                logits[prompt_rows[si]]])
+                prev = req.prompt_logits if req.prompt_logits is not None else logits.new_zeros(0, logits.shape[1])
+                req.prompt_logits = torch.cat([prev, logits[prompt_rows[si]]])
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None \
                     and req.num_computed >= len(req.prompt_token_ids):
                 # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
-                rows = req.__dict__.pop("_prompt_logits", None)
-                req.prompt_logprobs = self.sampler.prompt_logprobs(
-                    req, rows if rows is not None else logits.new_zeros(0, logits.shape[1]))
+                rows = req.prompt_logits if req.prompt_logits is not None else logits.new_zeros(0, logits.shape[1])
+                req.prompt_logits = None
+                req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
         for row, (si, kind) in enumerate(batch.row_owner):
             if kind != "sample":
                 continue

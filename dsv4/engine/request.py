@@ -37,6 +37,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
+        self.prompt_logits: torch.Tensor | None = None  # rows gathered so far across prefill chunks
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
         self.arrival = arrival if arrival is not None else time.monotonic()

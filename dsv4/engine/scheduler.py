@@ -38,7 +38,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.kv.free(victim.alloc)
         # recompute restarts from token 0: prompt-logprob rows gathered so far would be gathered twice
-        victim.__dict__.pop("_prompt_logits", None)
+        victim.prompt_logits = None
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
