@@ -240,7 +240,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
-    ap.add_argument("--only", default="linear,route,moe", help="comma list of: linear, route, moe")
+    ap.add_argument("--only", default="linear,route,moe,attention,indexer,mhc",
+                    help="comma list of: linear, route, moe (this file), attention, indexer, mhc "
+                         "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -271,8 +273,20 @@ def main(argv=None):
         bench_route(tab, dev)
     if "moe" in only:
         bench_moe(tab, dev, (1, 64) if args.quick else MOE_T)
+    extra = {}
+    for part in ("attention", "indexer", "mhc"):  # the issue-8 kernels, each with its own table
+        if part in only:
+            import importlib
+
+            rows: list = []
+            try:
+                importlib.import_module(f"kernels_{part}").run(dev, rows)
+            except Exception as e:  # one suite failing must not hide the others' numbers
+                rows.append({"error": f"{type(e).__name__}: {e}"[:400]})
+                print(f"kernels_{part}: {rows[-1]['error']}")
+            extra[part] = rows
     res = dict(platform=plat.describe(), torch=torch.__version__, triton=triton.__version__,
-               bandwidth_Bps=bw, bf16_peak_flops=peak, rows=tab.rows, seconds=time.time() - t0)
+               bandwidth_Bps=bw, bf16_peak_flops=peak, rows=tab.rows, seconds=time.time() - t0, **extra)
     fails = [r for r in tab.rows if str(r["check"]).startswith("FAIL")]
     print(f"\n{len(tab.rows)} rows, {len(fails)} failed checks, {res['seconds']:.0f} s")
     if args.out:

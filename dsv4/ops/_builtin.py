@@ -20,7 +20,30 @@ def _triton_ok(p: Platform) -> bool:
 register("fp8_linear", "torch", torch_ops.fp8_linear, lambda p: True, TORCH_PRIORITY)
 register("moe_route", "torch", torch_ops.moe_route, lambda p: True, TORCH_PRIORITY)
 register("moe_experts", "torch", torch_ops.moe_experts, lambda p: True, TORCH_PRIORITY)
+# paged attention (signatures in dsv4.ops.torch_attention; by path: it imports the reference model)
+register("kv_insert", "torch", "dsv4.ops.torch_attention:kv_insert", lambda p: True, TORCH_PRIORITY)
+register("sparse_attention", "torch", "dsv4.ops.torch_attention:paged_sparse_attention", lambda p: True,
+         TORCH_PRIORITY)
 
 register("fp8_linear", "triton", "dsv4.ops.triton.fp8_linear:fp8_linear", _triton_ok, TRITON_PRIORITY)
 register("moe_route", "triton", "dsv4.ops.triton.moe:moe_route", _triton_ok, TRITON_PRIORITY)
 register("moe_experts", "triton", "dsv4.ops.triton.moe:moe_experts", _triton_ok, TRITON_PRIORITY)
+register("kv_insert", "triton", "dsv4.ops.triton.kv_insert:kv_insert", _triton_ok, TRITON_PRIORITY)
+register("sparse_attention", "triton", "dsv4.ops.triton.sparse_attention:paged_sparse_attention", _triton_ok,
+         TRITON_PRIORITY)
+
+# Lightning Indexer over the paged indexer keys: (q, weights, seq_ids, n_visible, pages, block_table,
+# entries_per_block, n_cols, k, fmt) -> top-k entry ids [T, k] (-1 padded)
+register("indexer", "torch", "dsv4.ops.torch_indexer:paged_indexer_topk", lambda p: True, TORCH_PRIORITY)
+register("indexer", "triton", "dsv4.ops.triton.indexer:paged_indexer_topk", _triton_ok, TRITON_PRIORITY)
+
+# mHC and batch-invariant dense ops: the torch backends are the oracle functions themselves
+# (signatures in dsv4.model.mhc / linear / norms; by path, as they live in the reference model)
+for _op, _torch_fn, _triton_fn in (
+        ("mhc_pre", "dsv4.model.mhc:hc_pre", "dsv4.ops.triton.mhc:hc_pre"),
+        ("mhc_post", "dsv4.model.mhc:hc_post", "dsv4.ops.triton.mhc:hc_post"),
+        ("dense_linear", "dsv4.model.linear:linear", "dsv4.ops.triton.dense:dense_linear"),
+        ("rms_norm", "dsv4.model.norms:rms_norm", "dsv4.ops.triton.dense:rms_norm"),
+        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm")):
+    register(_op, "torch", _torch_fn, lambda p: True, TORCH_PRIORITY)
+    register(_op, "triton", _triton_fn, _triton_ok, TRITON_PRIORITY)

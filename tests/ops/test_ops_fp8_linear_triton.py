@@ -9,6 +9,8 @@ at most one bf16 spacing (2^-8 relative) on top of that.
 import pytest
 import torch
 
+from dsv4.ops.invariance import set_batch_invariant
+
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
 from ops_kernel_helpers import BF16_ULP, DEV, INTERPRET, assert_fp32_accum_close, gen, randn  # noqa: E402
@@ -90,7 +92,12 @@ def test_decode_split_k_and_tile_overrides():
     ref = torch_ops.fp8_linear(x, wq, s)
     ap = _absprod(x, wq, s)
     cfg = tfl.pick_config(2, n, k, torch.device(DEV), {"split_k": 2})
-    assert cfg["split_k"] == 2 and cfg["k_per_split"] == 384 and cfg["BLOCK_M"] == 16
+    assert cfg["split_k"] == 2 and cfg["k_per_split"] == 384 and cfg["BLOCK_M"] == 64  # batch-invariant decode tile
+    set_batch_invariant(False)
+    try:
+        assert tfl.pick_config(2, n, k, torch.device(DEV))["BLOCK_M"] == 16  # fastest per-M tile
+    finally:
+        set_batch_invariant(True)
     for over in ({"split_k": 2}, {"split_k": 5, "BLOCK_N": 32}, {"split_k": 1}):
         assert_fp32_accum_close(tfl.fp8_linear(x, wq, s, config=over), ref, ap)
     pre = tfl.pick_config(300, n, k, torch.device(DEV))

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, num_sms,
                       scale_kind, ue8m0_to_f32)
 
@@ -94,7 +95,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
 
 def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
     """Tile configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override)."""
-    if m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
+    invariant = batch_invariant() and m <= DECODE_MAX_ROWS
+    if invariant:  # decode, batch-invariant: one tile shape and split for every M ≤ 64 (weight shape only)
+        cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=128 if n >= 4096 else 64, num_warps=4, num_stages=3,
+                   GROUP_M=1, split_k=None)
+    elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
@@ -106,7 +111,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         cfg.update(config)
     k_blocks = max(1, math.ceil(k / BLOCK))
     if cfg["split_k"] is None:  # decode: enough programs to cover the SMs twice
-        tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
+        rows = 1 if invariant else math.ceil(m / cfg["BLOCK_M"])
+        tiles = rows * math.ceil(n / cfg["BLOCK_N"])
         cfg["split_k"] = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
     per = math.ceil(k_blocks / max(1, int(cfg["split_k"])))
     cfg["k_per_split"] = per * BLOCK
@@ -164,5 +170,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if s > 1:
-        y = y.sum(0).to(out_dtype)
+        y = sum_splits(y, out_dtype)
     return y.reshape(*lead, n)
+
+
+@triton.jit
+def _sum_splits_kernel(y_ptr, out_ptr, S, MN, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, S):  # fixed order: the split partial sums of one element, first to last
+        acc += tl.load(y_ptr + i * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+def sum_splits(y: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Σ over the split-K partials [s, m, n] in a fixed order (torch's reduction picks its tree
+    from the output count, which would make a row depend on M)."""
+    s, m, n = y.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=y.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, out, s, m * n, BLOCK=block, INTERP=interpreting())
+    return out

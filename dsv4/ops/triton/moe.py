@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (cast, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, scale_kind,
                       ue8m0_to_f32)
 
@@ -447,7 +448,11 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     otherwise BLOCK_M from the mean rows per expert. BLOCK_K is 128 in grouped mode (one FP8 scale
     block; four MXFP4 scale groups) and 256 in direct MXFP4 mode (128 for FP8 experts)."""
     n = t * topk
-    if n <= DIRECT_MAX_SLOTS:
+    if batch_invariant() and t <= DECODE_MAX_ROWS:
+        # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
+        # expert rows are computed the same way whatever else is in the batch
+        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
         # 94 us vs 137 us for 64 x 128)
         cfg = dict(direct=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)

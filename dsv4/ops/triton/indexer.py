@@ -1,0 +1,214 @@
+"""Lightning Indexer over the paged indexer-key cache: scores and a sync-free stable top-k.
+
+``indexer_logits``: logit[t, e] = Σ_h w[t,h] · ReLU(q[t,h] · k[e]) for every entry e of token t's
+sequence (entry e lives at page ``block_table[seq, e // B]``, offset ``e % B``), −inf at columns
+≥ n_visible[t]. Grid (T, column chunks); a program loads its token's q [Hi, 128] once, then per
+64-entry tile loads the keys once (FP8 codes decoded in-kernel, or dense rows), computes all heads
+with one ``tl.dot`` [Hi, 128]·[128, 64], applies ReLU and the head weights and sums over heads.
+Tiles past n_visible are skipped (only −inf is stored), so the launch shape depends only on
+(T, n_cols), never on the data: a CUDA graph can replay it.
+
+Numerics. FP8 pages: keys are e4m3 codes with one power-of-two fp32 scale per entry; q is already
+fake-quantized (FP8 × 2^k per head), so both dot operands are exact in bf16 and the bf16 dot (fp32
+accumulation) forms the same exact products as the fp32 reference; the key scale is applied after
+the head sum (a power-of-two factor commutes with every rounding). Dense pages ('auto' cache):
+q is arbitrary fp32, so the dot runs in IEEE fp32 (never TF32). The interpreter rounds the operands
+to bf16 the same way but feeds them to an fp32 dot (its bf16 dot is wrong), so a q that is not
+FP8-representable shows up there too. Padded heads (Hi < 16: ``tl.dot`` needs ≥ 16 rows) have
+q = w = 0.
+
+Batch invariance: every entry's logit is computed by the same instruction sequence (fixed 64-entry
+tile, fixed head padding and warp count); the configuration only changes how many tiles one
+program walks, so a token's logits are bitwise the same alone, in any batch, and for any n_cols.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats import get_fp8_format
+from ...formats.indexer_record import INDEXER_DIM, INDEXER_RECORD_BYTES, INDEXER_VALUE_BYTES
+from ._common import fp8_to_f32, interpreting, native_fp8, num_sms
+
+__all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk", "pick_config"]
+
+BLOCK_E = 64  # entries per tile: fixed, so results never depend on the configuration
+NUM_WARPS = 4  # fixed: the head-sum reduction order follows the layout
+
+
+@triton.jit
+def _indexer_logits_kernel(q_ptr, w_ptr, seq_ptr, nvis_ptr, k_ptr, s_ptr, bt_ptr, out_ptr,
+                           H, n_cols, n_blocks,
+                           stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+                           stride_bs, stride_bb, stride_kp, stride_ke, stride_kd, stride_sp, scale_base,
+                           stride_ot,
+                           HP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+                           EPB: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                           DOT_BF16: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0)
+    first = tl.program_id(1) * (TILES * BLOCK)
+    nv = tl.load(nvis_ptr + t).to(tl.int32)
+    seq = tl.load(seq_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, D)
+    hm = offs_h < tl.where(first < nv, H, 0)  # a program with nothing visible reads nothing
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=hm[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h * stride_wh, mask=hm, other=0.0).to(tl.float32)
+    qd = q
+    if DOT_BF16:
+        qd = q.to(tl.bfloat16)  # exact: q is FP8 × 2^k here
+        if INTERP:
+            qd = qd.to(tl.float32)  # the interpreter's bf16 dot is wrong: same values in fp32
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    for i in range(TILES):
+        e0 = first + i * BLOCK
+        offs_e = e0 + tl.arange(0, BLOCK)
+        res = tl.full([BLOCK], float("-inf"), tl.float32)
+        if e0 < nv:
+            vis = offs_e < nv
+            b = offs_e // EPB
+            blk = tl.load(bt_ptr + seq * stride_bs + b * stride_bb, mask=vis & (b < n_blocks), other=-1)
+            blk = blk.to(tl.int64)
+            ok = vis & (blk >= 0)
+            off = offs_e % EPB
+            row = blk * stride_kp + off * stride_ke
+            raw = tl.load(k_ptr + row[:, None] + offs_d[None, :] * stride_kd,
+                          mask=ok[:, None] & (offs_d[None, :] < D), other=0)
+            if FP8:
+                k = fp8_to_f32(raw, NATIVE, FNUZ)
+                ks = tl.load(s_ptr + blk * stride_sp + scale_base + off, mask=ok, other=0.0)
+            else:
+                k = raw.to(tl.float32)
+            if DOT_BF16:
+                kd = k.to(tl.bfloat16)  # exact: e4m3 values
+                if INTERP:
+                    kd = kd.to(tl.float32)
+                s = tl.dot(qd, tl.trans(kd))  # exact operands, fp32 accumulation
+            else:
+                s = tl.dot(qd, tl.trans(k), input_precision="ieee")
+            lg = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+            if FP8:
+                lg = lg * ks  # power of two: exact
+            res = tl.where(vis, lg, float("-inf"))
+        tl.store(out_row + offs_e, res, mask=offs_e < n_cols)
+
+
+def pick_config(t: int, n_cols: int, device: torch.device, config: dict | None = None) -> dict:
+    """Tiles per program from the launch shape only: the most (≤ 8, which amortises the q load)
+    that still gives about two programs per SM. ``config`` entries override."""
+    tiles_total = max(1, math.ceil(n_cols / BLOCK_E))
+    want = 2 * num_sms(device)
+    tiles = 1
+    while tiles < 8 and t * math.ceil(tiles_total / (2 * tiles)) >= want:
+        tiles *= 2
+    cfg = dict(TILES=tiles, num_stages=2)
+    if config:
+        cfg.update(config)
+    return cfg
+
+
+def _pages_operands(idx_pages: torch.Tensor, entries_per_block: int, fmt):
+    """(key tensor, scale tensor, key strides (page, entry, dim), scale page stride, scale base, fmt or None)."""
+    if fmt is None:
+        if idx_pages.dim() != 3 or idx_pages.shape[1] != entries_per_block or idx_pages.shape[2] != INDEXER_DIM:
+            raise ValueError(f"dense indexer pages must be [P, {entries_per_block}, {INDEXER_DIM}], "
+                             f"got {tuple(idx_pages.shape)}")
+        if idx_pages.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"dense indexer pages must be fp32/bf16/fp16, got {idx_pages.dtype}")
+        return idx_pages, idx_pages, idx_pages.stride(), 0, 0, None
+    f = get_fp8_format(fmt)
+    need = entries_per_block * INDEXER_RECORD_BYTES
+    if idx_pages.dtype != torch.uint8 or idx_pages.dim() != 2 or idx_pages.stride(1) != 1 \
+            or idx_pages.shape[1] < need:
+        raise ValueError(f"FP8 indexer pages must be a 2-D uint8 tensor [P, ≥{need}] with unit inner stride, "
+                         f"got {idx_pages.dtype} shape {tuple(idx_pages.shape)} stride {idx_pages.stride()}")
+    try:
+        scales = idx_pages.view(torch.float32)  # same storage: page row stride / 4
+    except RuntimeError as e:
+        raise ValueError(f"FP8 indexer pages: the fp32 scales need 4-byte aligned rows (stride "
+                         f"{idx_pages.stride(0)}, storage offset {idx_pages.storage_offset()}): {e}") from e
+    base = entries_per_block * INDEXER_VALUE_BYTES // 4
+    return idx_pages, scales, (idx_pages.stride(0), INDEXER_VALUE_BYTES, 1), scales.stride(0), base, f
+
+
+def indexer_logits(q: torch.Tensor, weights: torch.Tensor, seq_ids: torch.Tensor, n_visible: torch.Tensor,
+                   idx_pages: torch.Tensor, block_table: torch.Tensor, entries_per_block: int, n_cols: int,
+                   fmt, *, config: dict | None = None) -> torch.Tensor:
+    """fp32 [T, n_cols] indexer logits, −inf at columns ≥ n_visible[t] (see the module docstring).
+
+    q [T, Hi, 128] fp32 (RoPE'd; FP8-representable when ``fmt`` is set), weights [T, Hi] fp32
+    (already scaled), seq_ids [T] (row of block_table), n_visible [T], idx_pages uint8
+    block-packed (fmt OCP/FNUZ) or dense [P, B, 128] (fmt None), block_table [S, n_blocks].
+    """
+    if q.dim() != 3 or q.shape[2] != INDEXER_DIM:
+        raise ValueError(f"q must be [T, Hi, {INDEXER_DIM}], got {tuple(q.shape)}")
+    t, h, _ = q.shape
+    if tuple(weights.shape) != (t, h):
+        raise ValueError(f"weights must be [T, Hi] = {(t, h)}, got {tuple(weights.shape)}")
+    if tuple(seq_ids.shape) != (t,) or tuple(n_visible.shape) != (t,):
+        raise ValueError(f"seq_ids and n_visible must be [T] = [{t}], got {tuple(seq_ids.shape)} and "
+                         f"{tuple(n_visible.shape)}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [S, n_blocks], got {tuple(block_table.shape)}")
+    if entries_per_block <= 0 or n_cols < 0:
+        raise ValueError(f"entries_per_block must be > 0 and n_cols ≥ 0, got {entries_per_block}, {n_cols}")
+    keys, scales, (skp, ske, skd), ssp, sbase, f = _pages_operands(idx_pages, entries_per_block, fmt)
+    out = torch.empty(t, n_cols, dtype=torch.float32, device=q.device)
+    if t == 0 or n_cols == 0:
+        return out
+    cfg = pick_config(t, n_cols, q.device, config)
+    grid = (t, math.ceil(n_cols / (BLOCK_E * cfg["TILES"])))
+    _indexer_logits_kernel[grid](
+        q, weights, seq_ids, n_visible, keys, scales, block_table, out,
+        h, n_cols, block_table.shape[1],
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+        block_table.stride(0), block_table.stride(1), skp, ske, skd, ssp, sbase, out.stride(0),
+        HP=max(16, triton.next_power_of_2(h)), D=INDEXER_DIM, BLOCK=BLOCK_E, TILES=cfg["TILES"],
+        EPB=entries_per_block, FP8=f is not None,
+        NATIVE=bool(cfg.get("native", f is not None and f.name == "ocp" and native_fp8(q.device))),
+        FNUZ=f is not None and f.name == "fnuz", DOT_BF16=f is not None, INTERP=interpreting(),
+        num_warps=NUM_WARPS, num_stages=cfg["num_stages"])
+    return out
+
+
+def _order_key(logits: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is (logit descending, column ascending), all distinct.
+
+    High 32 bits: the fp32 bits mapped to a signed int that orders like the float (-0 is folded
+    into +0 first so they tie, as in a float sort); low 32 bits: 2^32 - 1 - column."""
+    x = torch.where(logits == 0, torch.zeros_like(logits), logits).contiguous()
+    bits = x.view(torch.int32)
+    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits
+    col = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
+    return (k32.to(torch.int64) << 32) + (0xFFFFFFFF - col)
+
+
+def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, k]: the columns of the k largest logits per row in descending order, ties to the
+    lowest column (exactly ``stable_topk``), −1 where the pick is −inf (invisible) or past n_cols.
+    No host synchronisation and no data-dependent branch."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, n_cols], got {tuple(logits.shape)}")
+    if k < 0:
+        raise ValueError(f"k must be ≥ 0, got {k}")
+    t, n = logits.shape
+    kk = min(k, n)
+    idx = torch.topk(_order_key(logits), kk, dim=1, largest=True, sorted=True).indices
+    picked = torch.gather(logits, 1, idx)
+    idx = torch.where(picked == float("-inf"), torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = torch.cat([idx, idx.new_full((t, k - kk), -1)], dim=1)
+    return idx
+
+
+def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
+                       n_cols: int, k: int, fmt, *, config: dict | None = None) -> torch.Tensor:
+    """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded."""
+    logits = indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block, n_cols,
+                            fmt, config=config)
+    return indexer_topk(logits, k)

@@ -1,0 +1,324 @@
+"""Triton sparse attention over the paged KV cache (window + compressed entries), read in-kernel.
+
+One program per (query token, block of BLOCK_H heads), 1-D grid T·ceil(H/BLOCK_H) with a token's head
+blocks adjacent (they read the same keys, so the second read hits L2); BLOCK_H is 16, 32 or 64 by
+the head count (64 at H = 64: one program per token). All heads share one KV row
+(K = V, 512 dims), so each key block is loaded and decoded once per program and multiplied
+against the whole head block (GQA-style). Per program:
+
+1. q [BLOCK_H, 512] (heads ≥ H masked to 0) and the sink logits; the online softmax starts from
+   the sink as a zero-valued key: m = sink, l = 1, acc = 0 (the sink is not scaled).
+2. compressed keys: the query's comp_idx row in blocks of BLOCK_N, up to its last valid entry only
+   (found by a first pass over the row), so the padding width Lc of the batch never changes the
+   work or the result; entry e is read from page block_table[s, e // entries_per_block] at offset
+   e % entries_per_block; entries < 0 and pages < 0 are masked.
+3. window keys: positions max(0, p-w+1)..p in blocks of BLOCK_N starting at max(0, p-w+1), page
+   swa_table[s, pos // 64] (a freed page, −1, is masked: the reference raises instead).
+4. per key block: bytes → fp32 keys (FP8 code × 2^(byte-127) per 64-tile — hardware e4m3 on
+   sm_89+ OCP, exact integer decode elsewhere — and rope from bf16; dense pages as stored);
+   logits = q·kᵀ · scale·log2(e) in fp32; exp2 online softmax in fp32; acc += p·v in fp32.
+5. out = acc / l, rounded (RNE) to q's dtype.
+
+MMA precision. Decoded keys are exactly bf16 (≤ 4 significant bits times a power of two, or bf16
+rope), so bf16 tensor-core dots are exact in the products as long as the other operand is split
+into bf16 parts that sum to it exactly: q as 1 (bf16), 2 (fp16) or 3 (fp32) parts; p as 3 parts
+for fp32 outputs (exact) and 2 parts for 16-bit outputs (|error| ≤ 2^-16·p, 128× below the
+output's own rounding). Both sides therefore reduce exact products in fp32 and differ from the
+oracle only by summation order. Dense fp32/fp16 pages are not bf16-exact: there the dots are IEEE
+fp32 (CUDA cores). The interpreter upcasts the (exact) bf16 parts to fp32 for tl.dot, whose bf16
+path is wrong there; the values are the same.
+
+Batch invariance: a program reads only its own query's rows; tile sizes, key order and block
+boundaries depend on the query alone (not on T, Lc or the other tokens), and nothing is split
+across programs, so a token's output is bitwise the same alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ...formats.fp8 import get_fp8_format
+from ...formats.kv_record import KV_DIM, RECORD_BYTES
+from ._common import cast, fp8_to_f32, interpreting, native_fp8, ue8m0_to_f32
+
+__all__ = ["paged_sparse_attention", "pick_config"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split3(x):
+    """bf16 parts with x == x1 + x2 + x3 exactly (fp32 x; each part takes the next 8 significant bits)."""
+    x1 = x.to(tl.bfloat16)
+    r = x - x1.to(tl.float32)
+    x2 = r.to(tl.bfloat16)
+    x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
+    return x1, x2, x3
+
+
+@triton.jit
+def _mma(a, b, acc, F32: tl.constexpr):
+    """acc + a·b with fp32 accumulation: bf16 tensor-core MMA, or IEEE fp32 (F32: interpreter or fp32 keys)."""
+    if F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS,
+               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 keys [BLOCK_N, 512] at (page, off); invalid rows are 0.
+
+    Records are read as [BLOCK_N, 8, 64] tiles: tiles 0..6 are FP8 codes × their scale byte, tile 7
+    the 64 bf16 rope values (one int16 load each), merged with a select and flattened to 512.
+    """
+    page = tl.where(valid, page, 0).to(tl.int64)
+    off = tl.where(valid, off, 0).to(tl.int64)
+    if DENSE:
+        d = tl.arange(0, 512)
+        ptr = pages_ptr + page[:, None] * s_page + off[:, None] * s_tok + d[None, :] * s_dim
+        k = tl.load(ptr, mask=valid[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
+    else:
+        c = tl.arange(0, 8)
+        j = tl.arange(0, 64)
+        is_nope = (c < 7)[:, None] & (j < 64)[None, :]  # [8, 64]
+        row = pages_ptr + page * s_page + off * 576
+        codes = tl.load(row[:, None, None] + (c[:, None] * 64 + j[None, :])[None, :, :],
+                        mask=valid[:, None, None] & is_nope[None, :, :], other=0)
+        sb = tl.load((pages_ptr + page * s_page + TOKENS * 576 + off * 8)[:, None] + c[None, :],
+                     mask=valid[:, None] & (c < 7)[None, :], other=127)
+        nope = fp8_to_f32(codes, NATIVE, FNUZ) * ue8m0_to_f32(sb)[:, :, None]
+        rope16 = tl.load((row + 448).to(tl.pointer_type(tl.int16))[:, None] + j[None, :],
+                         mask=valid[:, None] & (j < 64)[None, :], other=0)
+        rope = (rope16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        k = tl.reshape(tl.where(is_nope[None, :, :], nope, rope[:, None, :]), (BLOCK_N, 512))
+    return k
+
+
+@triton.jit
+def _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  QP: tl.constexpr, PP: tl.constexpr, KEYS_F32: tl.constexpr, INTERP: tl.constexpr):
+    """One key block of the online softmax: returns the new (m, l, acc)."""
+    if KEYS_F32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        kb = k.to(tl.bfloat16)  # exact: decoded keys are bf16 values
+        kt = tl.trans(kb)
+        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)  # small parts first
+        if QP >= 3:
+            s = _mma(q3, kt, s, INTERP)
+        if QP >= 2:
+            s = _mma(q2, kt, s, INTERP)
+        s = _mma(q1, kt, s, INTERP)
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet (sink = -inf): avoid inf - inf
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if KEYS_F32:
+        acc = tl.dot(p, k, acc, input_precision="ieee")
+    else:
+        p1, p2, p3 = _split3(p)
+        if PP >= 3:
+            acc = _mma(p3, kb, acc, INTERP)
+        acc = _mma(p2, kb, acc, INTERP)
+        acc = _mma(p1, kb, acc, INTERP)
+    return m_new, l, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr, cidx_ptr, sink_ptr,
+                        out_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
+                        s_qt, s_qh, s_qd, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj,
+                        s_ct, s_ctj, s_ot, s_oh, s_od,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr, PP: tl.constexpr,
+                        KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr,
+                        INTERP: tl.constexpr):
+    pid = tl.program_id(0)
+    hb = pid % NHB
+    t = (pid // NHB).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, 512)
+    q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=hmask[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
+    q1, q2, q3 = _split3(q)
+    m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+    l = tl.where(m == float("-inf"), 0.0, 1.0)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    p_abs = tl.load(pos_ptr + t).to(tl.int32)
+    sid = tl.load(seq_ptr + t).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_N)
+
+    # compressed entries: only up to the query's last valid column (batch padding never matters)
+    n = pid * 0
+    for c0 in range(0, Lc, BLOCK_N):
+        cols = c0 + cols0
+        ids = tl.load(cidx_ptr + t * s_ct + cols * s_ctj, mask=cols < Lc, other=-1)
+        n = tl.maximum(n, tl.max(tl.where(ids >= 0, cols + 1, 0), 0))
+    for c0 in range(0, n, BLOCK_N):
+        cols = c0 + cols0
+        ids = tl.load(cidx_ptr + t * s_ct + cols * s_ctj, mask=cols < n, other=-1).to(tl.int64)
+        valid = ids >= 0
+        e = tl.where(valid, ids, 0)
+        page = tl.load(btab_ptr + sid * s_bt + (e // COMP_B) * s_btj, mask=valid, other=-1)
+        valid = valid & (page >= 0)
+        k = _load_keys(comp_ptr, page, e % COMP_B, valid, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE, FNUZ, NATIVE)
+        m, l, acc = _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H, BLOCK_N,
+                                  QP, PP, KEYS_F32, INTERP)
+
+    # window: positions max(0, p-w+1) .. p
+    lo = tl.maximum(p_abs - W + 1, 0)
+    for j0 in range(lo, p_abs + 1, BLOCK_N):
+        wp = j0 + cols0
+        inw = wp <= p_abs
+        page = tl.load(swa_tab_ptr + sid * s_st + (wp // SWA_B) * s_stj, mask=inw, other=-1)
+        valid = inw & (page >= 0)
+        k = _load_keys(swa_ptr, page, wp % SWA_B, valid, s_swp, s_swb, s_swd, SWA_B, BLOCK_N, DENSE, FNUZ, NATIVE)
+        m, l, acc = _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H, BLOCK_N,
+                                  QP, PP, KEYS_F32, INTERP)
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od,
+             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (d < 512)[None, :])
+
+
+def pick_config(num_heads: int, device: torch.device, config: dict | None = None) -> dict:
+    """Tile configuration: a function of the head count only (never of T: batch invariance).
+
+    BLOCK_H covers up to 64 heads so each key is decoded once per token at H = 64 (the decode is
+    per key element; the MMA work is the same for any BLOCK_H). ``config`` entries override.
+    """
+    bh = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh == 16 else 8, num_stages=2)
+    if config:
+        cfg.update(config)
+    if cfg["BLOCK_H"] < 16 or cfg["BLOCK_N"] < 16:
+        raise ValueError(f"BLOCK_H and BLOCK_N must be ≥ 16 (tl.dot minimum), got {cfg}")
+    return cfg
+
+
+_Q_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def _strides3(t: torch.Tensor):
+    return t.stride() if t.dim() == 3 else (t.stride(0), 0, 1)
+
+
+def _check_pages(pages: torch.Tensor, dense: bool, tokens: int | None, what: str) -> int:
+    """Tokens per page of a page tensor (dense [P, B, 512] or uint8 [P, ≥ B·584])."""
+    if dense:
+        if pages.dim() != 3 or pages.shape[2] != KV_DIM or not pages.is_floating_point():
+            raise ValueError(f"{what}: dense pages must be float [P, B, {KV_DIM}] (fmt=None), got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+        return pages.shape[1]
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.stride(1) != 1:
+        raise ValueError(f"{what}: fp8_ds_mla pages must be 2-D uint8 with unit inner stride (fmt given), got "
+                         f"{pages.dtype} shape {tuple(pages.shape)} stride {pages.stride()}")
+    if pages.data_ptr() % 2 or pages.stride(0) % 2:
+        raise ValueError(f"{what}: rope values are read as int16, so the page base address and row stride must be "
+                         f"even (stride {pages.stride(0)})")
+    b = tokens or pages.shape[1] // RECORD_BYTES
+    if b <= 0 or pages.shape[1] < b * RECORD_BYTES:
+        raise ValueError(f"{what}: page row has {pages.shape[1]} bytes, {b} tokens need {b * RECORD_BYTES}")
+    return b
+
+
+def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table,
+                           entries_per_block, comp_idx, sink, scale, window, fmt, *, config: dict | None = None):
+    """Same contract as ``dsv4.ops.torch_attention.paged_sparse_attention``: out [T, H, 512] in q's dtype.
+
+    No host synchronisation and no data-dependent shapes (CUDA-graph capturable). A padding token
+    with position < 0 and no valid compressed entry reads nothing (not even its seq_ids row) and
+    gets zeros. Entry ids, block-table and window-table columns are not bounds-checked: the caller
+    guarantees them (as the engine's tables do); freed window pages (−1) are skipped, not raised.
+    """
+    if q.dim() != 3 or q.shape[2] != KV_DIM:
+        raise ValueError(f"q must be [T, H, {KV_DIM}], got {tuple(q.shape)}")
+    if q.dtype not in _Q_PARTS:
+        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    T, H, _ = q.shape
+    dense = fmt is None
+    fnuz = False if dense else get_fp8_format(fmt).name == "fnuz"
+    swa_b = _check_pages(swa_pages, dense, None, "swa_pages")
+    if comp_idx.dim() != 2 or comp_idx.shape[0] != T or comp_idx.is_floating_point():
+        raise ValueError(f"comp_idx must be integer [T={T}, Lc], got {comp_idx.dtype} {tuple(comp_idx.shape)}")
+    Lc = comp_idx.shape[1]
+    cidx, cidx_strides = (comp_idx, comp_idx.stride()) if Lc else (positions, (0, 0))  # never an empty pointer
+    if comp_pages is None or block_table is None:
+        if Lc:
+            raise ValueError(f"comp_idx has {Lc} columns but comp_pages/block_table is None")
+        comp_pages, block_table, entries_per_block = swa_pages, swa_table, 1  # never read
+    else:
+        _check_pages(comp_pages, dense, int(entries_per_block), "comp_pages")
+        if dense and comp_pages.dtype != swa_pages.dtype:
+            raise TypeError(f"dense comp_pages dtype {comp_pages.dtype} differs from swa_pages {swa_pages.dtype}")
+    for name, t_, n in (("positions", positions, 1), ("seq_ids", seq_ids, 1), ("swa_table", swa_table, 2),
+                        ("block_table", block_table, 2)):
+        if t_.dim() != n or t_.is_floating_point():
+            raise ValueError(f"{name} must be a {n}-D integer tensor, got {t_.dtype} {tuple(t_.shape)}")
+    if positions.shape[0] != T or seq_ids.shape[0] != T:
+        raise ValueError(f"positions/seq_ids must have T={T} rows, got {positions.shape[0]}/{seq_ids.shape[0]}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink must be [H={H}], got {tuple(sink.shape)}")
+    out = torch.empty((T, H, KV_DIM), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    interp = interpreting()
+    keys_f32 = dense and swa_pages.dtype != torch.bfloat16
+    sink = sink.float().contiguous()  # no-ops for the model's fp32 sink
+    positions, seq_ids = positions.contiguous(), seq_ids.contiguous()  # read with unit stride
+    key = (H, q.dtype, keys_f32, dense, str(q.device))
+    first = pick_config(H, q.device, config)
+    cands = [first] if config else ([_WORKING[key]] if key in _WORKING else _fallbacks(first))
+    for i, cfg in enumerate(cands):
+        nhb = math.ceil(H / cfg["BLOCK_H"])
+        native = cfg.get("native", native_fp8(q.device) and not fnuz and not dense)
+        try:
+            _sparse_attn_kernel[(T * nhb,)](
+                q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, cidx, sink, out,
+                H, nhb, Lc, int(window), swa_b, int(entries_per_block), float(scale) * LOG2E,
+                *q.stride(), *_strides3(swa_pages), *swa_table.stride(), *_strides3(comp_pages),
+                *block_table.stride(), *cidx_strides, *out.stride(),
+                BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], QP=_Q_PARTS[q.dtype],
+                PP=3 if q.dtype == torch.float32 else 2,
+                KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        except OutOfResources:
+            if i == len(cands) - 1:
+                raise
+            continue
+        _WORKING[key] = cfg
+        return out
+    return out
+
+
+# The first configuration that compiled for (H, q dtype, key dtype, page kind, device): a function
+# of the head count and dtypes only, so a token's result never depends on the batch. The H200 run
+# of bench/kernels_attention.py showed BLOCK_H=64 with 2 stages needs 254 KB of shared memory
+# (232 KB available) for bf16 q: the wrapper then steps down to fewer stages / fewer heads.
+_WORKING: dict[tuple, dict] = {}
+
+
+def _fallbacks(cfg: dict) -> list[dict]:
+    out = [cfg]
+    bh = cfg["BLOCK_H"]
+    while True:
+        nxt = dict(out[-1])
+        if nxt["num_stages"] > 1:
+            nxt["num_stages"] = 1
+        elif bh > 16:
+            bh //= 2
+            nxt.update(BLOCK_H=bh, num_stages=2, num_warps=4 if bh == 16 else 8)
+        else:
+            return out
+        out.append(nxt)

@@ -1,0 +1,137 @@
+"""Batch-invariant dense GEMM and RMSNorm kernels vs the oracle (``dsv4.model.linear`` / ``norms``).
+
+dense_linear: both sides multiply the same operands (x rounded to the weight dtype) with fp32
+accumulation, so fp32 results differ by summation order only: |Δ| ≤ 1e-5·Σ_k|x_k w_k|
+(``assert_fp32_accum_close``). bf16 results round once more on each side, which can flip one
+rounding: + one bf16 spacing of the result (≤ 2^-7 relative). Batch invariance is bitwise: row r
+of an M-row launch equals the row launched alone, for M in {1, 3, 8, 64, 80}, at several
+positions, and in both launch modes (fused chunks in one program / one program per chunk + an
+ordered fp32 sum).
+
+rms_norm / unit_rms_norm: the same fp32 statistics up to summation order, then the oracle's
+roundings. Worst case per side: Σx² off by ≤ 12·u (a tree of depth ≤ 11 over ≤ 2 terms per lane
+here; torch's cascade sum is as deep), r by half of that plus 2 roundings (sqrt, division), and
+y by 2 more (x·r, w·y): ≤ 10·u per side, so fp32 results agree within 20·2^-24 ≈ 1.2e-6
+relative (measured ≤ 2.4e-7); bf16 results within one bf16 spacing (≤ 2^-7 relative; measured:
+bitwise equal).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
+
+from ops_kernel_helpers import BF16_ULP, DEV, assert_fp32_accum_close, gen, randn  # noqa: E402
+
+from dsv4.model import norms  # noqa: E402
+from dsv4.model.linear import linear  # noqa: E402
+from dsv4.ops.registry import resolve  # noqa: E402
+from dsv4.ops.triton import dense as td  # noqa: E402
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def _absprod(x, w):
+    return x.to(w.dtype).float().abs() @ w.float().abs().T
+
+
+@pytest.mark.parametrize("wdt,xdt", [(BF16, BF16), (BF16, FP32), (FP32, FP32), (FP32, BF16)])
+def test_dense_linear_matches_oracle(wdt, xdt):
+    g = gen(1)
+    m, n, k = 70, 200, 328  # N, K not multiples of the tiles; M spans two row blocks
+    x = randn((m, k), g, dtype=xdt)
+    w = randn((n, k), g, scale=k ** -0.5, dtype=wdt)
+    w[:20, :40] *= 30.0  # rows of very different scale
+    y = td.dense_linear(x, w)
+    ref = linear(x, w)
+    assert y.dtype == wdt and y.shape == (m, n)
+    ap = _absprod(x, w)
+    if wdt == FP32:
+        assert_fp32_accum_close(y, ref, ap)
+    else:
+        d = (y.float() - ref.float()).abs()
+        print(f"\nbf16 weight, {xdt} x: {int((y != ref).sum())} of {y.numel()} differ from the oracle, "
+              f"max |Δ| {d.max().item():.3g}")
+        assert bool((d <= 2 * BF16_ULP * ref.float().abs() + 1e-5 * ap + 1e-30).all()), d.max()
+    # leading dimensions are kept
+    y3 = td.dense_linear(x[:6].reshape(2, 3, k), w)
+    assert y3.shape == (2, 3, n) and torch.equal(y3.reshape(6, n), y[:6])
+
+
+def test_chunking_depends_on_the_weight_only():
+    c16, c32 = td.config_for(BF16), td.config_for(FP32)
+    assert td.chunking(129280, 4096, c16) == 4096  # head: 1010 tiles, one chunk
+    assert td.chunking(1024, 4096, c16) == 512  # compressor-like: 8 tiles x 8 chunks
+    assert td.chunking(64, 4096, c16) == 512  # weights_proj-like
+    assert td.chunking(256, 4096, c32) == 512  # fp32 gate-like: 4 tiles x 8 chunks
+    assert td.chunking(4, 16384, c32) == 512  # hc_head fn-like
+    assert td.chunking(200, 328, c16) == 384  # small: one chunk
+
+
+@pytest.mark.parametrize("wdt,xdt", [(BF16, FP32), (FP32, FP32)])
+def test_dense_linear_batch_invariant_both_modes(wdt, xdt):
+    """Chunks of 128 columns (2 for K = 200, the last partial) so that the split mode runs."""
+    g = gen(2)
+    n, k, pool = 100, 200, 80
+    x = randn((pool, k), g, dtype=xdt)
+    w = randn((n, k), g, scale=k ** -0.5, dtype=wdt)
+    cfg = {"chunk": 128}
+    probe = [0, 1, 64, 77, 79]
+    alone = {r: td.dense_linear(x[r:r + 1], w, config=cfg) for r in probe}
+    for r in probe[:2]:
+        assert torch.equal(td.dense_linear(x[r:r + 1], w, config=cfg, mode="fused"), alone[r])
+    gp = gen(3)
+    for m in (3, 8, 64, 80):
+        rows = torch.randperm(pool, generator=gp)[:m]
+        for r, pos in zip(probe, torch.randperm(m, generator=gp).tolist()):
+            rows[pos] = r
+        xb = x[rows.to(x.device)]
+        modes = ("fused", "split") if m in (8, 80) else (None,)
+        for mode in modes:
+            y = td.dense_linear(xb, w, config=cfg, mode=mode)
+            for pos in range(m):
+                r = int(rows[pos])
+                if r in alone:
+                    assert torch.equal(y[pos], alone[r][0]), (m, mode, r, pos)
+    # the default chunking (one chunk here) is invariant too
+    y = td.dense_linear(x[:64], w)
+    assert torch.equal(y[37], td.dense_linear(x[37:38], w)[0])
+
+
+@pytest.mark.parametrize("dt", [FP32, BF16])
+def test_rms_norms_match_oracle_and_are_batch_invariant(dt):
+    g = gen(4)
+    for d in (256, 2500):  # 2500: two column blocks of 2048, the last partial
+        x = randn((8, d), g, scale=3.0, dtype=dt)
+        x[0, :5] *= 50.0
+        w = (1.0 + 0.1 * torch.randn(d, generator=g)).to(DEV)
+        for name, got, want in (
+                ("rms_norm", td.rms_norm(x, w, 1e-6), norms.rms_norm(x, w, 1e-6)),
+                ("rms_norm(no weight)", td.rms_norm(x, None, 1e-6), norms.rms_norm(x, None, 1e-6)),
+                ("unit_rms_norm", td.unit_rms_norm(x, 1e-6), norms.unit_rms_norm(x, 1e-6))):
+            assert got.dtype == dt and got.shape == x.shape
+            dlt = (got.float() - want.float()).abs()
+            tol = (20 * 2.0 ** -24 if dt == FP32 else 2 * BF16_ULP) * want.float().abs() + 1e-30
+            print(f"\n{dt} D={d} {name}: {int((got != want).sum())} of {got.numel()} differ, "
+                  f"max |Δ|/|ref| {(dlt / (want.float().abs() + 1e-30)).max().item():.3g}")
+            assert bool((dlt <= tol).all()), name
+    x = randn((64, 256), g, dtype=dt)
+    w = (1.0 + 0.1 * torch.randn(256, generator=g)).to(DEV)
+    full, ufull = td.rms_norm(x, w, 1e-6), td.unit_rms_norm(x.view(64, 2, 128), 1e-6)
+    for m, start in ((1, 5), (3, 40), (8, 56)):  # subsets of the M = 64 launch
+        assert torch.equal(td.rms_norm(x[start:start + m], w, 1e-6), full[start:start + m])
+        assert torch.equal(td.unit_rms_norm(x[start:start + m].view(m, 2, 128), 1e-6), ufull[start:start + m])
+
+
+def test_registry_and_errors():
+    assert resolve("dense_linear", force="dense_linear=triton")[1] is td.dense_linear
+    assert resolve("rms_norm", force="all=torch")[1] is norms.rms_norm
+    assert resolve("unit_rms_norm", force="unit_rms_norm=triton")[1] is td.unit_rms_norm
+    x = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match="K=8"):
+        td.dense_linear(x, torch.zeros(4, 9, device=DEV))
+    with pytest.raises(TypeError, match="float8"):
+        td.dense_linear(x, torch.zeros(4, 8, device=DEV).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="norm weight"):
+        td.rms_norm(x, torch.ones(7, device=DEV), 1e-6)
+    assert td.dense_linear(x[:0], torch.zeros(4, 8, device=DEV)).shape == (0, 4)

@@ -1,0 +1,277 @@
+"""Triton paged sparse attention vs the torch backend (the oracle's ``sparse_attention`` on gathered keys).
+
+Tolerance. Both sides use the same key values (decoded records) and reduce exact products in fp32
+(the kernel splits q and p into bf16 parts that sum to them exactly, see the kernel docstring);
+they differ in summation order (the oracle: one fp32 bmm per query block, float64 softmax, 64-key
+blocks of p·v; the kernel: 16-deep MMA steps, online exp2 softmax over 32-key blocks). For output
+element (t, h, d) with reference probabilities p_j (sink included) and key values v_j:
+
+* p·v accumulation: ≲ n·2^-24 · Σ_j p_j |v_jd| for n summation steps;
+* a logit error δ_j (fp32 dot of 512 exact products: ≲ n·2^-24 · G_j with G_j = scale·Σ_i |q_i k_ji|,
+  plus the exp2 argument rounding ≲ 2^-24·|logit|) moves p_j by p_j·(δ_j + Σ_i p_i δ_i), i.e. the
+  output by ≤ 2·max_j δ_j · Σ_j p_j |v_jd|.
+
+So |Δ| ≤ REL·(1 + 2·max_j G_j)·Σ_j p_j |v_jd| with REL = 1e-5 (≈ 170 fp32 roundings: the summations
+are 512 terms deep at most, and both sides' errors add). 16-bit outputs add one spacing of the output
+format at |ref| (both sides round once, so a value near a rounding boundary may go either way) and
+the 2-part split of p (≤ 2^-16·Σ_j p_j |v_jd|).
+
+That bound is a worst case (the measured error is ~0.5 % of it), so fp32 outputs are also held to the
+oracle's own accuracy: max_(t,h,d) |out - exact|/Σ_j p_j|v_jd| (exact = float64 over the same keys)
+at most ACCURACY times the oracle's. Both are fp32 computations of the same quantity with about the
+same number of roundings (measured in the interpreter: kernel/oracle 0.4-1.0); 4x leaves room for
+the GPU's MMA accumulation and exp2 approximation, while a wrong term (sink weight off by 0.1 %, a
+missing key, a wrong scale byte) is far larger.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
+
+from ops_kernel_helpers import DEV, gen  # noqa: E402
+
+from dsv4.formats import FNUZ, OCP, alloc_kv_pages  # noqa: E402
+from dsv4.ops import torch_attention  # noqa: E402
+from dsv4.ops.registry import resolve  # noqa: E402
+from dsv4.ops.triton import sparse_attention as tsa  # noqa: E402
+
+REL = 1e-5
+SWA = 64
+MANT_BITS = {torch.bfloat16: 7, torch.float16: 10}
+ACCURACY = 4  # fp32 outputs: error vs float64 at most 4x the oracle's (CPU interpreter: ≤ 1x measured)
+
+
+def _kv(n, g, scale=1.0):
+    """KV rows with per-64-tile scales spread over 2^-4..2^4 and a normal rope part."""
+    tiles = torch.exp2(torch.randint(-4, 5, (n, 8, 1), generator=g).float())
+    return (torch.randn(n, 8, 64, generator=g) * tiles).reshape(n, 512) * scale
+
+
+class Scene:
+    """Sequences of different lengths in shuffled pages, and queries (prefill chunks and decodes) on them.
+
+    kind "csa": 64 entries a page, entries = len // 4, each query lists a random top-k of its
+    visible entries ((p+1)//4), ascending, −1 padded; "hca": 2 entries a page, entries = len // 8,
+    each query lists all its visible entries ((p+1)//8); "swa": no compressed entries (Lc = 0).
+    Window pages entirely before every query's window are freed (−1 in the table).
+    """
+
+    def __init__(self, fmt, kind, lens, queries, window, g, dense_dtype=torch.bfloat16, topk=12):
+        self.fmt, self.window = fmt, window
+        S = len(lens)
+        n_swa = max(-(-n // SWA) for n in lens)
+        n_pages = S * n_swa + 2
+        ratio, per = {"csa": (4, 64), "hca": (8, 2), "swa": (None, None)}[kind]
+        if fmt is None:
+            self.swa_pages = torch.zeros(n_pages, SWA, 512, dtype=dense_dtype, device=DEV)
+        else:
+            self.swa_pages = alloc_kv_pages(n_pages, SWA, DEV, stride=37440 + 576)
+        perm = torch.randperm(n_pages, generator=g)
+        self.swa_table = torch.full((S, n_swa), -1, dtype=torch.long)
+        for s, n in enumerate(lens):
+            used = -(-n // SWA)
+            self.swa_table[s, :used] = perm[s * n_swa: s * n_swa + used]
+        self.swa_table = self.swa_table.to(DEV)
+        for s, n in enumerate(lens):
+            pos = torch.arange(n)
+            pg = self.swa_table[s, pos // SWA]
+            torch_attention.kv_insert(self.swa_pages, pg, (pos % SWA).to(DEV), _kv(n, g).to(DEV), fmt, SWA)
+        self.per = per or 1
+        self.comp_pages = self.block_table = None
+        ent = [n // ratio if ratio else 0 for n in lens]
+        if ratio:
+            n_blk = max(1, max(-(-e // per) for e in ent))
+            n_cp = S * n_blk + 1
+            if fmt is None:
+                self.comp_pages = torch.zeros(n_cp, per, 512, dtype=dense_dtype, device=DEV)
+            else:
+                self.comp_pages = alloc_kv_pages(n_cp, per, DEV)
+            cperm = torch.randperm(n_cp, generator=g)
+            self.block_table = cperm[: S * n_blk].view(S, n_blk).to(DEV)
+            for s, e in enumerate(ent):
+                idx = torch.arange(e)
+                torch_attention.kv_insert(self.comp_pages, self.block_table[s, idx // per], (idx % per).to(DEV),
+                                          _kv(e, g).to(DEV), fmt, per, round_bf16=True)
+        pos, sid, rows = [], [], []
+        for s, p in queries:
+            pos.append(p)
+            sid.append(s)
+            if kind == "csa":
+                vis = (p + 1) // ratio
+                sel = torch.randperm(vis, generator=g)[:topk].sort().values.tolist() if vis else []
+                rows.append(sel)
+            elif kind == "hca":
+                rows.append(list(range((p + 1) // ratio)))
+            else:
+                rows.append([])
+        lc = max(len(r) for r in rows) if kind == "csa" else (max(ent) if ratio else 0)
+        padded = [r + [-1] * (lc - len(r)) for r in rows]
+        self.comp_idx = torch.tensor(padded, dtype=torch.long).view(len(rows), lc).to(DEV)
+        self.positions = torch.tensor(pos, dtype=torch.long, device=DEV)
+        self.seq_ids = torch.tensor(sid, dtype=torch.int32, device=DEV)
+        # free window pages no query can see
+        lo = {}
+        for s, p in queries:
+            lo[s] = min(lo.get(s, p), max(0, p - window + 1))
+        for s, first in lo.items():
+            self.swa_table[s, : first // SWA] = -1
+        self.freed = int((self.swa_table[:, 0] < 0).sum())
+
+    def args(self, sl=slice(None), comp_idx=None):
+        ci = self.comp_idx[sl] if comp_idx is None else comp_idx
+        return (self.positions[sl], self.seq_ids[sl], self.swa_pages, self.swa_table, self.comp_pages,
+                self.block_table, self.per, ci)
+
+
+def _run(fn, sc, q, sink, scale, sl=slice(None), comp_idx=None):
+    return fn(q[sl], *sc.args(sl, comp_idx), sink, scale, sc.window, sc.fmt)
+
+
+def _float64_reference(sc, q, sink, scale):
+    """(exact out, Σ_j p_j|v_j|, max_j G_j) in float64 over the same gathered keys."""
+    table, idx = torch_attention.gather_attention_keys(*sc.args(), sc.window, sc.fmt)
+    k = table.double()[idx.clamp(min=0)] * (idx >= 0)[..., None]  # [T, L, 512]
+    qd = q.double()
+    logits = torch.einsum("thd,tld->thl", qd, k) * scale
+    logits = logits.masked_fill((idx < 0)[:, None, :], float("-inf"))
+    full = torch.cat([sink.double()[None, :, None].expand(q.shape[0], -1, 1), logits], dim=-1)
+    p = torch.softmax(full, dim=-1)[..., 1:]
+    g = (torch.einsum("thd,tld->thl", qd.abs(), k.abs()) * scale).masked_fill((idx < 0)[:, None, :], 0)
+    return torch.einsum("thl,tld->thd", p, k), torch.einsum("thl,tld->thd", p, k.abs()), g.amax(-1, keepdim=True)
+
+
+def _bound(q, ref, a, gmax):
+    """REL·(1 + 2·max_j G_j)·Σ_j p_j|v_j| (+ the 16-bit output terms)."""
+    bound = REL * (1 + 2 * gmax) * a
+    if q.dtype != torch.float32:
+        _, e = torch.frexp(ref.float().abs())  # |ref| in [2^(e-1), 2^e): 16-bit spacing 2^(e-1-mantissa bits)
+        spacing = torch.ldexp(torch.ones_like(ref, dtype=torch.float64), e - 1 - MANT_BITS[q.dtype])
+        bound = bound + spacing + 2.0 ** -16 * a
+    return bound
+
+
+def _check(sc, H, qdtype, seed, scale=512 ** -0.5):
+    g = gen(seed)
+    T = sc.positions.shape[0]
+    q = (torch.randn(T, H, 512, generator=g) * 2).to(qdtype).to(DEV)
+    sink = torch.randn(H, generator=g).to(DEV)
+    out = _run(tsa.paged_sparse_attention, sc, q, sink, scale)
+    ref = _run(torch_attention.paged_sparse_attention, sc, q, sink, scale)
+    assert out.dtype == qdtype and out.shape == (T, H, 512)
+    assert torch.isfinite(out).all()
+    exact, a, gmax = _float64_reference(sc, q, sink, scale)
+    d = (out.double() - ref.double()).abs()
+    worst = (d / (_bound(q, ref, a, gmax) + 1e-300)).max().item()
+    assert worst <= 1.0, f"max |diff|/bound = {worst:.3g} (max |diff| {d.max().item():.3g})"
+    if qdtype == torch.float32:  # and as accurate as the oracle (errors relative to Σ p|v|)
+        err_k = ((out.double() - exact).abs() / a).max().item()
+        err_o = ((ref.double() - exact).abs() / a).max().item()
+        assert err_k <= ACCURACY * err_o + 2.0 ** -24, f"kernel error {err_k:.3g} vs the oracle's {err_o:.3g}"
+    return q, sink, out
+
+
+# (sequence, position) queries: a short prefill (all positions < window), a prefill chunk crossing the
+# window, decodes far past the window (freed pages before it)
+LENS = [3, 90, 200]
+QUERIES = [(0, 0), (0, 1), (0, 2), (1, 60), (1, 61), (1, 89), (2, 150), (2, 199)]
+
+
+@pytest.mark.parametrize("fmt", [OCP, FNUZ], ids=["ocp", "fnuz"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_fp8_pages_fp32(fmt, kind):
+    sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(1 + (kind == "hca")))
+    assert sc.freed >= 1  # a freed page outside the window is part of the scene
+    _check(sc, 4, torch.float32, 10)
+
+
+def test_fp8_pages_bf16_h16_window128():
+    sc = Scene(OCP, "csa", LENS, QUERIES, 128, gen(3))
+    _check(sc, 16, torch.bfloat16, 11)
+
+
+def test_h64_decode_head_block_64():
+    """The H200 head count: one 64-head block per token."""
+    sc = Scene(OCP, "hca", LENS, [(1, 89), (2, 199)], 128, gen(7))
+    assert tsa.pick_config(64, torch.device(DEV))["BLOCK_H"] == 64
+    _check(sc, 64, torch.bfloat16, 15)
+
+
+def test_swa_only_lc0_and_h20():
+    sc = Scene(OCP, "swa", LENS, QUERIES, 40, gen(4))
+    assert sc.comp_idx.shape[1] == 0 and sc.comp_pages is None
+    _check(sc, 20, torch.float32, 12)  # H not a multiple of the head block
+
+
+@pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32])
+def test_dense_pages(dense_dtype):
+    sc = Scene(None, "csa", LENS, QUERIES, 40, gen(5), dense_dtype=dense_dtype)
+    _check(sc, 4, torch.float32, 13)
+
+
+@pytest.mark.parametrize("fmt", [OCP, None], ids=["fp8", "dense"])
+def test_batch_invariance_bitwise(fmt):
+    """A token's output is bitwise the same alone (its own, narrower comp_idx row) as in the batch."""
+    sc = Scene(fmt, "csa", LENS, QUERIES, 40, gen(6))
+    q, sink, out = _check(sc, 16, torch.bfloat16, 14)
+    for t in (0, 4, 7):
+        row = sc.comp_idx[t: t + 1]
+        own = row[:, : int((row >= 0).sum())]
+        alone = _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5, slice(t, t + 1), own)
+        assert torch.equal(alone, out[t: t + 1]), f"token {t} differs alone"
+    pair = _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5, slice(3, 5))
+    assert torch.equal(pair, out[3:5])
+
+
+def test_padding_token_reads_nothing():
+    """A padding token (position −1, no entries, seq row −1) gets zeros and leaves the others alone."""
+    sc = Scene(OCP, "csa", LENS, QUERIES[:3], 40, gen(8))
+    g = gen(16)
+    q = torch.randn(4, 16, 512, generator=g).to(DEV)
+    sink = torch.randn(16, generator=g).to(DEV)
+    args = list(sc.args())
+    args[0] = torch.cat([args[0], torch.tensor([-1], device=DEV)])
+    args[1] = torch.cat([args[1], torch.tensor([-1], dtype=args[1].dtype, device=DEV)])
+    args[7] = torch.cat([args[7], torch.full((1, args[7].shape[1]), -1, dtype=args[7].dtype, device=DEV)])
+    out = tsa.paged_sparse_attention(q, *args, sink, 512 ** -0.5, sc.window, sc.fmt)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert torch.equal(out[:3], _run(tsa.paged_sparse_attention, sc, q[:3], sink, 512 ** -0.5))
+
+
+def test_registry_resolves_both_backends():
+    assert resolve("sparse_attention", force={"sparse_attention": "torch"})[1] is \
+        torch_attention.paged_sparse_attention
+    assert resolve("sparse_attention", force={"sparse_attention": "triton"})[1] is tsa.paged_sparse_attention
+
+
+def test_out_of_shared_memory_steps_down_to_a_smaller_tile(monkeypatch):
+    """A tile that does not fit the GPU's shared memory (the H200 refused BLOCK_H=64 with 2 stages
+    for one bf16 specialization: 254 KB needed, 232 KB there) falls back to fewer stages, then fewer
+    heads per program; the choice is remembered per head count and dtypes, never per batch."""
+    from triton.runtime.errors import OutOfResources
+
+    sc = Scene(OCP, "hca", LENS, [(1, 89), (2, 199)], 128, gen(7))
+    g = gen(16)
+    q = (torch.randn(2, 64, 512, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    sink = torch.randn(64, generator=g).to(DEV)
+    want = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"BLOCK_H": 32}), sc, q, sink, 512 ** -0.5)
+    real = tsa._sparse_attn_kernel
+    tried = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append((kw["BLOCK_H"], kw["num_stages"]))
+                if kw["BLOCK_H"] == 64:
+                    raise OutOfResources(254464, 232448, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tsa, "_sparse_attn_kernel", Refusing())
+    monkeypatch.setattr(tsa, "_WORKING", {})
+    got = _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    assert tried[:3] == [(64, 2), (64, 1), (32, 2)]
+    assert torch.equal(got, want)  # the step-down config's own result
+    tried.clear()
+    _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    assert tried == [(32, 2)]  # remembered: no more failed attempts
