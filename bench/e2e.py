@@ -15,6 +15,7 @@ Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -45,6 +46,55 @@ def measure_bandwidth() -> float:
     return 2 * n / dt  # bytes read + written per second
 
 
+def measure_peaks() -> dict:
+    """Dense bf16 matmul peak (8192³, random data) measured in this run."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / reps
+    del a, b
+    return {"bf16_peak_flops": 2 * n ** 3 / dt}
+
+
+def prefill_flops(ckpt_dir: str, L: int) -> float:
+    """FLOPs of one L-token prefill: 2·(active weights)·L for the GEMMs (non-expert weights, top-k +
+    shared experts) plus the attention products (each query × its keys: window + selected/compressed
+    entries, QK and PV over 512 dims, all heads) and the indexer scores of CSA layers."""
+    from dsv4.checkpoint.reader import Checkpoint
+
+    ck = Checkpoint(ckpt_dir)
+    c = ck.config
+    dense = expert = 0
+    for name, e in ck.entries.items():
+        if name.startswith("mtp.") or name == "embed.weight" or len(e.shape) != 2 or not name.endswith(".weight"):
+            continue
+        n = e.shape[0] * e.shape[1] * (2 if e.dtype in ("I8", "U8") and ".experts." in name else 1)
+        if ".experts." in name and ".shared_experts." not in name:
+            expert += n
+        else:
+            dense += n
+    active = dense + expert * c.num_experts_per_tok / c.n_routed_experts
+    fl = 2.0 * active * L
+    for layer in range(c.num_hidden_layers):
+        r = c.compress_ratio(layer)
+        avg_keys = min(L, c.sliding_window)
+        if r == 4:
+            avg_keys += min(c.index_topk, L / 8)
+            fl += 2.0 * L * (L / 8) * c.index_n_heads * c.index_head_dim  # indexer scores over visible entries
+        elif r:
+            avg_keys += L / (2 * r)
+        fl += 4.0 * L * avg_keys * c.num_attention_heads * c.head_dim
+    return fl
+
+
 def decode_step_bytes(ckpt_dir: str, batch: int) -> int:
     """Bytes one decode step must read: every layer weight except routed experts, the routed experts
     the batch activates (≤ min(E, 6·batch) per layer, counted at their checkpoint size), the head."""
@@ -66,32 +116,105 @@ def decode_step_bytes(ckpt_dir: str, batch: int) -> int:
     return total + c.num_hidden_layers * active * per_expert
 
 
-def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str) -> dict:
+PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first match wins)
+    ("sparse attention (paged, in-kernel FP8 decode)", ("_sparse_attn", "sparse_attention", "_attn_")),
+    ("Lightning Indexer (scores + top-k)", ("_indexer", "sort", "topk", "radix")),
+    ("KV insert (window + compressed)", ("_kv_insert", "index_put", "scatter")),
+    ("FP8 linear", ("_fp8_linear", "_sum_splits")),
+    ("MoE (routing + grouped experts)", ("_moe", "_route")),
+    ("mHC pre/post", ("_mix_kernel", "_gate_kernel", "_post_kernel")),
+    ("dense GEMM / RMSNorm (batch-invariant)", ("_dense", "_sum_chunks", "_rms_norm")),
+    ("cuBLAS / other GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet")),
+    ("elementwise / copies / other", ("",)),
+)
+
+
+def profile_decode(eng, steps: int = 5) -> dict:
+    """Device time per decode step by op group (torch.profiler over ``steps`` engine steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    groups = {name: 0.0 for name, _ in PROFILE_GROUPS}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not t or ev.key.startswith("ProfilerStep"):
+            continue
+        key = ev.key.lower()
+        for name, subs in PROFILE_GROUPS:
+            if any(sub.lower() in key for sub in subs):
+                groups[name] += t / 1e3 / steps
+                break
+    return {k: round(v, 3) for k, v in groups.items()}
+
+
+def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tuple[float, dict | None]:
+    """ms per steady-state decode step of B requests (32-token prompts)."""
+    from dsv4 import SamplingParams
+
+    for i in range(B):
+        eng.add_request(prompt_token_ids=torch.randint(3, 120000, (32,), generator=g).tolist(),
+                        params=SamplingParams(temperature=0, max_tokens=steps + 12 + (6 if profile else 0),
+                                              ignore_eos=True))
+    eng.step()  # prefill of all B prompts
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    prof = profile_decode(eng) if profile else None
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms, prof
+
+
+def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
+               long_context: int = 0) -> dict:
+    """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
+    graphs (CUDA graphs + batch-invariant tiles: the default), eager (no graphs; profiled),
+    fastest (graphs + per-M tiles: what batch invariance costs), reference (the per-request
+    attention of the oracle: the old path)."""
     from dsv4 import LLM, SamplingParams
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.ops.invariance import set_batch_invariant
 
     res: dict = {}
     max_len = max(prefill_lens) + 64
     llm = LLM(ckpt, dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", max_model_len=max_len, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(prefill_lens), kv_cache_memory=24 << 30, enable_prefix_caching=False,
+              max_num_batched_tokens=max(prefill_lens), kv_cache_memory=16 << 30, enable_prefix_caching=False,
               backend=backend)
-    eng = llm.engine
+    eng, llm.engine = llm.engine, None
+    model, tok, cfg0 = eng.model, eng.tokenizer, eng.config
+    res["graph_capture_s"] = getattr(eng.runner.graphs, "capture_seconds", None)
+
+    def engine(**changes):
+        nonlocal eng
+        eng = None
+        torch.cuda.empty_cache()
+        return LLMEngine(dataclasses.replace(cfg0, **changes), backend=model, tokenizer=tok)
+
     g = torch.Generator().manual_seed(0)
-    for B in batches:
-        for i in range(B):
-            eng.add_request(prompt_token_ids=torch.randint(3, 120000, (32,), generator=g).tolist(),
-                            params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        eng.step()  # prefill of all B prompts
-        for _ in range(3):
-            eng.step()
-        torch.cuda.synchronize()
-        steps = 20
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        res[f"decode_ms_b{B}"] = (time.perf_counter() - t) / steps * 1e3
-        while eng.has_unfinished_requests():
-            eng.step()
+    for variant in variants:
+        if variant != "graphs":
+            set_batch_invariant(variant != "fastest")
+            eng = engine(enforce_eager=variant == "eager", attention="reference" if variant == "reference" else "auto")
+        for B in batches:
+            if variant == "reference" and B > 8:
+                continue  # the per-request path takes seconds per step at 64
+            ms, prof = decode_tok_s(eng, B, g, profile=(variant == "eager" and B in (1, max(batches))))
+            res[f"decode_ms_b{B}" + ("" if variant == "graphs" else f"_{variant}")] = ms
+            if prof:
+                res[f"profile_b{B}"] = prof
+            print(variant, B, round(ms, 3), prof or "", flush=True)
+        set_batch_invariant(True)
+    if variants[-1] != "graphs":
+        eng = engine()
     for L in prefill_lens:
         ids = torch.randint(3, 120000, (L,), generator=g).tolist()
         for rep in range(2):  # first run warms up kernels for this shape
@@ -103,6 +226,32 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
         res[f"prefill_tok_s_{L}"] = L / dt
+    if long_context:  # one long prompt: chunked prefill, then 16 decode steps; peak memory
+        chunk = 8192
+        eng = engine(max_model_len=long_context + 64, max_num_seqs=4, max_num_batched_tokens=chunk,
+                     kv_cache_memory=8 << 30)
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(3, 120000, (long_context,), generator=g).tolist()
+        eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(-(-long_context // chunk)):
+            eng.step()
+        torch.cuda.synchronize()
+        t_prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        n = 0
+        outs = []
+        while eng.has_unfinished_requests():
+            outs = eng.step() or outs
+            n += 1
+        torch.cuda.synchronize()
+        res[f"long_{long_context}"] = {
+            "prefill_s": round(t_prefill, 2), "prefill_tok_s": round(long_context / t_prefill),
+            "decode_ms": round((time.perf_counter() - t) / max(n, 1) * 1e3, 2),
+            "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "tokens": len(outs[-1].outputs[0].token_ids) if outs else 0}
+        print("long context", res[f"long_{long_context}"], flush=True)
     return res
 
 
@@ -163,6 +312,8 @@ def main() -> int:
     ap.add_argument("--prefill", default="1024,8192")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--variants", default="graphs,eager,fastest", help="decode-path variants (see bench_dsv4)")
+    ap.add_argument("--long-context", type=int, default=0, help="also prefill+decode one prompt of this length")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -178,7 +329,12 @@ def main() -> int:
         rows[f"bound_decode_ms_b{B}"] = decode_step_bytes(a.ckpt, B) / bw * 1e3
     print(json.dumps(rows), flush=True)
     t = time.time()
-    rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend)
+    rows.update(measure_peaks())
+    rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context)
+    for L in prefill:
+        fl = prefill_flops(a.ckpt, L)
+        rows[f"prefill_{L}_TFLOP"] = fl / 1e12
+        rows[f"prefill_{L}_frac_of_bf16_peak"] = fl / (L / rows["dsv4"][f"prefill_tok_s_{L}"]) / rows["bf16_peak_flops"]
     print("dsv4", json.dumps(rows["dsv4"]), f"({time.time() - t:.0f}s)", flush=True)
     if not a.skip_transformers:
         t = time.time()

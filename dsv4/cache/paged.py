@@ -13,6 +13,7 @@ with ``auto`` they hold model-dtype rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -107,7 +108,9 @@ class PagedKVCache:
         self.device = torch.device(device)
         q = numerics.quantized
         nl = cfg.num_hidden_layers + cfg.num_mtp_layers
-        P, B, S = budget.num_swa_pages, budget.num_blocks, budget.num_slots
+        # one spare page past the pool's pages: batched writers send masked-out rows there
+        # instead of branching on the host (dsv4.engine.paged_attention)
+        P, B, S = budget.num_swa_pages + 1, budget.num_blocks + 1, budget.num_slots
         self.swa = [alloc_kv_pages(P, SWA_PAGE, device) if q else torch.zeros(P, SWA_PAGE, cfg.head_dim, dtype=dtype, device=device)
                     for _ in range(nl)]
         self.comp: dict[tuple[int, str], torch.Tensor] = {}
@@ -125,7 +128,19 @@ class PagedKVCache:
                     self.comp[key] = alloc_indexer_pages(B, per, device) if q else torch.zeros(B, per, cfg.index_head_dim, dtype=dtype, device=device)
                 if ratio == 4:
                     self.boundary[key] = torch.zeros(B, BOUNDARY_ROWS, width, device=device)
-                self.ring[key] = torch.zeros(S, 8 if ratio == 4 else ratio, width, device=device)
+                self.ring[key] = torch.zeros(S + 1, 8 if ratio == 4 else ratio, width, device=device)  # + spare slot
+
+    @property
+    def spare_swa_page(self) -> int:
+        return self.budget.num_swa_pages
+
+    @property
+    def spare_block(self) -> int:
+        return self.budget.num_blocks
+
+    @property
+    def spare_slot(self) -> int:
+        return self.budget.num_slots
 
     def per_block(self, key) -> int:
         return BLOCK // self.ratio[key]
@@ -150,10 +165,16 @@ class PagedSequenceView:
         self.kvc, self.alloc = kvc, alloc
         self.numerics = kvc.numerics
         self.config = kvc.cfg
-        dev = kvc.device
-        self._swa = torch.tensor(alloc.swa, dtype=torch.long, device=dev)
-        self._blocks = torch.tensor(alloc.blocks, dtype=torch.long, device=dev)
         self._chunk: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+
+    # page tables as device tensors, made on first use (the batched attention never needs them)
+    @functools.cached_property
+    def _swa(self) -> torch.Tensor:
+        return torch.tensor(self.alloc.swa, dtype=torch.long, device=self.kvc.device)
+
+    @functools.cached_property
+    def _blocks(self) -> torch.Tensor:
+        return torch.tensor(self.alloc.blocks, dtype=torch.long, device=self.kvc.device)
 
     @property
     def num_tokens(self) -> int:

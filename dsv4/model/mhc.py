@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import kernel
 from .linear import linear
 from .norms import unit_rms_norm
 
@@ -28,6 +29,9 @@ def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            iters: int, hc_eps: float, rms_eps: float):
     """streams [T, n, H] → (collapsed [T, H] in stream dtype, post [T, n], comb [T, n, n]) (fp32 mixes)."""
+    fast = kernel("mhc_pre")
+    if fast is not None:
+        return fast(streams, fn, base, scale, iters, hc_eps, rms_eps)
     T, n, _ = streams.shape
     flat = unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
     mixes = linear(flat, fn.float()).double()
@@ -43,6 +47,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out (sum over the first index of comb)."""
+    fast = kernel("mhc_post")
+    if fast is not None:
+        return fast(streams, out, post, comb)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 

@@ -318,8 +318,8 @@ class Diff:
         for b in m.blocks:
             inner = b.attn.forward
 
-            def fwd(x, chunks, _inner=inner, _layer=b.layer):
-                y = _inner(x, chunks)
+            def fwd(x, chunks, paged=None, _inner=inner, _layer=b.layer):
+                y = _inner(x, chunks, paged)
                 name = f"layers.{_layer}.attn.out"
                 cap["decode"][name] = y.detach().float().cpu()
                 order.append(name)

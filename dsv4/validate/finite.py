@@ -90,7 +90,7 @@ class FiniteMonitor:
         had_own = "forward" in vars(model)
         layer_hook = self._layer_hook
 
-        def forward(token_ids, chunks, logits_rows=None, hook=None):
+        def forward(token_ids, chunks, logits_rows=None, hook=None, **kw):  # kw: paged, advance (engine)
             self.forwards += 1
             if hook is None:
                 h = layer_hook
@@ -98,7 +98,7 @@ class FiniteMonitor:
                 def h(name, streams):
                     layer_hook(name, streams)
                     hook(name, streams)
-            return inner(token_ids, chunks, logits_rows, hook=h)
+            return inner(token_ids, chunks, logits_rows, hook=h, **kw)
 
         model.forward = forward
         self._installed = [model, inner if had_own else None]

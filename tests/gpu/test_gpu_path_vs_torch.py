@@ -34,7 +34,7 @@ def test_triton_path_matches_torch_path(tiny_ckpt):
     from dsv4.model.model import ReferenceModel
 
     ops = EngineConfig(model=str(tiny_ckpt), backend="triton").resolve_ops(torch.device("cuda"))
-    assert set(ops) == set(OPS)
+    assert set(OPS) <= set(ops)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 120000, (300,), generator=g).tolist()
     cont = torch.randint(3, 120000, (16,), generator=g).tolist()

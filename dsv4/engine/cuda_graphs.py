@@ -1,0 +1,106 @@
+"""CUDA graphs of the decode forward, one per batch-size bucket up to ``max_num_seqs``.
+
+A decode step of B requests replays the graph of the smallest bucket ≥ B. Everything
+data-dependent is computed outside the graph, on the host, before the replay: the page tables,
+positions and slots are copied into the graph's static tensors, and the lanes past B are
+*spare lanes* — position 0, every table entry pointing at the spare page/block/slot that each
+cache tensor has past its last real one — so whatever they compute and write never touches a
+request's pages. Inside the graph every shape is fixed: the compressed-entry lists have the width
+``max_model_len`` implies and the ops bound their loops by each token's own counts. After the
+replay the caches' host bookkeeping (``advance``: token counts, boundary rows of closed blocks)
+runs eagerly.
+
+Batch invariance makes the spare lanes harmless for the real ones: every op computes a row
+without looking at the others (``dsv4.ops.invariance``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..model.attention import SeqChunk
+from .paged_attention import PagedBatch
+
+log = logging.getLogger("dsv4.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    return [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Captured decode forwards; ``run(batch)`` replays the right one and returns its logits."""
+
+    def __init__(self, model, kvc, ops: dict, max_num_seqs: int, max_model_len: int):
+        self.model, self.kvc, self.ops = model, kvc, ops
+        self.max_model_len = max_model_len
+        self.n_swa = -(-max_model_len // 64)
+        self.n_blk = -(-max_model_len // 256)
+        self.buckets = buckets_for(max_num_seqs)
+        self.graphs: dict[int, tuple] = {}
+        self._keep: dict[int, tuple] = {}  # the graphs' other inputs, kept alive
+        self.capture_seconds = 0.0
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
+            pool = self._capture(b, pool)
+        if self.kvc.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
+
+    def _capture(self, b: int, pool):
+        kvc, dev = self.kvc, self.kvc.device
+        static = PagedBatch.spare(kvc, b, self.n_swa, self.n_blk, self.ops, self.max_model_len)
+        ids = torch.zeros(b, dtype=torch.long, device=dev)
+        rows = torch.arange(b, device=dev)
+        chunks = [SeqChunk(None, 0, 1) for _ in range(b)]
+        if dev.type != "cuda":  # emulation (tests on CPU): the same static inputs, run eagerly at replay
+            self.graphs[b] = (None, static, ids, (chunks, rows))
+            return pool
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile every kernel and settle the allocator before capturing
+                self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False)
+        # every tensor the graph reads must stay alive with it: a freed input's memory gets reused
+        # and the replay would read whatever lives there then (rows did: duplicated logits rows)
+        self.graphs[b] = (graph, static, ids, out.logits)
+        self._keep[b] = (rows, chunks)
+        return graph.pool()
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def can_run(self, batch) -> bool:
+        p = batch.paged
+        return (p is not None and p.decode_only and self.bucket(len(batch.chunks)) is not None
+                and len(batch.row_owner) == len(batch.chunks)
+                and p.max_end <= self.max_model_len)
+
+    def run(self, batch) -> torch.Tensor:
+        n = len(batch.chunks)
+        graph, static, ids, logits = self.graphs[self.bucket(n)]
+        static.load(batch.paged)
+        ids.zero_()
+        ids[:n].copy_(batch.token_ids)
+        if graph is None:
+            chunks, rows = logits
+            logits = self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False).logits
+        else:
+            graph.replay()
+        for c in batch.chunks:
+            c.cache.advance(c.length)
+        return logits[:n]

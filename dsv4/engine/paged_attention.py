@@ -1,0 +1,229 @@
+"""The engine's batched attention: one step's tokens of all requests attend over the paged tensors.
+
+The reference attention (``dsv4.model.attention``) runs the sequence-dependent parts per request
+through a :class:`~dsv4.cache.paged.PagedSequenceView` — exact, but a Python loop per request and
+host synchronisations in the codecs. This path does the same work for the whole step at once:
+
+- every token's window KV is inserted by one op (``kv_insert``) at its (page, offset);
+- decode tokens' compressor state goes straight into the per-request rings and the entries of
+  blocks that close are pooled and inserted for all requests together; invalid writes go to a
+  spare page, so there is no data-dependent branch (prefill chunks keep the per-request
+  compressor: their work is large and their rows must be held until the step ends);
+- the Lightning Indexer scores every query against its own request's paged indexer keys
+  (``indexer`` op) and the sparse attention reads the window and the selected compressed
+  entries from the pages in-kernel (``sparse_attention`` op).
+
+All tables are built once per step on the host (:class:`PagedBatch`), so the ops see only
+tensors and a token's result never depends on the other tokens of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.paged import SWA_PAGE, PagedKVCache
+from ..config import LayerType
+from ..formats import fake_quant_fp8_pow2, quantize_indexer_k, quantize_kv
+from ..formats import _paging
+from ..formats.indexer_record import INDEXER_VALUE_BYTES, _scale_start as _idx_scale_start
+from ..formats.kv_record import DATA_BYTES, SCALE_BYTES
+from ..model.attention import SeqChunk
+from ..model.linear import linear
+from ..model.norms import rms_norm
+from ..model.rope import apply_rope, cos_sin
+
+ATTENTION_OPS = ("kv_insert", "sparse_attention", "indexer")
+
+
+def _pad_rows(rows: list[list[int]], fill: int = -1) -> list[list[int]]:
+    width = max(1, max((len(r) for r in rows), default=1))
+    return [r + [fill] * (width - len(r)) for r in rows]
+
+
+@dataclass
+class PagedBatch:
+    """Per-step tables for the batched attention (host-built, device-resident)."""
+
+    kvc: PagedKVCache
+    chunks: list[SeqChunk]
+    positions: torch.Tensor  # [T] absolute position of every token
+    seq_ids: torch.Tensor  # [T] request row of every token
+    swa_table: torch.Tensor  # [S, n_swa] window page of the request's 64-token page j (-1 freed)
+    block_table: torch.Tensor  # [S, n_blocks] block of the request's 256-token block b
+    slots: torch.Tensor  # [S] compressor-state slot of each request
+    swa_page: torch.Tensor  # [T] where each token's window KV goes
+    swa_off: torch.Tensor  # [T]
+    decode_only: bool  # every chunk is one token (the batched compressor applies)
+    max_end: int  # largest (start + length) of the step: bounds the compressed entries
+    ops: dict
+
+    @classmethod
+    def build(cls, kvc: PagedKVCache, chunks: list[SeqChunk], allocs, ops: dict) -> "PagedBatch":
+        dev = kvc.device
+        pos, sid = [], []
+        for i, c in enumerate(chunks):
+            pos.extend(range(c.start, c.start + c.length))
+            sid.extend([i] * c.length)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        seq_ids = torch.tensor(sid, dtype=torch.long, device=dev)
+        swa_table = torch.tensor(_pad_rows([list(a.swa) for a in allocs]), dtype=torch.long, device=dev)
+        block_table = torch.tensor(_pad_rows([list(a.blocks) for a in allocs]), dtype=torch.long, device=dev)
+        slots = torch.tensor([a.slot for a in allocs], dtype=torch.long, device=dev)
+        swa_page = swa_table[seq_ids, positions // SWA_PAGE]
+        return cls(kvc, chunks, positions, seq_ids, swa_table, block_table, slots, swa_page, positions % SWA_PAGE,
+                   all(c.length == 1 for c in chunks), max(c.start + c.length for c in chunks), ops)
+
+    @classmethod
+    def spare(cls, kvc: PagedKVCache, lanes: int, n_swa: int, n_blocks: int, ops: dict, max_end: int) -> "PagedBatch":
+        """Static decode tables of ``lanes`` spare lanes (a CUDA graph's inputs; see ``load``)."""
+        dev = kvc.device
+
+        def full(shape, value):
+            return torch.full(shape, value, dtype=torch.long, device=dev)
+
+        return cls(kvc, [], full((lanes,), 0), torch.arange(lanes, device=dev), full((lanes, n_swa), kvc.spare_swa_page),
+                   full((lanes, n_blocks), kvc.spare_block), full((lanes,), kvc.spare_slot),
+                   full((lanes,), kvc.spare_swa_page), full((lanes,), 0), True, max_end, ops)
+
+    def load(self, step: "PagedBatch") -> None:
+        """Copy a decode step's tables into these static ones; the lanes past it become spare."""
+        n = step.positions.shape[0]
+        kvc = self.kvc
+        self.positions.zero_()
+        self.positions[:n].copy_(step.positions)
+        for mine, theirs, spare in ((self.swa_table, step.swa_table, kvc.spare_swa_page),
+                                    (self.block_table, step.block_table, kvc.spare_block)):
+            mine.fill_(spare)
+            w = min(mine.shape[1], theirs.shape[1])
+            mine[:n, :w].copy_(theirs[:, :w])
+        self.slots.fill_(kvc.spare_slot)
+        self.slots[:n].copy_(step.slots)
+        self.swa_page.fill_(kvc.spare_swa_page)
+        self.swa_page[:n].copy_(step.swa_page)
+        self.swa_off.zero_()
+        self.swa_off[:n].copy_(step.swa_off)
+
+    # ---- the attention of one layer ------------------------------------------------------
+    def attend(self, attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Everything ``Attention._attend`` does per chunk, for all tokens of the step at once."""
+        kvc, cfg, layer = self.kvc, attn.cfg, attn.layer
+        numerics = kvc.numerics
+        fmt = numerics.fmt if numerics.quantized else None
+        self._insert(kvc.swa[layer], self.swa_page, self.swa_off, kv, SWA_PAGE, "kv", round_bf16=False)
+        attn._check("k_window", kv)
+        comp_pages, per = None, 1
+        comp_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        if attn.compressor is not None:
+            self._compress(attn.compressor, x)
+            if attn.type == LayerType.CSA:
+                self._compress(attn.idx_compressor, x)
+            n_max = self.max_end // attn.ratio
+            comp_pages, per = kvc.comp[(layer, "kv")], kvc.per_block((layer, "kv"))
+            if n_max > 0:
+                visible = (self.positions + 1) // attn.ratio
+                if attn.type == LayerType.CSA:
+                    comp_idx = self._indexer(attn, x, qr, visible, n_max)
+                else:
+                    ar = torch.arange(n_max, device=q.device)
+                    comp_idx = torch.where(ar[None, :] < visible[:, None], ar[None, :], -1)
+        return self.ops["sparse_attention"](q, self.positions, self.seq_ids, kvc.swa[layer], self.swa_table,
+                                            comp_pages, self.block_table, per, comp_idx, attn.sink,
+                                            cfg.head_dim ** -0.5, cfg.sliding_window, fmt)
+
+    def _insert(self, pages, page_ids, offsets, rows, block_size: int, kind: str, round_bf16: bool) -> None:
+        """Write rows at (page, offset); page −1 is skipped by the op (no host sync)."""
+        numerics = self.kvc.numerics
+        if kind == "kv" and numerics.quantized:
+            self.ops["kv_insert"](pages, page_ids, offsets, rows.float(), numerics.fmt, block_size, round_bf16)
+        elif kind == "index" and numerics.quantized:
+            _insert_indexer_keys(pages, page_ids, offsets, rows.float(), numerics.fmt, block_size, self.kvc)
+        else:
+            _insert_dense(pages, page_ids, offsets, rows, self.kvc)
+
+    # ---- compressor ----------------------------------------------------------------------
+    def _compress(self, comp, x: torch.Tensor) -> None:
+        if not self.decode_only:
+            for c in self.chunks:  # prefill: the reference compressor through the request's view
+                comp.run(x[c.offset: c.offset + c.length], c)
+            return
+        kvc, dev = self.kvc, x.device
+        key = (comp.layer, comp.kind)
+        ring = kvc.ring[key]
+        size = ring.shape[1]
+        pos = self.positions
+        slot = self.slots[self.seq_ids]
+        ring[slot, pos % size] = comp.state_rows(x, pos)  # a decode row never overwrites a row still needed
+        r, d = comp.ratio, comp.dim
+        width = comp.wkv.shape[0]
+        emits = (pos + 1) % r == 0
+        entry = (pos + 1) // r - 1  # the entry this token closes (valid where emits)
+        e = entry.clamp(min=0)
+        rows_pos = e[:, None] * r + torch.arange(r, device=dev)[None, :]  # [T, r]
+        cur = ring[slot[:, None], rows_pos % size]  # [T, r, 2·width]
+        kv, score = cur[..., :width], cur[..., width:]
+        if comp.overlap:
+            prev = ring[slot[:, None], (rows_pos - r) % size]
+            has_prev = (e > 0)[:, None, None]
+            prev_kv = torch.where(has_prev, prev[..., :d], 0.0)
+            prev_sc = torch.where(has_prev, prev[..., width: width + d], float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            score = torch.cat([prev_sc, score[..., d:]], dim=1)
+        weights = torch.softmax(score.double(), dim=1).float()
+        pooled = (kv * weights).sum(dim=1)
+        normed = rms_norm(pooled, comp.norm, comp.cfg.rms_norm_eps)
+        cos, sin = cos_sin(comp.cfg.rope_compress, e * r)
+        entries = apply_rope(normed, cos, sin)
+        per = kvc.per_block(key)
+        page = torch.where(emits, self.block_table[self.seq_ids, e // per], -1)
+        self._insert(kvc.comp[key], page, e % per, entries, per, comp.kind, round_bf16=True)
+
+    # ---- Lightning Indexer ---------------------------------------------------------------
+    def _indexer(self, attn, x, qr, visible, n_max: int) -> torch.Tensor:
+        """Top-k compressed entries of every query, ascending, −1 last ([T, min(k, n_max)])."""
+        cfg, kvc = attn.cfg, self.kvc
+        t = x.shape[0]
+        q = linear(qr, attn.idx_wq_b, attn.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        cos, sin = cos_sin(cfg.rope_compress, self.positions)
+        q = apply_rope(q, cos, sin).float()
+        w = linear(x, attn.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
+        fmt = None
+        if kvc.numerics.quantized:
+            fmt = kvc.numerics.fmt
+            q = fake_quant_fp8_pow2(q.to(torch.bfloat16).float(), cfg.index_head_dim, fmt)
+        key = (attn.layer, "index")
+        n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
+        k = min(cfg.index_topk, n_max)
+        sel = self.ops["indexer"](q, w, self.seq_ids, visible, kvc.comp[key], self.block_table,
+                                  kvc.per_block(key), n_cols, k, fmt)
+        order = torch.sort(torch.where(sel >= 0, sel, n_cols), dim=1).values
+        return torch.where(order >= n_cols, -1, order)
+
+
+# ---- sync-free writers for the cache kinds that have no kernel of their own -------------------
+def _spare(pages: torch.Tensor, page_ids: torch.Tensor, kvc: PagedKVCache) -> torch.Tensor:
+    """Page ids with −1 sent to the spare page every cache tensor has past its last real page."""
+    return torch.where(page_ids >= 0, page_ids, pages.shape[0] - 1)
+
+
+def _insert_dense(pages, page_ids, offsets, rows, kvc) -> None:
+    pages[_spare(pages, page_ids, kvc), offsets] = rows.to(pages.dtype)
+
+
+def _insert_indexer_keys(pages, page_ids, offsets, rows, fmt, block_size: int, kvc) -> None:
+    codes, scale = quantize_indexer_k(rows, fmt)  # indexer keys are not bf16-rounded (as the view)
+    ids = _spare(pages, page_ids, kvc)
+    _paging.write_rows(pages, ids, offsets.long() * INDEXER_VALUE_BYTES, codes)
+    _paging.write_rows(pages, ids, _idx_scale_start(offsets, block_size),
+                       scale.float().unsqueeze(-1).contiguous().view(torch.uint8))
+
+
+def insert_kv_records(pages, page_ids, offsets, rows, fmt, block_size: int, round_bf16: bool = False) -> None:
+    """The torch ``kv_insert``: 584-byte records at (page, offset), −1 to the spare page, no sync."""
+    data, scale = quantize_kv(rows, fmt, round_bf16)
+    ids = torch.where(page_ids >= 0, page_ids, pages.shape[0] - 1)
+    _paging.write_rows(pages, ids, offsets.long() * DATA_BYTES, data)
+    _paging.write_rows(pages, ids, block_size * DATA_BYTES + offsets.long() * SCALE_BYTES, scale)
+
+

@@ -1,0 +1,34 @@
+"""Optional kernels for the oracle's building blocks, active for the duration of one forward.
+
+The reference model's dense GEMMs (BF16/FP32 weights: compressors, indexer head weights, the MoE
+gate, the head), RMSNorms and mHC maps are plain torch. On the GPU, cuBLAS and torch's reductions
+choose their algorithm from the number of rows, so a token's result would depend on the batch;
+the fast path swaps in batch-invariant kernels (``dsv4.ops``: dense_linear, rms_norm,
+unit_rms_norm, mhc_pre, mhc_post) while ``ReferenceModel.forward`` runs. Outside a forward, or
+for a model built without them, nothing changes — the oracle stays the oracle.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+KERNEL_OPS = ("dense_linear", "rms_norm", "unit_rms_norm", "mhc_pre", "mhc_post")
+
+_active: dict[str, Callable] = {}
+
+
+def kernel(name: str) -> Callable | None:
+    """The kernel standing in for building block ``name`` right now, or None (use torch)."""
+    return _active.get(name)
+
+
+@contextmanager
+def active(ops: dict[str, Callable] | None):
+    """Use ``ops`` (name → kernel) for the building blocks inside the ``with`` body."""
+    global _active
+    before, _active = _active, dict(ops or {})
+    try:
+        yield
+    finally:
+        _active = before

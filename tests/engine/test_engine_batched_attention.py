@@ -1,0 +1,75 @@
+"""The engine's batched paged attention (``dsv4.engine.paged_attention``) with the torch ops.
+
+This is the path the GPU uses (with Triton ops); here its torch ops run it on CPU. It must give
+the reference path's greedy tokens and logprobs bitwise — same stored bytes, same oracle math per
+query — through prompts that cross every page/window/block boundary while decoding, with chunked
+prefill mixing prefill chunks and decodes in a step, in both cache dtypes; and a request's decode
+logits must not depend on the batch it is in.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import BOUNDARY_LENGTHS, BOUNDARY_NEW_TOKENS, greedy, make_llm, rand_prompts, signature
+from step_control import add, decode_logits
+
+DTYPES = ("auto", "fp8_ds_mla")
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_batched_equals_reference_path(tiny_ckpt, kv_dtype):
+    prompts = rand_prompts(5, BOUNDARY_LENGTHS)
+    params = greedy(BOUNDARY_NEW_TOKENS)
+    ref = make_llm(tiny_ckpt, kv_dtype, max_num_batched_tokens=100, attention="reference")
+    fast = make_llm(tiny_ckpt, kv_dtype, max_num_batched_tokens=100, attention="batched", backend="torch")
+    assert ref.engine.runner.attention_ops is None and fast.engine.runner.attention_ops is not None
+    want = [signature(o) for o in ref.generate(prompts, params)]
+    got = [signature(o) for o in fast.generate(prompts, params)]
+    for n, w, g in zip(BOUNDARY_LENGTHS, want, got):
+        assert w == g, f"prompt of {n} tokens: batched path {g} != reference {w}"
+
+
+def test_batched_decode_is_batch_invariant(tiny_ckpt):
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
+                                      max_num_seqs=8, kv_cache_memory=256 << 20, enable_prefix_caching=False,
+                                      attention="batched", backend="torch"))
+
+    target = rand_prompts(9, [254])[0]  # decoding crosses the 256-token block end and HCA/CSA entries
+    e1 = engine()
+    alone = decode_logits(e1, add(e1, target), [], 4)
+    e2 = engine()
+    t = add(e2, target)
+    others = [add(e2, p) for p in rand_prompts(10, [30, 127, 300])]
+    together = decode_logits(e2, t, others, 4, target_at=2)
+    for s, (a, b) in enumerate(zip(alone, together)):
+        assert torch.equal(a, b), f"decode step {s}: max |Δ| {(a - b).abs().max().item():.3g}"
+
+
+def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
+    """The CUDA-graph decode path's static inputs, emulated eagerly on CPU: steps padded to a bucket
+    with spare lanes (spare page/block/slot, position 0) and compressed-entry lists as wide as
+    max_model_len give the same tokens and logprobs as the unpadded batched path, and leave every
+    request's pages as the unpadded path leaves them."""
+    from dsv4.engine.cuda_graphs import DecodeGraphs
+
+    prompts = rand_prompts(21, [30, 126, 254])
+    params = greedy(6)
+    plain = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_seqs=8)
+    want = [signature(o) for o in plain.generate(prompts, params)]
+    padded = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_seqs=8)
+    eng = padded.engine
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
+    graphs.capture()
+    assert graphs.buckets == [1, 2, 4, 8]
+    used = []
+    run = graphs.run
+    graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or run(batch)
+    eng.runner.graphs = graphs
+    got = [signature(o) for o in padded.generate(prompts, params)]
+    assert 4 in used, f"no padded decode step ran (buckets used: {used})"
+    assert got == want
