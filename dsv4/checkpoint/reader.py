@@ -170,6 +170,23 @@ class Checkpoint:
         t = h.get_tensor(name)
         return t.to(device) if str(device) != "cpu" else t
 
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of one tensor, reading only those bytes
+        (tensor-parallel ranks load their shard this way; see dsv4/dist/shard.py). A fresh tensor."""
+        from safetensors import safe_open
+
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError(f"tensor '{name}' is not in checkpoint {self.dir}")
+        if not (0 <= dim < len(e.shape) <= 2 and 0 <= start <= stop <= e.shape[dim]):
+            raise CheckpointError(f"tensor '{name}' {list(e.shape)}: no slice [{start}, {stop}) along dim {dim}")
+        h = self._handles.get(e.file)
+        if h is None:
+            h = self._handles[e.file] = safe_open(str(e.file), framework="pt", device="cpu")
+        sl = h.get_slice(name)
+        # a copy: safetensors may hand out a view of the shared mmap, which callers must not modify
+        return (sl[start:stop] if dim == 0 else sl[:, start:stop]).clone(memory_format=torch.contiguous_format)
+
     def iter_tensors(self, names: list[str] | None = None, device="cpu", progress: bool = True,
                      desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
         names = list(self.specs) if names is None else names

@@ -37,10 +37,20 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; default: a CPU budget, or a GPU utilisation share
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # tensor / expert parallelism (dsv4/dist, docs/distributed.md): one process per rank, rank 0 runs the engine
+    enable_expert_parallel: bool = False  # routed experts split by expert instead of by intermediate dim
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+    distributed_timeout: float = 300.0  # seconds a collective may wait before the engine is declared dead
     device: str | None = None
     seed: int = 0
     act_quant: bool = False
     backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's --enforce-eager)
+    attention: str = "auto"  # batched: one step's attention over the pages at once; reference: per request;
+    #                          auto: batched with the fast backend, reference with the torch one
 
     def resolve_ops(self, device: torch.device) -> dict | None:
         """Op name → function for the fast path, or None for the pure torch reference."""
@@ -50,11 +60,31 @@ class EngineConfig:
             return None
         from ..ops.registry import describe, resolve
 
-        force = None if self.backend == "auto" else {op: "triton" for op in OPS}
+        from ..model.kernels import KERNEL_OPS
+
+        force = None if self.backend == "auto" else {op: "triton" for op in OPS + KERNEL_OPS}
         ops = {op: resolve(op, force=force)[1] for op in OPS}
+        for op in KERNEL_OPS:  # building blocks: only a real kernel replaces the oracle's torch code
+            name, fn = resolve(op, force=force)
+            if name != "torch":
+                ops[op] = fn
         for row in describe(force=force):
             log.info("op %-12s → %-7s (%s)", row["op"], row["backend"], row["reason"])
         return ops
+
+    def resolve_attention_ops(self, device: torch.device) -> dict | None:
+        """Ops of the batched paged attention, or None for the reference's per-request attention."""
+        if self.attention not in ("auto", "batched", "reference"):
+            raise ValueError(f"attention must be auto, batched or reference; got {self.attention!r}")
+        fast = self.backend == "triton" or (self.backend == "auto" and device.type != "cpu")
+        if self.attention == "reference" or (self.attention == "auto" and not fast):
+            return None
+        from ..ops.registry import resolve
+        from .paged_attention import ATTENTION_OPS
+
+        force = {op: "torch" for op in ATTENTION_OPS} if self.backend == "torch" else (
+            {op: "triton" for op in ATTENTION_OPS} if self.backend == "triton" else None)
+        return {op: resolve(op, force=force)[1] for op in ATTENTION_OPS}
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -71,8 +101,6 @@ class LLMEngine:
         from ..chat.tokenizer import load_tokenizer
         from ..model.model import ReferenceModel
 
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not available yet")
         if config.fp8_format == "auto":
             from ..ops.platform import detect_platform
 
@@ -80,6 +108,14 @@ class LLMEngine:
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = config.torch_dtype(device)
+        self.dist = None  # TPDriver when tensor-parallel (dsv4/dist): this process is rank 0
+        if config.tensor_parallel_size > 1 or config.nnodes > 1:
+            if backend is not None:
+                raise ValueError("a custom model backend cannot run at tensor_parallel_size > 1")
+            from ..dist.driver import TPDriver
+
+            self.dist = TPDriver(config, device)
+            backend = self.dist.model
         self.model = backend or ReferenceModel(config.model, dtype=dtype, device=device,
                                               kv_cache_dtype=config.kv_cache_dtype, fp8_format=config.fp8_format,
                                               act_quant=config.act_quant, ops=config.resolve_ops(device))
@@ -101,8 +137,17 @@ class LLMEngine:
                              self.max_model_len)
         self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
         self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
+        if self.dist is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
+            self.dist.start_caches(budget, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, config.resolve_attention_ops(device))
+        if device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager \
+                and self.dist is None:  # TP: the workers replay no graphs (eager steps)
+            from .cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, self.runner.attention_ops,
+                                              config.max_num_seqs, self.max_model_len)
+            self.runner.graphs.capture()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
         self.requests: dict[str, list[Request]] = {}
@@ -110,6 +155,11 @@ class LLMEngine:
         log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
+        if self.dist is not None:
+            self.dist.shutdown()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,

@@ -30,12 +30,17 @@ class StepBatch:
     chunks: list[SeqChunk]
     logits_rows: torch.Tensor  # rows of the batch whose logits are needed
     row_owner: list[tuple[int, str]]  # (index into schedule, "sample" | "prompt")
+    paged: object | None = None  # PagedBatch: the step's page tables for the batched attention
 
 
 class ModelRunner:
-    def __init__(self, backend: ModelBackend, kv: KVCacheManager):
+    def __init__(self, backend: ModelBackend, kv: KVCacheManager, attention_ops: dict | None = None):
+        """``attention_ops``: the ops of the batched paged attention (``dsv4.engine.paged_attention``);
+        None keeps the reference's per-request attention."""
         self.backend, self.kv = backend, kv
         self.device = backend.device
+        self.attention_ops = attention_ops
+        self.graphs = None  # DecodeGraphs, when the engine captured CUDA graphs of the decode forward
 
     def build(self, schedule: list[ScheduledChunk]) -> StepBatch:
         ids, chunks, rows, owners = [], [], [], []
@@ -53,11 +58,19 @@ class ModelRunner:
                 rows.append(off + n - 1)
                 owners.append((si, "sample"))
             off += n
+        paged = None
+        if self.attention_ops is not None:
+            from .paged_attention import PagedBatch
+
+            paged = PagedBatch.build(self.kv.kvc, chunks, [sc.req.alloc for sc in schedule], self.attention_ops)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=self.device), chunks,
-                         torch.tensor(rows, dtype=torch.long, device=self.device), owners)
+                         torch.tensor(rows, dtype=torch.long, device=self.device), owners, paged)
 
     @torch.no_grad()
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:
         batch = self.build(schedule)
-        out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return batch, self.graphs.run(batch).float().cpu()
+        extra = {} if batch.paged is None else {"paged": batch.paged}
+        out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
         return batch, out.logits.float().cpu()

@@ -110,6 +110,7 @@ class Attention:
             self.idx_weights = w[f"{p}.indexer.weights_proj.weight"]
             self.idx_compressor = Compressor(w, f"{p}.indexer.compressor", cfg, 4, cfg.index_head_dim, "index", layer)
         self.hooks = None  # optional callback(name, tensor) for --validate style checks
+        self.tp = None  # tensor parallelism (dsv4/dist): this rank holds a share of the heads and groups
 
     def _check(self, name, t):
         if self.hooks is not None:
@@ -143,11 +144,14 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], paged=None) -> torch.Tensor:
+        """``paged``: the engine's per-step tables (``dsv4.engine.paged_attention.PagedBatch``);
+        when given, the sequence-dependent part runs batched over the pages instead of per chunk."""
         cfg = self.cfg
         T = x.shape[0]
-        nh, hd = cfg.num_attention_heads, cfg.head_dim
-        positions = torch.cat([c.positions for c in chunks])
+        hd = cfg.head_dim
+        nh = self.wq_b.shape[0] // hd  # query heads held here: all, or this rank's share under TP
+        positions = paged.positions if paged is not None else torch.cat([c.positions for c in chunks])
         cos, sin = cos_sin(self.rope, positions)
         qr = rms_norm(linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
         q = linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
@@ -155,14 +159,17 @@ class Attention:
         kv = rms_norm(linear(x, self.wkv, self.act_quant), self.kv_norm, cfg.rms_norm_eps)
         kv = apply_rope(kv, cos, sin)
         self._check("q", q)
-        out = torch.empty_like(q)
-        for c in chunks:
-            sl = slice(c.offset, c.offset + c.length)
-            out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
+        if paged is not None:
+            out = paged.attend(self, x, qr, q, kv)
+        else:
+            out = torch.empty_like(q)
+            for c in chunks:
+                sl = slice(c.offset, c.offset + c.length)
+                out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
         o = apply_rope(out, cos, sin, inverse=True)
-        g = cfg.o_groups
-        o = o.view(T, g, -1)
         r = cfg.o_lora_rank
+        g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
+        o = o.view(T, g, -1)
         if self.act_quant:
             o = fake_quant_fp8_pow2(o.float(), 128, OCP).to(o.dtype)
         if isinstance(self.wo_a, torch.Tensor):
@@ -170,7 +177,8 @@ class Attention:
         else:
             groups = [self.wo_a.rows(i * r, (i + 1) * r) for i in range(g)]
         z = torch.cat([linear(o[:, i], groups[i]) for i in range(g)], dim=-1)
-        return linear(z, self.wo_b, self.act_quant)
+        y = linear(z, self.wo_b, self.act_quant)
+        return y if self.tp is None else self.tp.all_reduce(y)  # TP: wo_b is row-parallel, sum the ranks
 
     def _attend(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:
         cfg = self.cfg

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from . import kernels
 from .attention import Attention, SeqChunk
+from .kernels import KERNEL_OPS
 from .linear import linear
 from .cache import CacheNumerics, DenseSequenceCache
 from .mhc import hc_head, hc_post, hc_pre
@@ -34,10 +36,10 @@ class Block:
         self.attn = Attention(w, layer, cfg, prefix=f"{prefix}.attn", act_quant=act_quant)
         self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant)
 
-    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None) -> torch.Tensor:
         c = self.cfg
         x, post, comb = hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        a = self.attn.forward(rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks)
+        a = self.attn.forward(rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, paged)
         streams = hc_post(streams, a, post, comb)
         x, post, comb = hc_pre(streams, *self.hc_ffn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         f = self.moe.forward(rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
@@ -55,14 +57,18 @@ class ReferenceModel:
 
     def __init__(self, model_dir: str | Path | ModelWeights, dtype: torch.dtype = torch.float32, device="cpu",
                  kv_cache_dtype: str = "fp8_ds_mla", fp8_format: str = "ocp", act_quant: bool = False,
-                 progress: bool = False, ops: dict | None = None):
+                 progress: bool = False, ops: dict | None = None, tp=None):
         """``ops``: fast kernels by op name ("fp8_linear", "moe_route", "moe_experts"); when given,
-        weights stay in their checkpoint formats and those ops consume them (the GPU path)."""
+        weights stay in their checkpoint formats and those ops consume them (the GPU path).
+        ``tp``: tensor parallelism (a ``dsv4.dist.group.TPGroup``): this rank loads only its shard
+        and the sharded layers call its collectives; None is the single-process model."""
         if isinstance(model_dir, ModelWeights):
             self.w = model_dir
         else:
-            self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=bool(ops), ops=ops)
+            self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=bool(ops), ops=ops, shard=tp)
         self.cfg: ModelConfig = self.w.config
+        # building-block kernels (batch-invariant GEMM/norm/mHC) used while this model's forward runs
+        self.kernel_ops = {k: f for k, f in (ops or {}).items() if k in KERNEL_OPS}
         self.dtype, self.device = self.w.dtype, self.w.device
         self.numerics = CacheNumerics(kv_cache_dtype, fp8_format)
         cfg = self.cfg
@@ -70,6 +76,9 @@ class ReferenceModel:
         self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant) for m in range(cfg.num_mtp_layers)]
         self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
         self.hc_head_w = (self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"])
+        self.tp = tp
+        if tp is not None:
+            tp.install(self)
 
     def set_hooks(self, fn) -> None:
         """Install a callback(name, tensor) on every attention (used by finite checks)."""
@@ -80,8 +89,12 @@ class ReferenceModel:
         return DenseSequenceCache(self.cfg, self.numerics)
 
     # ---- main forward --------------------------------------------------------------------
-    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None) -> torch.Tensor:
-        """Run the decoder stack; returns the pre-hc_head streams [T, n, H]."""
+    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None, paged=None,
+               advance: bool = True) -> torch.Tensor:
+        """Run the decoder stack; returns the pre-hc_head streams [T, n, H].
+
+        ``paged`` (the engine's per-step page tables) switches attention to the batched path;
+        ``advance=False`` leaves the caches' bookkeeping to the caller (a CUDA-graph replay)."""
         cfg = self.cfg
         off = 0
         for c in chunks:
@@ -89,30 +102,40 @@ class ReferenceModel:
             off += c.length
         if off != token_ids.shape[0]:
             raise ValueError(f"chunks cover {off} tokens but {token_ids.shape[0]} token ids were given")
-        x = self.embed[token_ids].to(self.dtype)
+        x = self._embed(token_ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for b in self.blocks:
-            streams = b.forward(streams, chunks, token_ids)
+            streams = b.forward(streams, chunks, token_ids, paged)
             if hook is not None:
                 hook(f"layers.{b.layer}", streams)
-        for c in chunks:
-            c.cache.advance(c.length) if hasattr(c.cache, "advance") else None
+        if advance:
+            for c in chunks:
+                c.cache.advance(c.length) if hasattr(c.cache, "advance") else None
         return streams
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # vocab-parallel: masked lookup of this rank's rows + all-reduce
+            return self.tp.embed(self.embed, ids).to(self.dtype)
+        return self.embed[ids].to(self.dtype)
 
     def logits_from_streams(self, streams: torch.Tensor, hc=None, norm=None) -> torch.Tensor:
         cfg = self.cfg
         fn, base, scale = hc or self.hc_head_w
         h = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
         h = rms_norm(h, self.norm if norm is None else norm, cfg.rms_norm_eps)
-        return linear(h, self.head).float()
+        logits = linear(h, self.head).float()
+        if self.tp is not None:  # vocab-parallel head: every rank's columns, gathered
+            logits = self.tp.gather_vocab(logits, cfg.vocab_size)
+        return logits
 
     def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
-                hook=None) -> ForwardOutput:
-        streams = self.hidden(token_ids, chunks, hook)
-        rows = streams if logits_rows is None else streams[logits_rows]
-        if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
-            return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams)
-        return ForwardOutput(self.logits_from_streams(rows), streams)
+                hook=None, paged=None, advance: bool = True) -> ForwardOutput:
+        with kernels.active(self.kernel_ops):
+            streams = self.hidden(token_ids, chunks, hook, paged, advance)
+            rows = streams if logits_rows is None else streams[logits_rows]
+            if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
+                return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams)
+            return ForwardOutput(self.logits_from_streams(rows), streams)
 
     # ---- MTP -----------------------------------------------------------------------------
     def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0) -> torch.Tensor:
@@ -127,13 +150,14 @@ class ReferenceModel:
             c.offset, c.device = off, self.device
             off += c.length
         pos = torch.cat([c.positions for c in chunks])
-        e = rms_norm(self.embed[next_ids].to(self.dtype), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
+        e = rms_norm(self._embed(next_ids), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
         e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
         h = rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
         s = linear(h, self.w[f"{p}.h_proj.weight"]) + linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
-        s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
-        hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
-        return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])
+        with kernels.active(self.kernel_ops):
+            s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
+            hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
+            return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])
 
     # ---- conveniences for tests and tools -------------------------------------------------
     @torch.no_grad()

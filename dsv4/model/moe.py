@@ -51,6 +51,9 @@ class MoE:
         if cfg.n_shared_experts:
             s = f"{prefix}.shared_experts"
             self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
+        # tensor parallelism (dsv4/dist): this rank holds its experts (EP) or a slice of each
+        # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
+        self.tp = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if self.wts.keep_quantized and "moe_experts" in self.wts.ops:
@@ -58,7 +61,10 @@ class MoE:
         cfg = self.cfg
         ids, w = route(x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
+        experts = torch.unique(ids).tolist()
+        if self.tp is not None:
+            experts = self.tp.owned_experts(experts)  # EP: only this rank's experts
+        for e in experts:
             rows, slot = torch.where(ids == e)
             p = f"{self.prefix}.experts.{e}"
             y = swiglu(x[rows], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"), self.wts.expert(f"{p}.w2"),
@@ -66,20 +72,26 @@ class MoE:
             out.index_add_(0, rows, y.float() * w[rows, slot, None])
         if self.shared is not None:
             out += swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)  # routed + shared partial sums of every rank, in fp32
         return out.to(x.dtype)
 
     def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
         cfg, ops = self.cfg, self.wts.ops
-        logits = torch.nn.functional.linear(x.float(), self.gate.float())
+        if getattr(self, "_gate_f32", None) is None:
+            self._gate_f32 = self.gate.float()
+        logits = linear(x.float(), self._gate_f32)  # batch-invariant on the fast path (model.kernels)
         hash_ids = None
         if self.tid2eid is not None:
             hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
         ids, w = ops["moe_route"](logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
                                   cfg.norm_topk_prob, hash_ids)
+        if self.tp is not None:
+            ids = self.tp.local_expert_ids(ids)  # EP: index into this rank's stack, -1 = another rank's
         out = ops["moe_experts"](x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
                                  expert_dtype=cfg.expert_dtype)
         if self.shared is not None:
             out = out + swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -41,8 +41,11 @@ class FP8Weight:
 class ModelWeights:
     def __init__(self, ckpt: Checkpoint | str | Path, dtype: torch.dtype = torch.float32, device="cpu",
                  progress: bool = True, cache_experts: bool = True, names: list[str] | None = None,
-                 keep_quantized: bool = False, ops: dict | None = None):
+                 keep_quantized: bool = False, ops: dict | None = None, shard=None):
+        """``shard``: tensor parallelism — an object whose ``read(ckpt, name)`` returns this rank's
+        slice of a tensor and ``expert_range(n)`` its routed experts (``dsv4.dist.group.TPGroup``)."""
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+        self.shard = shard
         self.config: ModelConfig = self.ckpt.config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -65,9 +68,9 @@ class ModelWeights:
 
     def _load(self, name: str) -> torch.Tensor:
         spec = self.ckpt.specs[name]
-        raw = self.ckpt.get(name)
+        raw = self._get(name)
         if spec.role == "fp8_weight":
-            scale = self.ckpt.get(name[: -len(".weight")] + ".scale")
+            scale = self._get(name[: -len(".weight")] + ".scale")
             if self.keep_quantized:
                 s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.float()
                 return FP8Weight(raw.to(self.device), s.to(self.device), self.ops.get("fp8_linear"))
@@ -80,6 +83,10 @@ class ModelWeights:
             return raw.to(self.device, torch.float32)
         return raw.to(self.device, self.dtype)
 
+    def _get(self, name: str) -> torch.Tensor:
+        """The stored tensor, or under tensor parallelism this rank's shard of it (dsv4/dist/shard.py)."""
+        return self.ckpt.get(name) if self.shard is None else self.shard.read(self.ckpt, name)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.t[name]
 
@@ -91,8 +98,8 @@ class ModelWeights:
         w = self._experts.get(prefix)
         if w is not None:
             return w
-        raw = self.ckpt.get(prefix + ".weight").to(self.device)
-        scale = self.ckpt.get(prefix + ".scale").to(self.device)
+        raw = self._get(prefix + ".weight").to(self.device)
+        scale = self._get(prefix + ".scale").to(self.device)
         if self.config.expert_dtype == "fp4":
             w = dequantize_mxfp4(raw, scale, dtype=self.dtype)
         else:
@@ -108,6 +115,8 @@ class ModelWeights:
         if got is None:
             from ..ops.torch_ops import stack_experts_from_checkpoint
 
-            got = stack_experts_from_checkpoint(self.ckpt.get, ffn_prefix, self.config.n_routed_experts, self.device)
+            n = self.config.n_routed_experts
+            lo, hi = (0, n) if self.shard is None else self.shard.expert_range(n)  # EP: this rank's experts only
+            got = stack_experts_from_checkpoint(self._get, ffn_prefix, hi - lo, self.device, first=lo)
             self._stacked[ffn_prefix] = got
         return got

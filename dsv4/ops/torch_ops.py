@@ -208,11 +208,12 @@ def stack_experts(w1: Sequence[torch.Tensor], s1: Sequence[torch.Tensor], w3: Se
 
 
 def stack_experts_from_checkpoint(get: Callable[[str], torch.Tensor], prefix: str, n_experts: int,
-                                  device=None):
+                                  device=None, first: int = 0):
     """``stack_experts`` reading ``get(f"{prefix}.experts.{e}.w1.weight")`` etc. one expert at a
-    time (e.g. ``get = Checkpoint.get``, ``prefix = "layers.3.ffn"``)."""
+    time (e.g. ``get = Checkpoint.get``, ``prefix = "layers.3.ffn"``). ``first``: the stack holds
+    experts first..first+n_experts-1 (expert parallelism: one rank's experts)."""
     def fetch(e):
-        p = f"{prefix}.experts.{e}"
+        p = f"{prefix}.experts.{e + first}"
         return tuple(get(f"{p}.{w}.{k}") for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
 
     return _stack(n_experts, fetch, device)

@@ -61,6 +61,10 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
             yield
         finally:
             await asyncio.to_thread(aengine.stop)
+            # tensor-parallel workers: stopped here, before uvicorn re-raises a captured SIGTERM/SIGINT
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                await asyncio.to_thread(shutdown)
 
     app = FastAPI(title="dsv4 OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.dsv4 = state
@@ -87,6 +91,20 @@ def serve(args, engine_kwargs: dict) -> int:
     url = f"http://{args.host}:{args.port}"
     log.info("dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s", args.model,
              engine.kv_cache.budget.capacity_tokens, engine.max_model_len, url)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False,
-                timeout_keep_alive=30)  # our request log replaces the access log
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                           access_log=False, timeout_keep_alive=30))  # our request log replaces it
+    aengine = app.state.async_engine
+
+    def on_dead():  # a tensor-parallel rank died: answer what is in flight, then exit non-zero (never hang)
+        server.config.timeout_graceful_shutdown = 10
+        server.should_exit = True
+
+    aengine.on_dead = on_dead
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # tensor-parallel workers (nothing at TP=1)
+    if aengine.dead:
+        log.critical("dsv4 serve: exiting because the engine died: %s", aengine.dead)
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn's startup failure code (e.g. the port is taken)

@@ -13,7 +13,10 @@ Failure isolation, because one bad request must not hurt the others:
   (the engine's sampler is wrapped for this);
 * any other exception inside ``step()`` fails the requests it names, else the requests of that
   step's schedule (with a 500), and the loop keeps serving;
-* a request the engine rejects in ``add_request`` gets a 400 with the engine's message.
+* a request the engine rejects in ``add_request`` gets a 400 with the engine's message;
+* a dead engine (:class:`~dsv4.dist.errors.EngineDeadError`: a tensor-parallel rank died or timed
+  out) fails every in-flight request, refuses new ones with a 503 and calls ``on_dead`` (the
+  server then exits) — no step can run any more.
 
 The engine itself is wrapped, not changed: its sampler object and its scheduler's ``schedule``
 method are replaced on the instance to learn which requests a failure belongs to.
@@ -32,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..dist.errors import EngineDeadError
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 
@@ -166,7 +170,8 @@ class AsyncEngine:
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.stats = EngineStats()
-        self.dead: str | None = None  # set if the loop itself died (never expected)
+        self.dead: str | None = None  # set if the loop itself died, or the engine did (EngineDeadError)
+        self.on_dead: Callable[[], None] | None = None  # called once the engine is dead (serve: exit)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._tracks: dict[str, _Track] = {}
@@ -245,6 +250,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
+            except EngineDeadError as e:  # a tensor-parallel rank is gone: nothing can run any more
+                self._engine_died(e)
+                break
             except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
                 log.exception("engine loop error")
                 for rid in list(self._streams):
@@ -252,6 +260,17 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._fail(rid, 503, "the server is shutting down")
         log.debug("engine loop stopped")
+
+    def _engine_died(self, e: EngineDeadError) -> None:
+        self.dead = f"{type(e).__name__}: {e}"
+        log.critical("the engine is dead, failing %d request(s): %s", len(self._streams), e)
+        for rid in list(self._streams):
+            self._fail(rid, 500, f"the engine died: {e}")
+        if self.on_dead is not None:
+            try:
+                self.on_dead()
+            except Exception:  # noqa: BLE001
+                log.exception("on_dead callback failed")
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; waits for one when idle. Returns False on stop."""
@@ -331,6 +350,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, EngineDeadError):
+                raise  # not this step's requests' fault: the loop fails them all and stops
             self._guard.take_errors()
             affected = self._affected(e)
             log.exception("engine step failed; failing %d request(s): %s", len(affected), ", ".join(affected))

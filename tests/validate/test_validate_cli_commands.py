@@ -32,10 +32,11 @@ def test_probe_cli_rejects_max_tokens_below_two(tiny_ckpt, capsys):
 
 
 def test_probe_cli_engine_init_failure_fails_and_skips_the_rest(tiny_ckpt, capsys):
-    rc = main(["probe", "--model", str(tiny_ckpt), "--tp", "2", "--kv-cache-memory", "64", "--max-model-len", "128"])
+    # TP=3 does not divide the tiny model's 4 heads: refused at engine init, before any worker starts
+    rc = main(["probe", "--model", str(tiny_ckpt), "--tp", "3", "--kv-cache-memory", "64", "--max-model-len", "128"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "tensor parallelism is not available yet" in out
+    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in out
     assert "=> engine init: FAIL" in out and "=> generate: SKIP" in out and "DSV4_VERDICT: FAIL" in out
 
 

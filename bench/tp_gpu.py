@@ -1,0 +1,313 @@
+"""Tensor / expert parallelism on several GPUs: equality with TP=1, the probe, speed, all-reduce share.
+
+The multi-GPU run (issue 11), on a machine with ≥ 2 H200s:
+
+    python bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --out $OUT/tp_gpu.json
+
+1. writes (or reuses) a ``flash-width`` checkpoint with ``--layers`` layers — small enough that
+   TP=1 fits one GPU, so the parallel runs have a single-GPU reference;
+2. for TP=1, TP=N and TP=N + expert parallel (each in its own process): greedy tokens of fixed
+   prompts with their top-2 logprobs; decode ms/step at batch 1 / 8 / 64 (steady-state decode
+   steps only); prefill tok/s of one 8K-token prompt (one chunk); and the share of a decode step
+   rank 0 spends in collectives (a second pass with every collective synchronised and timed);
+3. compares the parallel runs' greedy tokens with TP=1: a divergence is reported with TP=1's
+   top-1/top-2 margin there (bf16 all-reduces sum in another order than TP=1, so a near tie may
+   flip; ``--dtype float32`` makes the comparison tight);
+4. runs ``dsv4 probe`` at TP=N (oracle: a separately loaded single-GPU torch model);
+5. prints a table and writes JSON.
+
+Every process (this one, the per-config children, their worker ranks, the probe) runs with
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (no NVLink
+multicast on the lent machines).
+
+``--cpu`` is the smoke test for a machine without GPUs: the tiny checkpoint, gloo, float32 and
+``kv_cache_dtype=auto``, small batches and a 512-token prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v  # before torch is imported; inherited by every child process
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
+
+
+def _configs(tp: int) -> list[tuple[str, dict]]:
+    return [("tp1", {"tensor_parallel_size": 1}), (f"tp{tp}", {"tensor_parallel_size": tp}),
+            (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
+
+
+def _engine_kwargs(a, extra: dict) -> dict:
+    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              max_num_seqs=max(a.batches), max_num_batched_tokens=max(a.prefill_len, 2048), seed=0, **extra)
+    if a.cpu:
+        kw.update(device="cpu", kv_cache_memory=a.kv_cache_mib << 20)
+    elif a.kv_cache_mib:
+        kw["kv_cache_memory"] = a.kv_cache_mib << 20
+    return kw
+
+
+def _prompts(n: int, lens, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
+
+
+# ---- one configuration (a child process) -----------------------------------------------------------
+def _greedy(llm, a) -> list[dict]:
+    from dsv4 import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    lens = PROMPT_LENS if not a.cpu else (7, 150, 300)
+    sp = SamplingParams(temperature=0, max_tokens=a.greedy_tokens, ignore_eos=True, logprobs=2)
+    out = []
+    for o in llm.generate(_prompts(len(lens), lens, vocab, seed=1), sp):
+        c = o.outputs[0]
+        margins = []
+        for d in c.logprobs or []:
+            lp = sorted((v.logprob for v in d.values()), reverse=True)
+            margins.append(lp[0] - lp[1] if len(lp) > 1 else None)
+        out.append({"prompt_len": len(o.prompt_token_ids), "tokens": c.token_ids, "margins": margins})
+    return out
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
+    """Steady-state decode of ``batch`` requests: ms/step, then the same with collectives timed."""
+    from dsv4 import SamplingParams
+
+    warm = 3
+    sp = SamplingParams(temperature=0, max_tokens=warm + 2 * steps + 2, ignore_eos=True)
+    rids = [engine.add_request(prompt_token_ids=p, params=sp)
+            for p in _prompts(batch, (prompt_len,), engine.model_config.vocab_size, seed=2)]
+    reqs = [engine.requests[r][0] for r in rids]
+    while any(not r.output_token_ids for r in reqs):  # prefill (chunked as the scheduler likes)
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    dev = engine.model.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(dev)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    res = {"batch": batch, "ms_per_step": round(ms, 3)}
+    if tp is not None:
+        tp.comm_s, tp.comm_calls, tp.timed = 0.0, 0, True
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(dev)
+        total = time.perf_counter() - t0
+        tp.timed = False
+        res.update(timed_ms_per_step=round(total / steps * 1e3, 3), comm_ms_per_step=round(tp.comm_s / steps * 1e3, 3),
+                   comm_share=round(tp.comm_s / total, 4), collectives_per_step=tp.comm_calls // steps)
+    for r in rids:
+        engine.abort_request(r)
+    return res
+
+
+def _prefill(engine, n: int) -> dict:
+    from dsv4 import SamplingParams
+
+    ids = _prompts(1, (n,), engine.model_config.vocab_size, seed=3)[0]
+    engine.kv.reset_prefix_cache()
+    rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    _sync(engine.model.device)
+    t0 = time.perf_counter()
+    while rid in engine.requests:
+        engine.step()
+    _sync(engine.model.device)
+    dt = time.perf_counter() - t0
+    return {"tokens": n, "seconds": round(dt, 3), "tok_per_s": round(n / dt, 1)}
+
+
+def run_one(a, name: str, extra: dict) -> dict:
+    from dsv4 import LLM
+    from dsv4.dist.group import peak_memory
+
+    t0 = time.perf_counter()
+    llm = LLM(a.ckpt, **_engine_kwargs(a, extra))
+    eng = llm.engine
+    res = {"config": name, **extra, "init_s": round(time.perf_counter() - t0, 1)}
+    if eng.dist is not None:
+        res["ranks"] = eng.dist.rank_stats
+    res["rank0_after_init"] = peak_memory(eng.model.device)  # weights + KV cache (TP=1: the whole model)
+    try:
+        res["greedy"] = _greedy(llm, a)
+        tp = eng.dist.tp if eng.dist is not None else None
+        _prefill(eng, min(512, a.prefill_len))  # warm-up (kernel autotuning, first NCCL collectives)
+        res["prefill"] = _prefill(eng, a.prefill_len)
+        res["decode"] = [_decode(eng, b, a.decode_prompt_len, a.steps, tp) for b in a.batches]
+    finally:
+        llm.shutdown()
+    return res
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+def ensure_checkpoint(a) -> str:
+    from dsv4.checkpoint.synthetic import write_checkpoint
+
+    preset = "tiny" if a.cpu else "flash-width"
+    path = Path(a.ckpt or f"/tmp/dsv4_tp_gpu/{preset}-L{a.layers}")
+    if not (path / "config.json").exists():
+        print(f"writing a {preset} checkpoint with {a.layers} layers to {path}", flush=True)
+        write_checkpoint(path, preset=preset, layers=a.layers, device="cpu" if a.cpu else "cuda", progress=False)
+    return str(path)
+
+
+def compare(ref: list[dict], got: list[dict]) -> list[dict]:
+    out = []
+    for r, g in zip(ref, got):
+        n = next((i for i, (x, y) in enumerate(zip(r["tokens"], g["tokens"])) if x != y), None)
+        row = {"prompt_len": r["prompt_len"], "equal": n is None and len(r["tokens"]) == len(g["tokens"])}
+        if n is not None:
+            row.update(first_divergence=n, tp1_top2_margin=r["margins"][n] if n < len(r["margins"]) else None)
+        out.append(row)
+    return out
+
+
+def run_probe(a, tp: int, out_dir: Path) -> dict:
+    report = out_dir / f"probe_tp{tp}.json"
+    cmd = [sys.executable, "-m", "dsv4.cli", "probe", "--model", a.ckpt, "--tp", str(tp), "--oracle", "torch",
+           "--dtype", a.dtype, "--kv-cache-dtype", a.kv_cache_dtype, "--max-model-len", str(min(a.max_model_len, 4096)),
+           "--json-report", str(report)]
+    if a.cpu:
+        cmd += ["--max-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-memory", str(a.kv_cache_mib)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout)
+    res = {"tp": tp, "exit_code": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
+           "tail": (r.stdout + r.stderr)[-3000:]}
+    if report.exists():
+        rep = json.loads(report.read_text())
+        res["verdict"] = rep.get("verdict")
+    return res
+
+
+def table(results: list[dict], checks: dict) -> str:
+    lines = []
+    batches = [d["batch"] for d in results[0]["decode"]]
+    head = ["config", "init s", "prefill tok/s"] + [f"decode b{b} ms" for b in batches] + \
+           [f"comm share b{b}" for b in batches] + ["greedy = TP1"]
+    lines.append(" | ".join(head))
+    lines.append(" | ".join("---" for _ in head))
+    for r in results:
+        eq = "ref" if r["config"] == "tp1" else ("yes" if all(c["equal"] for c in checks[r["config"]]) else
+                                                 "NO: " + ", ".join(f"p{c['prompt_len']}@{c['first_divergence']} "
+                                                                    f"(margin {c['tp1_top2_margin']})"
+                                                                    for c in checks[r["config"]] if not c["equal"]))
+        row = [r["config"], str(r["init_s"]), str(r["prefill"]["tok_per_s"])]
+        row += [str(d["ms_per_step"]) for d in r["decode"]]
+        row += [f"{100 * d['comm_share']:.1f}%" if "comm_share" in d else "-" for d in r["decode"]]
+        lines.append(" | ".join(row + [eq]))
+    for r in results:
+        m = r["rank0_after_init"]
+        dev = "" if m["device_peak_mib"] is None else f", device peak {m['device_peak_mib']:.0f} MiB"
+        lines.append(f"{r['config']} rank 0 after engine init (weights + KV cache): host peak {m['host_peak_mib']:.0f} MiB{dev}")
+        for s in r.get("ranks", []):
+            dev = "" if s["device_peak_mib"] is None else f", device peak {s['device_peak_mib']:.0f} MiB"
+            lines.append(f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s, host peak {s['host_peak_mib']:.0f} MiB{dev}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", default=None, help="checkpoint directory (written if missing)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the parallel runs")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 (GPU), float32 (--cpu)")
+    p.add_argument("--kv-cache-dtype", default=None, help="default: fp8_ds_mla (GPU), auto (--cpu)")
+    p.add_argument("--batches", default=None, help="decode batch sizes, default 1,8,64 (GPU), 1,4 (--cpu)")
+    p.add_argument("--prefill-len", type=int, default=None, help="default 8192 (GPU), 512 (--cpu)")
+    p.add_argument("--decode-prompt-len", type=int, default=None, help="default 1024 (GPU), 64 (--cpu)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps, default 20 (GPU), 3 (--cpu)")
+    p.add_argument("--greedy-tokens", type=int, default=None, help="default 32 (GPU), 6 (--cpu)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
+    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
+    p.add_argument("--skip-probe", action="store_true")
+    p.add_argument("--probe-timeout", type=int, default=900)
+    p.add_argument("--cpu", action="store_true", help="smoke test without GPUs: tiny checkpoint, gloo")
+    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # child: one configuration
+    p.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    cpu = a.cpu
+    a.dtype = a.dtype or ("float32" if cpu else "bfloat16")
+    a.kv_cache_dtype = a.kv_cache_dtype or ("auto" if cpu else "fp8_ds_mla")
+    a.batches = [int(x) for x in (a.batches or ("1,4" if cpu else "1,8,64")).split(",")]
+    a.prefill_len = a.prefill_len or (512 if cpu else 8192)
+    a.decode_prompt_len = a.decode_prompt_len or (64 if cpu else 1024)
+    a.steps = a.steps or (3 if cpu else 20)
+    a.greedy_tokens = a.greedy_tokens or (6 if cpu else 32)
+    a.max_model_len = a.max_model_len or (1024 if cpu else a.prefill_len + 512)
+    a.kv_cache_mib = a.kv_cache_mib or (256 if cpu else 0)
+
+    if a.run_one:
+        extra = dict(_configs(a.tp))[a.run_one]
+        Path(a.one_out).write_text(json.dumps(run_one(a, a.run_one, extra)))
+        return 0
+
+    a.ckpt = ensure_checkpoint(a)
+    out_dir = Path(a.out).parent if a.out else Path("/tmp/dsv4_tp_gpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if cpu else "8")}
+    results, failures = [], []
+    wanted = a.only.split(",") if a.only else None
+    for name, _ in _configs(a.tp):
+        if wanted and name not in wanted:
+            continue
+        one = out_dir / f"tp_gpu_{name}.json"
+        one.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--ckpt", a.ckpt,
+               "--run-one", name, "--one-out", str(one)]
+        print(f"== {name}", flush=True)
+        r = subprocess.run(cmd, env=env)
+        if r.returncode != 0 or not one.exists():
+            failures.append(f"{name}: exit code {r.returncode}")
+            continue
+        results.append(json.loads(one.read_text()))
+    checks = {}
+    ref = next((r for r in results if r["config"] == "tp1"), None)
+    for r in results:
+        if ref is not None and r is not ref:
+            checks[r["config"]] = compare(ref["greedy"], r["greedy"])
+    probe = None if a.skip_probe else run_probe(a, a.tp, out_dir)
+    doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
+           "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                              "NVSHMEM_DISABLE_NVLS")},
+           "results": results, "greedy_vs_tp1": checks, "probe": probe, "failures": failures}
+    if results and ref is not None:
+        print(table(results, checks))
+    if probe is not None:
+        print(f"probe at TP={a.tp}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
+    for f in failures:
+        print("FAILED:", f)
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print("wrote", a.out)
+    ok = not failures and all(c["equal"] for cs in checks.values() for c in cs) and (probe is None or probe["exit_code"] == 0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Rank 0 of a tensor-parallel engine: start the workers, hold shard 0, broadcast each step's plan.
+
+The engine process is rank 0 (like vLLM's multiproc executor, kept small): it runs the scheduler
+and the sampler as at TP=1, and its model is a :class:`TPModel` whose ``forward`` first
+broadcasts the step plan on the control group, then runs the local shard (the collectives inside
+line up with the workers'). Local workers are spawned processes; on a multi-node run the other
+nodes' ranks are started there (``dsv4 serve --node-rank K``) and meet at the same rendezvous.
+
+Failure handling: before every step the driver checks its workers' liveness; a collective that
+fails (gloo: the peer's socket closed) or times out (``distributed_timeout``) makes the engine
+dead: workers are stopped and :class:`~dsv4.dist.errors.EngineDeadError` names the rank and its
+exit code. A dead engine never runs another step (the ranks' collectives cannot be re-matched).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+import weakref
+
+import torch
+
+from .errors import EngineDeadError
+from .group import DistSpec, TPGroup, init_distributed
+from .plan import StepPlan, plan_step
+from .worker import load_shard, rank_device, worker_main
+
+log = logging.getLogger("dsv4.dist")
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(procs: dict, grace: float = 10.0) -> None:
+    deadline = time.monotonic() + grace
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+            p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def _finalize(procs: dict) -> None:  # the engine was dropped without shutdown(): no graceful message
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    _stop_workers(procs, grace=0.0)
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class TPDriver:
+    def __init__(self, config, device: torch.device):
+        from ..config import load_config
+
+        self.spec = spec = DistSpec.from_config(config)
+        if spec.node_rank != 0:
+            raise ValueError(f"node_rank={spec.node_rank}: only node 0 runs the engine; start other nodes with "
+                             "`dsv4 serve ... --node-rank K` (headless workers)")
+        self.config = config
+        self.device = rank_device(config, 0) if device.type == "cuda" else device
+        TPGroup(spec, 0, self.device).shard_plan(load_config(config.model))  # a layout error before any spawn
+        self.port = spec.master_port or _free_port(spec.master_addr)
+        self.procs: dict[int, object] = {}
+        self.dead: str | None = None
+        self.closed = False
+        self.restores: list[tuple[int, int, int]] = []
+        self._in_step = False
+        ctx = torch.multiprocessing.get_context("spawn")
+        for lr in range(1, spec.local_world):
+            rank = spec.global_rank(lr)
+            p = ctx.Process(target=worker_main, args=(config, spec, lr, self.port, os.getpid()),
+                            name=f"dsv4-tp-rank{rank}", daemon=True)
+            p.start()
+            self.procs[rank] = p
+            log.info("dsv4 dist: started tensor-parallel worker rank %d, pid %d", rank, p.pid)
+        self._finalizer = weakref.finalize(self, _finalize, self.procs)
+        try:
+            self._start(config)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def _start(self, config) -> None:
+        import torch.distributed as dist
+
+        spec = self.spec
+        t0 = time.monotonic()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        box: dict = {}
+
+        def join():
+            try:
+                box["groups"] = init_distributed(spec, 0, self.device, self.port)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+
+        t = threading.Thread(target=join, name="dsv4-tp-rendezvous", daemon=True)
+        t.start()
+        while t.is_alive():  # a worker that dies while starting must not leave us waiting for it
+            t.join(0.2)
+            self._check_workers("while starting")
+        if "error" in box:
+            raise box["error"]
+        self.tp = TPGroup(spec, 0, self.device, box["groups"])
+        mode = "expert" if spec.ep else "tensor"
+        log.info("dsv4 dist: %d ranks (%d node(s)), routed experts split by %s, %s backend, rendezvous at %s:%d",
+                 spec.world_size, spec.nnodes, mode, dist.get_backend(), spec.master_addr, self.port)
+        # every rank loads with this process's resolved config (flags given on other nodes do not matter)
+        self._collective(lambda: dist.broadcast_object_list([config], src=0, group=self.tp.startup), "startup")
+        inner, mine = load_shard(config, self.tp, self.device)
+        mine["load_s"] = round(time.monotonic() - t0, 2)  # rank 0's includes waiting for the rendezvous
+        stats = [None] * spec.world_size
+        self._collective(lambda: dist.gather_object(mine, stats, dst=0, group=self.tp.startup), "startup report")
+        self.rank_stats = stats
+        for s in stats:
+            dev = "" if s["device_peak_mib"] is None else f", peak device memory {s['device_peak_mib']:.0f} MiB"
+            log.info("dsv4 dist: rank %d (node %d, pid %d, %s) loaded its shard in %.1f s: peak host RSS %.0f MiB%s",
+                     s["rank"], s["node"], s["pid"], s["device"], s["load_s"], s["host_peak_mib"], dev)
+        self.model = TPModel(self, inner)
+        if self.device.type == "cuda":
+            threading.Thread(target=self._watch_cuda, name="dsv4-tp-watch", daemon=True).start()
+
+    # ---- what the engine calls -------------------------------------------------------------
+    def start_caches(self, budget, kv) -> None:
+        """Every worker allocates the same paged cache; prefix-cache restores get recorded."""
+        self.send(StepPlan("cache", budget=budget))
+        inner = kv.apply_prefix
+
+        def apply_prefix(alloc, hit, token_ids):
+            got = inner(alloc, hit, token_ids)
+            if hit:  # it wrote boundary rows into rank 0's state ring: the workers replay it
+                self.restores.append((alloc.slot, len(hit) - 1, alloc.blocks[len(hit) - 1]))
+            return got
+
+        kv.apply_prefix = apply_prefix
+
+    def send(self, plan: StepPlan) -> None:
+        import torch.distributed as dist
+
+        self._collective(lambda: dist.broadcast_object_list([plan], src=0, group=self.tp.ctrl), "step plan")
+
+    def shutdown(self) -> None:
+        """Stop the workers (a 'shutdown' plan, then terminate stragglers) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.dead is None:
+            try:
+                self.send(StepPlan("shutdown"))
+            except EngineDeadError:
+                pass
+        _stop_workers(self.procs, grace=10.0 if self.dead is None else 0.0)
+        self._finalizer.detach()
+        _finalize(self.procs)
+
+    # ---- liveness ----------------------------------------------------------------------------
+    def _check_workers(self, when: str) -> None:
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                raise self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} {when}")
+
+    def ensure_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self.closed:
+            raise EngineDeadError("the tensor-parallel engine was shut down")
+        self._check_workers("before a step")
+
+    def _collective(self, fn, what: str):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            raise self.fatal(e, what) from e
+
+    def fatal(self, e: BaseException, what: str) -> EngineDeadError:
+        """The error to raise after ``e`` broke a step: names a dead worker if there is one."""
+        if isinstance(e, EngineDeadError):
+            return e
+        sentinels = [p.sentinel for p in self.procs.values()]
+        if sentinels:  # a peer's death often surfaces as a socket error a moment before its exit code
+            # (seconds on a loaded machine: measured 2 s too short with the test suite on 2 cores)
+            multiprocessing.connection.wait(sentinels, timeout=10.0)
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                return self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                                 f"during the {what} ({type(e).__name__}: {e})")
+        return self._die(f"tensor-parallel {what} failed on rank 0 while every local worker is alive (a rank hung, "
+                         f"or one on another node is gone; distributed_timeout={self.spec.timeout_s:g} s): "
+                         f"{type(e).__name__}: {e}")
+
+    def _die(self, message: str) -> EngineDeadError:
+        if self.dead is None:
+            self.dead = message
+            log.critical("dsv4 dist: the engine is dead: %s", message)
+            for p in self.procs.values():
+                if p.is_alive():
+                    p.terminate()
+        return EngineDeadError(self.dead)
+
+    def _watch_cuda(self) -> None:
+        """NCCL does not notice a dead peer on NVLink: a collective would wait for the timeout, and
+        the timeout then aborts the process. A local worker that dies mid-step aborts the
+        communicator instead (the step then raises); if rank 0 is still stuck, it exits."""
+        sentinels = {p.sentinel: r for r, p in self.procs.items()}
+        if not sentinels:
+            return
+        multiprocessing.connection.wait(list(sentinels))
+        if self.closed:
+            return
+        time.sleep(5.0)
+        if not self._in_step or self.closed:
+            return  # the next step's liveness check reports it
+        log.critical("dsv4 dist: a worker died while rank 0 waits in a collective; aborting the NCCL communicator")
+        try:
+            torch.distributed.distributed_c10d._get_default_group()._get_backend(self.device).abort()
+        except Exception as e:  # noqa: BLE001 - best effort; the exit below bounds the wait
+            log.critical("dsv4 dist: NCCL abort failed: %s", e)
+        time.sleep(10.0)
+        if self._in_step:
+            log.critical("dsv4 dist: rank 0 is still blocked after a worker died; exiting")
+            os._exit(1)
+
+
+class TPModel:
+    """The engine's model at TP > 1: broadcasts the plan, then runs shard 0 (collectives inside)."""
+
+    def __init__(self, driver: TPDriver, inner):
+        self.driver, self.inner = driver, inner
+        self.cfg, self.device, self.dtype = inner.cfg, inner.device, inner.dtype
+
+    def __getattr__(self, name):  # read-only attributes (w, numerics, blocks, …) of the shard-0 model
+        if name in ("prefill", "greedy", "hidden", "mtp_forward", "new_cache"):
+            raise AttributeError(f"{name}() is not available at tensor_parallel_size > 1: only the engine's steps "
+                                 "run the sharded model (use a separate single-process model as an oracle)")
+        return getattr(self.inner, name)
+
+    def forward(self, token_ids, chunks, logits_rows=None, paged=None, **kw):
+        if kw:
+            raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
+        d = self.driver
+        d.ensure_alive()
+        plan = plan_step(token_ids, chunks, logits_rows, d.restores, paged is not None)
+        d.send(plan)
+        d.restores.clear()
+        d._in_step = True
+        try:
+            extra = {} if paged is None else {"paged": paged}
+            out = self.inner.forward(token_ids, chunks, logits_rows=logits_rows, **extra)
+            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
+                torch.cuda.synchronize(self.device)
+            return out
+        except Exception as e:  # noqa: BLE001 - the workers are mid-step: nothing can be re-matched
+            raise d.fatal(e, "forward") from e
+        finally:
+            d._in_step = False

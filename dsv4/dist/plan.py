@@ -1,0 +1,79 @@
+"""The message rank 0 broadcasts before each forward, and how a worker replays it on its own caches.
+
+Every rank holds an identical paged cache (same budget, same page ids: the KV head, compressors
+and indexer are replicated), so a step is fully described by what the engine's runner hands the
+model — token ids, and per chunk its start, length and the request's block / SWA page ids, state
+slot and computed-token count — plus the rows that need logits. The only cache write outside a
+forward is a prefix-cache hit restoring boundary compressor rows into the request's state ring
+(``KVCacheManager.apply_prefix``); those are recorded on rank 0 and replayed first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.paged import CacheAllocation, PagedSequenceView
+from ..model.attention import SeqChunk
+
+
+@dataclass
+class ChunkPlan:
+    start: int
+    length: int
+    blocks: list[int]
+    swa: list[int]
+    slot: int
+    num_computed: int
+
+
+@dataclass
+class StepPlan:
+    kind: str  # "step" | "cache" (allocate the paged cache of ``budget``) | "shutdown"
+    token_ids: list[int] = field(default_factory=list)
+    chunks: list[ChunkPlan] = field(default_factory=list)
+    logits_rows: list[int] | None = None
+    restores: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, block index, block id)
+    paged: bool = False  # the runner used the batched paged attention: build the same tables
+    budget: object = None
+
+
+def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool) -> StepPlan:
+    out = []
+    for c in chunks:
+        a = getattr(c.cache, "alloc", None)
+        if a is None:
+            raise TypeError(f"a tensor-parallel forward runs on the engine's paged cache views, got a "
+                            f"{type(c.cache).__name__}: the workers cannot mirror it")
+        out.append(ChunkPlan(c.start, c.length, list(a.blocks), list(a.swa), a.slot, a.num_computed))
+    rows = None if logits_rows is None else [int(r) for r in logits_rows.tolist()]
+    return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged)
+
+
+def replay_restores(kvc, restores) -> None:
+    for slot, index, block in restores:
+        alloc = CacheAllocation(blocks=[-1] * index + [block], slot=slot)
+        PagedSequenceView(kvc, alloc).restore_boundary(index)
+
+
+@torch.no_grad()
+def run_step(plan: StepPlan, model, kvc, attention_ops, device) -> None:
+    """A worker's forward of one step (its logits are rank 0's business)."""
+    replay_restores(kvc, plan.restores)
+    chunks, allocs, off = [], [], 0
+    for c in plan.chunks:
+        a = CacheAllocation(blocks=c.blocks, swa=c.swa, slot=c.slot, num_computed=c.num_computed)
+        allocs.append(a)
+        chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
+        off += c.length
+    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
+    extra = {}
+    if plan.paged:
+        from ..engine.paged_attention import PagedBatch
+
+        if attention_ops is None:
+            raise RuntimeError("rank 0 ran the batched paged attention but this worker resolved no attention ops")
+        extra["paged"] = PagedBatch.build(kvc, chunks, allocs, attention_ops)
+    model.forward(ids, chunks, logits_rows=rows, **extra)

@@ -1,0 +1,85 @@
+"""Tensor / expert parallelism through ``LLM`` on CPU (gloo): the same greedy tokens as TP=1.
+
+Each engine here starts real worker processes (spawned, or a headless "node" subprocess), so the
+step-plan broadcast, the sharded loads, the all-reduces, the vocab-parallel head and the replay
+of prefix-cache restores on the workers are all exercised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from dist_helpers import ENGINE, free_port, greedy_llm
+
+from dsv4 import LLM, SamplingParams
+from dsv4.dist.errors import EngineDeadError
+
+
+@pytest.fixture(scope="module")
+def reference(tp1_reference):
+    return tp1_reference[0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
+        return f.read().split()[2] == "Z"
+
+
+def test_tp2_matches_tp1_and_a_hung_worker_times_out(tiny_ckpt, reference, caplog):
+    caplog.set_level(logging.INFO, logger="dsv4.dist")
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, distributed_timeout=10, **ENGINE)
+    pids = llm.engine.dist.worker_pids
+    try:
+        got = greedy_llm(llm)
+        hits = llm.engine.kv.hits
+        os.kill(pids[1], signal.SIGSTOP)  # alive but silent: only the collective timeout can tell
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"distributed_timeout=10 s"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        waited = time.monotonic() - t0
+        with pytest.raises(EngineDeadError):  # dead for good: no step can be matched up again
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+        llm.shutdown()
+    assert got == reference
+    assert hits >= 256  # the last prompt reused a cached block: its boundary rows were restored on every rank
+    assert 9 < waited < 40
+    report = [r.getMessage() for r in caplog.records if "loaded its shard" in r.getMessage()]
+    assert len(report) == 2 and all("peak host RSS" in line for line in report), report
+    assert all(_gone(pid) for pid in pids.values())
+
+
+def test_tp2_expert_parallel_over_two_nodes_matches_tp1(tiny_ckpt, reference, tmp_path):
+    """TP=2 + EP laid out as two one-rank "nodes": this process is node 0, node 1 is a headless
+    `dsv4 serve --node-rank 1` (it takes the engine settings from node 0 at the rendezvous)."""
+    port = free_port()
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", str(tiny_ckpt), "-tp", "2",
+                              "--enable-expert-parallel", "--nnodes", "2", "--node-rank", "1",
+                              "--master-port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, enable_expert_parallel=True, nnodes=2, node_rank=0,
+                  master_port=port, distributed_timeout=120, **ENGINE)
+        try:
+            got = greedy_llm(llm)
+        finally:
+            llm.shutdown()
+        assert node1.wait(60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+        log.close()
+    assert got == reference

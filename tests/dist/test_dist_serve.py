@@ -1,0 +1,63 @@
+"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) as a real subprocess:
+the same greedy tokens as TP=1, and a killed worker makes the server answer with an error and
+exit non-zero instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from dist_helpers import ServeProcess, prompts, served_tokens
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def _check_greedy(srv: ServeProcess, expected_texts: list[list[str]]) -> None:
+    """The two shorter prompts (the long one and the prefix-cache replay are covered through LLM,
+    in tests/dist/test_dist_llm.py; each costs seconds of CPU per server here)."""
+    for ids, want in zip(prompts()[:2], expected_texts[:2]):
+        assert served_tokens(srv.complete(ids)) == want
+
+
+def test_serve_tp2_then_a_killed_worker_stops_the_server(tiny_ckpt, tp1_reference, tmp_path):
+    srv = ServeProcess(tiny_ckpt, tmp_path / "serve.log", "--tensor-parallel-size", "2")
+    try:
+        srv.wait_ready()
+        log = srv.log()
+        assert "rank 1 (node 0" in log and "peak host RSS" in log  # the per-rank startup report
+        _check_greedy(srv, tp1_reference[1])
+        pid = srv.worker_pids()[1]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        r = srv.complete(prompts()[0], timeout=60)
+        assert r.status_code == 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "the engine died" in msg and f"worker rank 1 (pid {pid}) exited with code -9" in msg, msg
+        assert srv.proc.wait(60) == 1
+        assert time.monotonic() - t0 < 60
+        assert "exiting because the engine died" in srv.log()
+    finally:
+        srv.close()
+
+
+def test_serve_tp2_expert_parallel(tiny_ckpt, tp1_reference, tmp_path):
+    srv = ServeProcess(tiny_ckpt, tmp_path / "serve.log", "-tp", "2", "--enable-expert-parallel")
+    try:
+        srv.wait_ready()
+        assert "routed experts split by expert" in srv.log()
+        _check_greedy(srv, tp1_reference[1])
+        pids = srv.worker_pids()
+    finally:
+        code = srv.close()
+    # SIGTERM: uvicorn shuts down and re-raises the signal (-15); the workers were stopped first, cleanly
+    assert code in (0, -signal.SIGTERM), srv.log()[-3000:]
+    assert "failed" not in srv.log() and "Traceback" not in srv.log(), srv.log()[-3000:]
+    for pid in pids.values():
+        try:
+            os.kill(pid, 0)
+            raise AssertionError(f"worker pid {pid} outlived the server")
+        except ProcessLookupError:
+            pass
