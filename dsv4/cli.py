@@ -27,14 +27,28 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=a.enable_prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
-              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format, backend=a.backend)
+              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format, backend=a.backend,
+              attention=a.attention, enforce_eager=a.enforce_eager,
+              # tensor / expert parallelism (dsv4/dist)
+              enable_expert_parallel=a.enable_expert_parallel, nnodes=a.nnodes, node_rank=a.node_rank,
+              master_addr=a.master_addr, master_port=a.master_port, distributed_timeout=a.distributed_timeout)
     if a.kv_cache_memory is not None:
         kw["kv_cache_memory"] = int(a.kv_cache_memory * 2**20)
     return kw
 
 
+def _model_or_canary(model: str | None) -> str:
+    """The given model directory, or the embedded canary model (dsv4/assets/canary) when none is."""
+    if model:
+        return model
+    from .canary import default_model_dir
+
+    return default_model_dir()
+
+
 def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model", required=model_required, help="model directory (config.json + safetensors)")
+    p.add_argument("--model", required=model_required, help="model directory (config.json + safetensors)" + (
+        "" if model_required else "; default: the embedded canary model"))
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
     p.add_argument("--fp8-format", default="auto", choices=["auto", "ocp", "fnuz"],
@@ -43,11 +57,26 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (worker processes, one GPU each) the model is sharded over; see docs/distributed.md")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split routed experts by expert across the ranks (default: each expert's intermediate dim)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of a multi-node tensor-parallel run")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; node 0 serves, nodes > 0 only run worker ranks (headless)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the torch.distributed rendezvous")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (required with --nnodes > 1; default: a free port)")
+    p.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds a collective may wait before the engine is declared dead")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in MiB")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels where the platform has them; torch: the reference path")
+    p.add_argument("--attention", default="auto", choices=["auto", "batched", "reference"],
+                   help="batched: one step's attention over the paged cache at once (the GPU default); "
+                        "reference: per request through the oracle")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -56,7 +85,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from .engine.sampling_params import SamplingParams
     from .llm import LLM
 
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(_model_or_canary(a.model), **_engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     if a.chat:
@@ -78,14 +107,23 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 def _cmd_serve(a: argparse.Namespace) -> int:
     if a.model_tag and a.model and a.model_tag != a.model:
         raise ValueError(f"two models given: {a.model_tag!r} and --model {a.model!r}")
-    a.model = a.model or a.model_tag
-    if not a.model:
-        raise ValueError("give the model directory: dsv4 serve DIR or dsv4 serve --model DIR")
+    a.model = _model_or_canary(a.model or a.model_tag)
     if a.block_size is not None and a.block_size != 256:
         raise ValueError(f"--block-size {a.block_size}: DeepSeek-V4 caches use blocks of 256 tokens")
+    if a.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/dist)
+        from .dist.worker import run_worker_node
+        from .engine.engine import EngineConfig
+
+        return run_worker_node(EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a)))
     from .serve.app import serve  # lazy: fastapi/uvicorn only load for this command
 
     return serve(a, _engine_kwargs(a))
+
+
+def _cmd_eval_canary(a: argparse.Namespace) -> int:
+    from .canary.eval import run_eval_command  # lazy: torch loads only for this command
+
+    return run_eval_command(a, _model_or_canary(a.model), _engine_kwargs(a))
 
 
 def _int_list(text: str) -> list[int]:
@@ -99,7 +137,7 @@ def _cmd_probe(a: argparse.Namespace) -> int:
     from .validate.probe import ProbeOptions, load_prompts, run_probe
 
     verdict = {k: v for k, v in (("max_run", a.max_run),) if v is not None}
-    opts = ProbeOptions(model=a.model, engine_kwargs=_engine_kwargs(a),
+    opts = ProbeOptions(model=_model_or_canary(a.model), engine_kwargs=_engine_kwargs(a),
                         prompts=load_prompts(a.prompts) if a.prompts else None, max_tokens=a.max_tokens,
                         batch_sizes=tuple(a.batch_sizes), repeats=a.repeats, validate=a.validate,
                         ref_tokens=a.ref_tokens, ref_tol=a.ref_tol, logprob_tol=a.logprob_tol, oracle=a.oracle,
@@ -126,7 +164,7 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def _add_probe_args(pr: argparse.ArgumentParser) -> None:
-    _add_engine_args(pr)
+    _add_engine_args(pr, model_required=False)
     pr.add_argument("--tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
                     help="same as --tensor-parallel-size")
     pr.add_argument("--prompts", default=None, help="prompt file (.json list, or one prompt per line with "
@@ -209,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_make_checkpoint)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    _add_engine_args(g)
+    _add_engine_args(g, model_required=False)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat encoding)")
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False)
@@ -236,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server (vllm bench serve)"))
     bsub.choices["serve"].set_defaults(fn=_cmd_bench_serve)
+
+    e = sub.add_parser("eval", help="accuracy evaluations")
+    esub = e.add_subparsers(dest="eval_cmd", required=True)
+    ec = esub.add_parser("canary", help="greedy accuracy per task on the canary's fixed held-out set (JSON)")
+    _add_engine_args(ec, model_required=False)
+    ec.add_argument("--per-task", type=int, default=32, help="held-out examples of add, mul and copy")
+    ec.add_argument("--recall", type=int, default=24, help="held-out recall examples (300-1200 tokens each)")
+    ec.add_argument("--tasks", default=None, help="comma-separated subset of add,mul,copy,recall")
+    ec.add_argument("--check", action="store_true",
+                    help="exit 1 if a task's accuracy is more than --margin below the model's canary.json")
+    ec.add_argument("--margin", type=float, default=0.15, help="allowed drop for --check (fraction)")
+    ec.add_argument("--outputs", action="store_true", help="include every example's output in the JSON")
+    ec.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON to FILE")
+    ec.set_defaults(fn=_cmd_eval_canary)
     return p
 
 

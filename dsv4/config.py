@@ -27,6 +27,15 @@ class LayerType(str, Enum):
 
 
 RATIO_TO_TYPE = {0: LayerType.SWA, 4: LayerType.CSA, 128: LayerType.HCA}
+# Small models (the embedded canary) may use a finer HCA ratio so compression matters at a few
+# hundred tokens: any power of two that divides the 256-token cache block and exceeds 4 (the
+# block then holds 256/ratio whole entries and the state ring holds one open block).
+SMALL_HCA_RATIOS = (8, 16, 32, 64, 256)
+
+
+def ratio_type(ratio: int) -> LayerType:
+    """Layer type of a compress ratio (validated by :func:`config_from_dict`)."""
+    return LayerType.HCA if ratio in SMALL_HCA_RATIOS else RATIO_TO_TYPE[ratio]
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,7 @@ class ModelConfig:
     def layer_type(self, layer: int) -> LayerType:
         if layer >= self.num_hidden_layers:  # MTP / DSpark layers are sliding-window only
             return LayerType.SWA
-        return RATIO_TO_TYPE[self.compress_ratios[layer]]
+        return ratio_type(self.compress_ratios[layer])
 
     def compress_ratio(self, layer: int) -> int:
         return 0 if layer >= self.num_hidden_layers else self.compress_ratios[layer]
@@ -240,8 +249,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             f"config.json: field 'compress_ratios' has {len(ratios)} entries but num_hidden_layers is {n_layers}"
         )
     for i, r in enumerate(ratios):
-        if r not in RATIO_TO_TYPE:
-            raise ConfigError(f"config.json: field 'compress_ratios[{i}]' must be 0, 4 or 128, found {r}")
+        if r not in RATIO_TO_TYPE and r not in SMALL_HCA_RATIOS:
+            raise ConfigError(f"config.json: field 'compress_ratios[{i}]' must be 0, 4 or 128 "
+                              f"(or an HCA ratio in {SMALL_HCA_RATIOS} for a small model), found {r}")
     extra = ratios[n_layers:]
     if any(r != 0 for r in extra):
         raise ConfigError(f"config.json: field 'compress_ratios' entries past layer {n_layers} (MTP) must be 0, found {extra}")

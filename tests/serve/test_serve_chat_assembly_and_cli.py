@@ -91,8 +91,9 @@ def test_serve_flags_match_vllm_seed_commands():
 def test_serve_command_errors(capsys):
     from dsv4.cli import main
 
-    assert main(["serve"]) == 2
-    assert "give the model directory" in capsys.readouterr().err
+    # (no model at all is not an error: the embedded canary is served, tests/canary)
+    assert main(["serve", "/m", "--model", "/n"]) == 2
+    assert "two models given" in capsys.readouterr().err
     assert main(["serve", "/m", "--block-size", "16"]) == 2
     assert "256" in capsys.readouterr().err
 

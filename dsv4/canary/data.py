@@ -1,0 +1,109 @@
+"""Training batches for the canary: token ids, loss masks and one sequence chunk per sample run.
+
+A batch is a list of independent sequences (each its own :class:`SeqChunk` with a fresh cache,
+starting at position 0), concatenated along the token axis the way the engine batches requests:
+each holds one long *recall* run (records, then several questions about records 150+ tokens
+back: the long-context signal) and short add/mul/copy/near-recall samples packed back to back,
+so a sequence of ~1500 tokens carries dozens of answers. Some short samples drop their BOS (raw
+``dsv4 generate`` prompts have none) and some are wrapped in the chat encoding (``dsv4 serve``).
+Only answer tokens and the closing EOS are trained on: the rest of a prompt is random by design.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .tasks import FAR, RECORD_LEN, Example, make_add, make_copy, make_mul, make_recall
+from .tokenizer import CharCodec
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    target: list[float]  # loss weight of token i (predicted from row i-1): 0 for prompt tokens
+
+
+def sample_tokens(ex: Example, codec: CharCodec, bos: bool = True, chat: str | None = None) -> Sequence:
+    """One sample: [BOS] prompt answer EOS, or the chat form ``<｜User｜>prompt<｜Assistant｜></think>``
+    (``chat='plain'``) / ``…<｜Assistant｜><think></think>`` (``chat='think'``)."""
+    p = codec.encode(ex.prompt)
+    if chat is not None:
+        tail = [codec.assistant, codec.think_end] if chat == "plain" else [codec.assistant, codec.ids["<think>"], codec.think_end]
+        p = [codec.user] + p + tail
+    head = ([codec.bos] if bos else []) + p
+    a = codec.encode(ex.answer) + [codec.eos]
+    return Sequence(head + a, [0.0] * len(head) + [1.0] * len(a))
+
+
+def short_example(rng: random.Random) -> Example:
+    r = rng.random()
+    if r < 0.32:
+        return make_add(rng)
+    if r < 0.64:
+        return make_mul(rng)
+    if r < 0.86:
+        return make_copy(rng)
+    return make_recall(rng, length=rng.randint(20, 110), min_distance=0)  # in-window recall: the format
+
+
+def packed_sequence(rng: random.Random, codec: CharCodec, length: int, p_no_bos=0.15, p_chat=0.15,
+                    exclude: frozenset[str] = frozenset()) -> Sequence:
+    ids: list[int] = []
+    target: list[float] = []
+    while True:
+        ex = short_example(rng)
+        if ex.prompt in exclude:
+            continue
+        chat = None
+        if rng.random() < p_chat:
+            chat = "plain" if rng.random() < 0.5 else "think"
+        s = sample_tokens(ex, codec, bos=rng.random() >= p_no_bos, chat=chat)
+        if ids and len(ids) + len(s.ids) > length:
+            return Sequence(ids, target)
+        ids += s.ids
+        target += s.target
+
+
+def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, queries: int = 16,
+                    p_far: float = 0.8, weight: float = 3.0) -> Sequence:
+    """One record run followed by up to ``queries`` questions ``?ab=`` each answered and closed by
+    EOS. Several answers per run, each weighted ``weight``: the long-context signal is otherwise
+    sparse next to the short samples' answers."""
+    ex = make_recall(rng, length=rng.randint(lo, hi), min_distance=0)
+    text = ex.prompt[: ex.prompt.rindex("?")]
+    records = dict(r.split(":") for r in text.split(";") if r)
+    keys = list(records)
+    order = list(range(len(keys)))
+    start = {k: i * RECORD_LEN for i, k in enumerate(keys)}
+    ids = [codec.bos] + codec.encode(text)
+    target = [0.0] * len(ids)
+    for _ in range(rng.randint(1, queries)):
+        far = rng.random() < p_far
+        pick = [i for i in order if len(ids) - 1 - start[keys[i]] >= FAR] if far else order
+        k = keys[rng.choice(pick or order)]
+        q = codec.encode(f"?{k}=")
+        a = codec.encode(records[k]) + [codec.eos]
+        ids += q + a
+        target += [0.0] * len(q) + [weight] * len(a)
+    return Sequence(ids, target)
+
+
+def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len: tuple[int, int],
+                   exclude: frozenset[str] = frozenset(), n_recall: int = 1) -> Sequence:
+    """``n_recall`` recall runs (with their questions) and short samples, in random order, about
+    ``length`` tokens.
+
+    Few long sequences rather than many short ones: the reference runs attention per sequence, so
+    a training step's cost grows with the number of sequences far more than with their length.
+    """
+    parts = [recall_sequence(rng, codec, *recall_len) for _ in range(n_recall)]
+    used = sum(len(r.ids) for r in parts)
+    parts.append(packed_sequence(rng, codec, max(length - used, 32), exclude=exclude))
+    rng.shuffle(parts)
+    return Sequence(sum((q.ids for q in parts), []), sum((q.target for q in parts), []))
+
+
+def make_batch(rng: random.Random, codec: CharCodec, n_seqs: int, length: int, recall_len: tuple[int, int],
+               exclude: frozenset[str] = frozenset(), n_recall: int = 1) -> list[Sequence]:
+    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall) for _ in range(n_seqs)]

@@ -1,0 +1,113 @@
+"""The embedded canary is a small, valid release-format checkpoint with its own tokenizer, and the
+training tool still runs end to end on the reference model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dsv4.canary.model import checkpoint_tensors, load_params
+from dsv4.canary.tasks import TASKS
+from dsv4.canary.tokenizer import CharCodec, build_tokenizer
+from dsv4.checkpoint.inspect import inspect_checkpoint
+from dsv4.checkpoint.reader import Checkpoint
+from dsv4.config import LayerType, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_embedded_checkpoint_is_valid_small_and_every_layer_kind(canary_dir):
+    text, ok = inspect_checkpoint(canary_dir)
+    assert ok, text
+    size = sum(p.stat().st_size for p in Path(canary_dir).iterdir())
+    assert size < 12 * 2**20, f"canary is {size / 2**20:.1f} MiB"
+    cfg = load_config(canary_dir)
+    assert cfg.layer_types == [LayerType.SWA, LayerType.CSA, LayerType.HCA, LayerType.CSA]
+    assert cfg.is_hash_layer(0) and not cfg.is_hash_layer(1) and cfg.num_mtp_layers == 1
+    assert cfg.head_dim == 512 and cfg.sliding_window == 128 and cfg.compress_ratio(2) == 32
+    assert cfg.index_topk == 16 and cfg.expert_dtype == "fp4" and cfg.quant.scale_fmt == "ue8m0"
+    specs = Checkpoint(canary_dir).specs
+    assert specs["layers.1.attn.wq_b.weight"].dtype == "F8_E4M3"
+    assert specs["layers.1.ffn.experts.0.w1.weight"].dtype == "I8"  # MXFP4, two values per byte
+
+
+def test_tokenizer_json_is_the_builders_and_loads_in_the_engine(canary_dir):
+    from dsv4.chat.tokenizer import load_tokenizer
+
+    committed = json.loads(Path(canary_dir, "tokenizer.json").read_text())
+    assert committed == json.loads(build_tokenizer().to_str())
+    tok, cfg, codec = load_tokenizer(canary_dir), load_config(canary_dir), CharCodec()
+    assert (tok.bos_token_id, tok.eos_token_id) == (cfg.bos_token_id, cfg.eos_token_id) == (0, 1)
+    assert tok.vocab_size == cfg.vocab_size == 128
+    text = "copy:k3x9q=\n12+34=46; ab:123;?ab="
+    assert tok.encode(text) == codec.encode(text) and tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("<｜User｜>1+1=<｜Assistant｜></think>")) == 7
+
+
+def test_canary_json_records_accuracy_per_task_and_cache_dtype(canary_info, held):
+    for key in ("checkpoint/auto", "checkpoint/fp8_ds_mla"):
+        assert set(canary_info["accuracy"][key]) == set(TASKS)
+        masks = canary_info["correct"][key]
+        for t in TASKS:
+            n = sum(e.task == t for e in held)
+            assert len(masks[t]) == n and canary_info["accuracy"][key][t] == round(masks[t].count("1") / n, 4)
+
+
+def test_export_reproduces_the_committed_weights(canary_dir):
+    """Exporting the stored values again gives the same checkpoint (same keys, dtypes, shapes and
+    decoded values): the writer is the release format and training resumes from exactly it.
+
+    Bytes can differ where a 128×128 block's largest code is exactly 224: the re-derived UE8M0
+    scale is then half as large and every code one exponent step higher, the same values.
+    """
+    from safetensors.torch import load_file
+
+    from dsv4.formats import dequantize_block_fp8, dequantize_mxfp4
+
+    ckpt = Checkpoint(canary_dir)
+    on_disk = {}
+    for p in Path(canary_dir).glob("*.safetensors"):
+        on_disk.update(load_file(str(p)))
+    again = checkpoint_tensors(load_params(canary_dir), ckpt.config)
+    assert set(again) == set(on_disk)
+
+    def decoded(t, name):
+        spec = ckpt.specs[name]
+        stem = name[: -len(".weight")]
+        if spec.role == "fp8_weight":
+            return dequantize_block_fp8(t[name], t[stem + ".scale"])
+        if spec.role == "fp4_weight":
+            return dequantize_mxfp4(t[name], t[stem + ".scale"])
+        return t[name]
+
+    for name, spec in ckpt.specs.items():
+        assert again[name].dtype == on_disk[name].dtype and again[name].shape == on_disk[name].shape, name
+        if not spec.role.endswith("_scale"):
+            assert torch.equal(decoded(again, name), decoded(on_disk, name)), name
+
+
+def test_cli_defaults_to_the_canary(canary_dir):
+    from dsv4.cli import _model_or_canary, build_parser
+
+    p = build_parser()
+    for argv in (["generate", "--prompt", "1+1="], ["probe"], ["serve"], ["eval", "canary"]):
+        a = p.parse_args(argv)
+        assert getattr(a, "model", None) is None and _model_or_canary(a.model) == canary_dir
+    assert _model_or_canary("/some/dir") == "/some/dir"
+
+
+def test_training_tool_runs_one_step_and_writes_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "c"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "train_canary.py"), "--out", str(out), "--device", "cpu",
+                        "--max-steps", "1", "--seqs", "1", "--seq-len", "160", "--recall-len", "150", "150",
+                        "--evals", "", "--eval-per-task", "1", "--eval-recall", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "trained 1 steps" in r.stdout
+    text, ok = inspect_checkpoint(out)
+    assert ok, text
+    assert json.loads((out / "canary.json").read_text())["steps"] == 1
