@@ -83,3 +83,15 @@ def test_tp2_expert_parallel_over_two_nodes_matches_tp1(tiny_ckpt, reference, tm
             node1.wait()
         log.close()
     assert got == reference
+
+
+def test_tp2_with_the_batched_paged_attention_matches_tp1(tiny_ckpt, reference):
+    """The GPU's attention path (one batched attention over the pages, rebuilt from the step plan on
+    every worker), here with its torch ops: TP=2 gives the TP=1 greedy tokens."""
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
+    try:
+        assert llm.engine.runner.attention_ops is not None
+        got = greedy_llm(llm)
+    finally:
+        llm.shutdown()
+    assert got == reference

@@ -176,18 +176,6 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, seq_ids: torch.Tensor
     return out
 
 
-def _order_key(logits: torch.Tensor) -> torch.Tensor:
-    """int64 keys whose descending order is (logit descending, column ascending), all distinct.
-
-    High 32 bits: the fp32 bits mapped to a signed int that orders like the float (-0 is folded
-    into +0 first so they tie, as in a float sort); low 32 bits: 2^32 - 1 - column."""
-    x = torch.where(logits == 0, torch.zeros_like(logits), logits).contiguous()
-    bits = x.view(torch.int32)
-    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits
-    col = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
-    return (k32.to(torch.int64) << 32) + (0xFFFFFFFF - col)
-
-
 def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [T, k]: the columns of the k largest logits per row in descending order, ties to the
     lowest column (exactly ``stable_topk``), −1 where the pick is −inf (invisible) or past n_cols.
@@ -198,7 +186,10 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k must be ≥ 0, got {k}")
     t, n = logits.shape
     kk = min(k, n)
-    idx = torch.topk(_order_key(logits), kk, dim=1, largest=True, sorted=True).indices
+    # a stable descending sort is exactly (logit descending, column ascending) and was 1.3-3× faster
+    # on the H200 than torch.topk on 64-bit (logit bits, reversed column) keys (bench/kernels_indexer.py:
+    # 21 vs 61 µs at T=1 / 8K context, 134 vs 171 µs at T=64 / 64K)
+    idx = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :kk]
     picked = torch.gather(logits, 1, idx)
     idx = torch.where(picked == float("-inf"), torch.full_like(idx, -1), idx)
     if kk < k:
