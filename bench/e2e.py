@@ -120,10 +120,10 @@ PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first ma
     ("sparse attention (paged, in-kernel FP8 decode)", ("_sparse_attn", "sparse_attention", "_attn_")),
     ("Lightning Indexer (scores + top-k)", ("_indexer", "sort", "topk", "radix")),
     ("KV insert (window + compressed)", ("_kv_insert", "index_put", "scatter")),
-    ("FP8 linear", ("_fp8_linear", "_sum_splits")),
+    ("FP8 linear", ("_fp8_linear",)),
     ("MoE (routing + grouped experts)", ("_moe", "_route")),
     ("mHC pre/post", ("_mix_kernel", "_gate_kernel", "_post_kernel")),
-    ("dense GEMM / RMSNorm (batch-invariant)", ("_dense", "_sum_chunks", "_rms_norm")),
+    ("dense GEMM / RMSNorm / split-K sums (batch-invariant)", ("_dense", "_sum_in_order", "_rms_norm")),
     ("cuBLAS / other GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet")),
     ("elementwise / copies / other", ("",)),
 )

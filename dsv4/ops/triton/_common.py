@@ -153,3 +153,27 @@ def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.cons
     v = r.to(tl.float32) * step
     v = tl.where(q < 0, -v, v)
     return v * scale[:, None]
+
+
+@triton.jit
+def _sum_in_order_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, S):  # partial 0 first, then 1, ...: the order a single program would add them
+        acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+def sum_in_order(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = Σ_s parts[s], added from s = 0 upward in fp32 (split-K / K-chunk partials).
+
+    A fixed order: torch.sum picks its reduction tree from the output count, which would make a
+    row's value depend on how many rows share the launch. parts: contiguous fp32 [S, *out.shape].
+    """
+    s = parts.shape[0]
+    mn = out.numel()
+    block = 1024
+    _sum_in_order_kernel[(triton.cdiv(mn, block),)](parts, out, s, mn, BLOCK=block, INTERP=interpreting(),
+                                                    num_warps=4)
+    return out

@@ -16,7 +16,7 @@ so the chunking can be run two ways with bitwise the same result:
 * fused (many tiles, e.g. prefill): one program per output tile loops over the chunks, keeping
   the chunk's accumulator apart and adding it to the total at the end of the chunk;
 * split (few tiles, e.g. decode with small N): one program per (tile, chunk) writes P_c in fp32,
-  and ``_sum_chunks_kernel`` adds them in chunk order from 0 and rounds.
+  and ``_common.sum_in_order`` adds them in chunk order from 0 and rounds.
 
 The mode depends on M (performance), the arithmetic does not. x is rounded to the weight dtype in
 the kernel (``linear`` casts x first). fp32 weights use an IEEE fp32 dot (never TF32). The
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, interpreting
+from ._common import cast, interpreting, sum_in_order
 
 __all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS"]
 
@@ -128,7 +128,7 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
     n_mask = offs_n < N
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None] * stride_yn  # M·N may pass 2^31
     mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT:  # P_c of chunk c = program_id(1), in fp32; _sum_chunks_kernel adds them in order
+    if SPLIT:  # P_c of chunk c = program_id(1), in fp32; _common.sum_in_order adds them in order
         part = _chunk_dot(x_ptr, w_ptr, tl.program_id(1), CHUNK, K, offs_m, offs_n, m_mask, n_mask,
                           stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, INTERP)
         tl.store(y_ptrs + tl.program_id(1) * stride_yc, part, mask=mask)
@@ -138,16 +138,6 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
             total += _chunk_dot(x_ptr, w_ptr, c, CHUNK, K, offs_m, offs_n, m_mask, n_mask,
                                 stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, INTERP)
         tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=mask)
-
-
-@triton.jit
-def _sum_chunks_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(S):  # chunk order, from 0: the fused mode's sum
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None,
@@ -194,9 +184,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
         SPLIT=split, IEEE=w.dtype == torch.float32, INTERP=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
-        block = 1024
-        _sum_chunks_kernel[(math.ceil(m * n / block),)](dst, y, n_chunks, m * n, BLOCK=block, INTERP=interp,
-                                                        num_warps=4)
+        sum_in_order(dst, y)
     return y.reshape(*lead, n)
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, num_sms,
-                      scale_kind, ue8m0_to_f32)
+                      scale_kind, sum_in_order, ue8m0_to_f32)
 
 __all__ = ["fp8_linear", "pick_config"]
 
@@ -170,25 +170,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if s > 1:
-        y = sum_splits(y, out_dtype)
+        y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))
     return y.reshape(*lead, n)
 
-
-@triton.jit
-def _sum_splits_kernel(y_ptr, out_ptr, S, MN, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, S):  # fixed order: the split partial sums of one element, first to last
-        acc += tl.load(y_ptr + i * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, cast(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
-
-
-def sum_splits(y: torch.Tensor, out_dtype) -> torch.Tensor:
-    """Σ over the split-K partials [s, m, n] in a fixed order (torch's reduction picks its tree
-    from the output count, which would make a row depend on M)."""
-    s, m, n = y.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=y.device)
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(m * n, block),)](y, out, s, m * n, BLOCK=block, INTERP=interpreting())
-    return out
