@@ -25,10 +25,9 @@ import torch
 
 from ..cache.paged import SWA_PAGE, PagedKVCache
 from ..config import LayerType
-from ..formats import fake_quant_fp8_pow2, quantize_indexer_k, quantize_kv
+from ..formats import fake_quant_fp8_pow2, quantize_indexer_k
 from ..formats import _paging
 from ..formats.indexer_record import INDEXER_VALUE_BYTES, _scale_start as _idx_scale_start
-from ..formats.kv_record import DATA_BYTES, SCALE_BYTES
 from ..model.attention import SeqChunk
 from ..model.linear import linear
 from ..model.norms import rms_norm
@@ -138,9 +137,9 @@ class PagedBatch:
         if kind == "kv" and numerics.quantized:
             self.ops["kv_insert"](pages, page_ids, offsets, rows.float(), numerics.fmt, block_size, round_bf16)
         elif kind == "index" and numerics.quantized:
-            _insert_indexer_keys(pages, page_ids, offsets, rows.float(), numerics.fmt, block_size, self.kvc)
+            _insert_indexer_keys(pages, page_ids, offsets, rows.float(), numerics.fmt, block_size)
         else:
-            _insert_dense(pages, page_ids, offsets, rows, self.kvc)
+            _insert_dense(pages, page_ids, offsets, rows)
 
     # ---- compressor ----------------------------------------------------------------------
     def _compress(self, comp, x: torch.Tensor) -> None:
@@ -202,28 +201,18 @@ class PagedBatch:
 
 
 # ---- sync-free writers for the cache kinds that have no kernel of their own -------------------
-def _spare(pages: torch.Tensor, page_ids: torch.Tensor, kvc: PagedKVCache) -> torch.Tensor:
+def _spare(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """Page ids with −1 sent to the spare page every cache tensor has past its last real page."""
     return torch.where(page_ids >= 0, page_ids, pages.shape[0] - 1)
 
 
-def _insert_dense(pages, page_ids, offsets, rows, kvc) -> None:
-    pages[_spare(pages, page_ids, kvc), offsets] = rows.to(pages.dtype)
+def _insert_dense(pages, page_ids, offsets, rows) -> None:
+    pages[_spare(pages, page_ids), offsets] = rows.to(pages.dtype)
 
 
-def _insert_indexer_keys(pages, page_ids, offsets, rows, fmt, block_size: int, kvc) -> None:
+def _insert_indexer_keys(pages, page_ids, offsets, rows, fmt, block_size: int) -> None:
     codes, scale = quantize_indexer_k(rows, fmt)  # indexer keys are not bf16-rounded (as the view)
-    ids = _spare(pages, page_ids, kvc)
+    ids = _spare(pages, page_ids)
     _paging.write_rows(pages, ids, offsets.long() * INDEXER_VALUE_BYTES, codes)
     _paging.write_rows(pages, ids, _idx_scale_start(offsets, block_size),
                        scale.float().unsqueeze(-1).contiguous().view(torch.uint8))
-
-
-def insert_kv_records(pages, page_ids, offsets, rows, fmt, block_size: int, round_bf16: bool = False) -> None:
-    """The torch ``kv_insert``: 584-byte records at (page, offset), −1 to the spare page, no sync."""
-    data, scale = quantize_kv(rows, fmt, round_bf16)
-    ids = torch.where(page_ids >= 0, page_ids, pages.shape[0] - 1)
-    _paging.write_rows(pages, ids, offsets.long() * DATA_BYTES, data)
-    _paging.write_rows(pages, ids, block_size * DATA_BYTES + offsets.long() * SCALE_BYTES, scale)
-
-
