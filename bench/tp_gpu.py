@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +45,10 @@ N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
 
 
 def _configs(tp: int) -> list[tuple[str, dict]]:
-    return [("tp1", {"tensor_parallel_size": 1}), (f"tp{tp}", {"tensor_parallel_size": tp}),
+    """TP=1 (CUDA graphs for decode), TP=1 eager (TP>1 runs eager: the like-for-like single-GPU
+    figure), TP=N, TP=N + expert parallel."""
+    return [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
+            (f"tp{tp}", {"tensor_parallel_size": tp}),
             (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
 
 
@@ -141,7 +145,8 @@ def _prefill(engine, n: int) -> dict:
     return {"tokens": n, "seconds": round(dt, 3), "tok_per_s": round(n / dt, 1)}
 
 
-def run_one(a, name: str, extra: dict) -> dict:
+def run_one(a, name: str, extra: dict, save) -> dict:
+    """One configuration; ``save(res)`` after every stage, so a run cut short still reports."""
     from dsv4 import LLM
     from dsv4.dist.group import peak_memory
 
@@ -152,12 +157,21 @@ def run_one(a, name: str, extra: dict) -> dict:
     if eng.dist is not None:
         res["ranks"] = eng.dist.rank_stats
     res["rank0_after_init"] = peak_memory(eng.model.device)  # weights + KV cache (TP=1: the whole model)
+    print(f"[{name}] init {res['init_s']} s, rank 0 {res['rank0_after_init']}", flush=True)
+    save(res)
     try:
         res["greedy"] = _greedy(llm, a)
+        save(res)
         tp = eng.dist.tp if eng.dist is not None else None
         _prefill(eng, min(512, a.prefill_len))  # warm-up (kernel autotuning, first NCCL collectives)
         res["prefill"] = _prefill(eng, a.prefill_len)
-        res["decode"] = [_decode(eng, b, a.decode_prompt_len, a.steps, tp) for b in a.batches]
+        print(f"[{name}] prefill {res['prefill']}", flush=True)
+        save(res)
+        res["decode"] = []
+        for b in a.batches:
+            res["decode"].append(_decode(eng, b, a.decode_prompt_len, a.steps, tp))
+            print(f"[{name}] decode {res['decode'][-1]}", flush=True)
+            save(res)
     finally:
         llm.shutdown()
     return res
@@ -171,7 +185,10 @@ def ensure_checkpoint(a) -> str:
     path = Path(a.ckpt or f"/tmp/dsv4_tp_gpu/{preset}-L{a.layers}")
     if not (path / "config.json").exists():
         print(f"writing a {preset} checkpoint with {a.layers} layers to {path}", flush=True)
+        t0 = time.perf_counter()
         write_checkpoint(path, preset=preset, layers=a.layers, device="cpu" if a.cpu else "cuda", progress=False)
+        gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
+        print(f"wrote {gib:.1f} GiB in {time.perf_counter() - t0:.0f} s", flush=True)
     return str(path)
 
 
@@ -203,21 +220,21 @@ def run_probe(a, tp: int, out_dir: Path) -> dict:
     return res
 
 
-def table(results: list[dict], checks: dict) -> str:
+def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) -> str:
     lines = []
-    batches = [d["batch"] for d in results[0]["decode"]]
     head = ["config", "init s", "prefill tok/s"] + [f"decode b{b} ms" for b in batches] + \
-           [f"comm share b{b}" for b in batches] + ["greedy = TP1"]
+           [f"comm share b{b}" for b in batches] + [f"greedy = {ref_name}"]
     lines.append(" | ".join(head))
     lines.append(" | ".join("---" for _ in head))
     for r in results:
-        eq = "ref" if r["config"] == "tp1" else ("yes" if all(c["equal"] for c in checks[r["config"]]) else
-                                                 "NO: " + ", ".join(f"p{c['prompt_len']}@{c['first_divergence']} "
-                                                                    f"(margin {c['tp1_top2_margin']})"
-                                                                    for c in checks[r["config"]] if not c["equal"]))
-        row = [r["config"], str(r["init_s"]), str(r["prefill"]["tok_per_s"])]
-        row += [str(d["ms_per_step"]) for d in r["decode"]]
-        row += [f"{100 * d['comm_share']:.1f}%" if "comm_share" in d else "-" for d in r["decode"]]
+        c = checks.get(r["config"])
+        eq = "ref" if r["config"] == ref_name else "-" if c is None else "yes" if all(x["equal"] for x in c) else \
+            "NO: " + ", ".join(f"p{x['prompt_len']}@{x['first_divergence']} (margin {x['tp1_top2_margin']})"
+                               for x in c if not x["equal"])
+        dec = {d["batch"]: d for d in r.get("decode", [])}
+        row = [r["config"], str(r["init_s"]), str(r["prefill"]["tok_per_s"]) if "prefill" in r else "-"]
+        row += [str(dec[b]["ms_per_step"]) if b in dec else "-" for b in batches]
+        row += [f"{100 * dec[b]['comm_share']:.1f}%" if "comm_share" in dec.get(b, {}) else "-" for b in batches]
         lines.append(" | ".join(row + [eq]))
     for r in results:
         m = r["rank0_after_init"]
@@ -246,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
     p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--probe-timeout", type=int, default=900)
+    p.add_argument("--config-timeout", type=int, default=None, help="seconds allowed to one configuration")
     p.add_argument("--cpu", action="store_true", help="smoke test without GPUs: tiny checkpoint, gloo")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # child: one configuration
@@ -264,7 +282,7 @@ def main(argv=None) -> int:
 
     if a.run_one:
         extra = dict(_configs(a.tp))[a.run_one]
-        Path(a.one_out).write_text(json.dumps(run_one(a, a.run_one, extra)))
+        run_one(a, a.run_one, extra, lambda res: Path(a.one_out).write_text(json.dumps(res)))
         return 0
 
     a.ckpt = ensure_checkpoint(a)
@@ -281,23 +299,30 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--ckpt", a.ckpt,
                "--run-one", name, "--one-out", str(one)]
         print(f"== {name}", flush=True)
-        r = subprocess.run(cmd, env=env)
-        if r.returncode != 0 or not one.exists():
-            failures.append(f"{name}: exit code {r.returncode}")
-            continue
-        results.append(json.loads(one.read_text()))
+        child = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a timeout kills its ranks too
+        try:
+            rc = child.wait(timeout=a.config_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            rc = f"timeout after {a.config_timeout} s"
+        if rc != 0:
+            failures.append(f"{name}: exit code {rc}")
+        if one.exists():  # partial results of a failed run are kept (the table shows what finished)
+            results.append(json.loads(one.read_text()))
     checks = {}
-    ref = next((r for r in results if r["config"] == "tp1"), None)
+    # The reference for greedy equality: TP=1 when it ran, else the first configuration that ran.
+    ref = next((r for r in results if r["config"] == "tp1"), results[0] if results else None)
     for r in results:
-        if ref is not None and r is not ref:
+        if ref is not None and r is not ref and "greedy" in r and "greedy" in ref:
             checks[r["config"]] = compare(ref["greedy"], r["greedy"])
     probe = None if a.skip_probe else run_probe(a, a.tp, out_dir)
     doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
            "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                               "NVSHMEM_DISABLE_NVLS")},
-           "results": results, "greedy_vs_tp1": checks, "probe": probe, "failures": failures}
+           "results": results, "greedy_reference": ref and ref["config"], "greedy_vs_reference": checks, "probe": probe, "failures": failures}
     if results and ref is not None:
-        print(table(results, checks))
+        print(table(results, checks, a.batches, ref["config"]))
     if probe is not None:
         print(f"probe at TP={a.tp}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
     for f in failures:
