@@ -210,10 +210,17 @@ def run_probe(a, tp: int, out_dir: Path) -> dict:
            "--json-report", str(report)]
     if a.cpu:
         cmd += ["--max-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-memory", str(a.kv_cache_mib)]
+    else:
+        cmd += ["--max-tokens", "12", "--batch-sizes", "1,8", "--repeats", "2"]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout)
-    res = {"tp": tp, "exit_code": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
-           "tail": (r.stdout + r.stderr)[-3000:]}
+    # its own process group: on a timeout its worker ranks are killed too (they hold GPU memory)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, code = child.communicate(timeout=a.probe_timeout)[0], child.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, code = child.communicate()[0], f"timeout after {a.probe_timeout} s"
+    res = {"tp": tp, "exit_code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": (out or "")[-3000:]}
     if report.exists():
         rep = json.loads(report.read_text())
         res["verdict"] = rep.get("verdict")
