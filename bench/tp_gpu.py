@@ -54,7 +54,8 @@ def _configs(tp: int) -> list[tuple[str, dict]]:
 
 def _engine_kwargs(a, extra: dict) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              max_num_seqs=max(a.batches), max_num_batched_tokens=max(a.prefill_len, 2048), seed=0, **extra)
+              max_num_seqs=max(a.batches), max_num_batched_tokens=max(a.prefill_len, 2048), seed=0,
+              enable_prefix_caching=False, **extra)  # every timed prefill computes all its tokens
     if a.cpu:
         kw.update(device="cpu", kv_cache_memory=a.kv_cache_mib << 20)
     elif a.kv_cache_mib:
@@ -130,11 +131,10 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
     return res
 
 
-def _prefill(engine, n: int) -> dict:
+def _prefill(engine, n: int, seed: int = 3) -> dict:
     from dsv4 import SamplingParams
 
-    ids = _prompts(1, (n,), engine.model_config.vocab_size, seed=3)[0]
-    engine.kv.reset_prefix_cache()
+    ids = _prompts(1, (n,), engine.model_config.vocab_size, seed=seed)[0]
     rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     _sync(engine.model.device)
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def run_one(a, name: str, extra: dict, save) -> dict:
         res["greedy"] = _greedy(llm, a)
         save(res)
         tp = eng.dist.tp if eng.dist is not None else None
-        _prefill(eng, min(512, a.prefill_len))  # warm-up (kernel autotuning, first NCCL collectives)
+        _prefill(eng, min(512, a.prefill_len), seed=4)  # warm-up (kernel autotuning, first NCCL collectives)
         res["prefill"] = _prefill(eng, a.prefill_len)
         print(f"[{name}] prefill {res['prefill']}", flush=True)
         save(res)

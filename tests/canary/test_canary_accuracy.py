@@ -32,7 +32,7 @@ MARGIN = 0.125
 HEALTHY = {"add": 16, "mul": 16, "copy": 16, "recall": 4}
 FAULT = {"mul": 16, "copy": 16}  # the tasks the committed canary answers well above chance
 # "Collapsed": at most a quarter of the healthy number of correct answers on FAULT (measured:
-# healthy 13/32; fault (b) 0/32, fault (c) 1/32; fault (a) non-finite logits).
+# healthy 22/32; fault (b) 3/32, fault (c) 5/32; fault (a) non-finite logits).
 COLLAPSE = 0.25
 
 
@@ -62,6 +62,7 @@ def assert_collapsed(res_or_error, baseline: int, what: str):
         assert "non-finite logits" in str(res_or_error), res_or_error
         return
     got = n_correct(res_or_error)
+    print(f"{what}: {got} correct of the fault examples ({baseline} healthy)")
     assert got <= COLLAPSE * baseline, f"{what}: {got} correct answers vs {baseline} healthy: no collapse"
 
 
