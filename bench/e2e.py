@@ -129,14 +129,18 @@ PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first ma
 )
 
 
-def profile_decode(eng, steps: int = 5) -> dict:
-    """Device time per decode step by op group (torch.profiler over ``steps`` engine steps)."""
+def profile_decode(eng, steps: int = 5, run=None) -> dict:
+    """Device time per decode step by op group (torch.profiler over ``steps`` engine steps, or
+    over one call of ``run``, with steps=1)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            eng.step()
+        if run is not None:
+            run()
+        else:
+            for _ in range(steps):
+                eng.step()
         torch.cuda.synchronize()
     groups = {name: 0.0 for name, _ in PROFILE_GROUPS}
     for ev in prof.key_averages():
@@ -207,10 +211,13 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
         for B in batches:
             if variant == "reference" and B > 8:
                 continue  # the per-request path takes seconds per step at 64
-            ms, prof = decode_tok_s(eng, B, g, profile=(variant == "eager" and B in (1, max(batches))))
+            # profiled: eager steps (every kernel a launch) and graph replays (kernels inside the
+            # graph; the step's wall time minus their sum is host time)
+            ms, prof = decode_tok_s(eng, B, g, profile=(variant in ("eager", "graphs") and B in (1, max(batches))))
             res[f"decode_ms_b{B}" + ("" if variant == "graphs" else f"_{variant}")] = ms
             if prof:
-                res[f"profile_b{B}"] = prof
+                prof["device total"] = round(sum(prof.values()), 3)
+                res[f"profile_b{B}" + ("_graphs" if variant == "graphs" else "")] = prof
             print(variant, B, round(ms, 3), prof or "", flush=True)
         set_batch_invariant(True)
     if variants[-1] != "graphs":
@@ -226,6 +233,17 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
         res[f"prefill_tok_s_{L}"] = L / dt
+        if L == max(prefill_lens):  # one more, profiled: where a prefill's device time goes
+
+            def one_prefill():
+                eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
+                while eng.has_unfinished_requests():
+                    eng.step()
+
+            prof = profile_decode(eng, steps=1, run=one_prefill)
+            prof["device total"] = round(sum(prof.values()), 3)
+            res[f"profile_prefill_{L}"] = prof
+            print("prefill", L, round(dt * 1e3, 1), "ms", prof, flush=True)
     if long_context:  # one long prompt: chunked prefill, then 16 decode steps; peak memory
         chunk = 8192
         eng = engine(max_model_len=long_context + 64, max_num_seqs=4, max_num_batched_tokens=chunk,

@@ -16,7 +16,7 @@ from ..model.cache import CacheNumerics
 from .outputs import RequestOutput
 from .request import Request, Status
 from .runner import ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -222,24 +222,19 @@ class LLMEngine:
         for row, (si, kind) in enumerate(batch.row_owner):
             if kind == "prompt":
                 prompt_rows.setdefault(si, []).append(row)
+        empty = torch.zeros(0, logits.shape[1])
         for si, sc in enumerate(schedule):
             req = sc.req
             if si in prompt_rows:
-                prev = req.prompt_logits if req.prompt_logits is not None else logits.new_zeros(0, logits.shape[1])
-                req.prompt_logits = torch.cat([prev, logits[prompt_rows[si]]])
+                prev = req.prompt_logits if req.prompt_logits is not None else empty
+                req.prompt_logits = torch.cat([prev, logits[prompt_rows[si]].float().cpu()])
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None \
                     and req.num_computed >= len(req.prompt_token_ids):
                 # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
-                rows = req.prompt_logits if req.prompt_logits is not None else logits.new_zeros(0, logits.shape[1])
+                rows = req.prompt_logits if req.prompt_logits is not None else empty
                 req.prompt_logits = None
                 req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
-        for row, (si, kind) in enumerate(batch.row_owner):
-            if kind != "sample":
-                continue
-            req = schedule[si].req
-            token, lp, tlp = self.sampler.sample(req, logits[row])
-            req.append_token(token, lp, tlp)
-            touched[req.request_id] = None
+        self._sample(schedule, batch, logits, touched)
         for sc in schedule:
             req = sc.req
             self.kv.register_full_blocks(req.alloc, req.all_token_ids)
@@ -249,6 +244,21 @@ class LLMEngine:
                 self.kv.release_out_of_window(req.alloc)
             touched[req.request_id] = None
         return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
+        """Append each sampled request's next token. Plain greedy rows are picked on the logits'
+        device in one argmax; the other rows (and any non-finite one) are copied to the host at
+        once and go through the sampler row by row."""
+        rows = [(row, schedule[si].req) for row, (si, kind) in enumerate(batch.row_owner) if kind == "sample"]
+        picked = {}
+        if getattr(self.sampler, "batched_greedy", False):
+            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)])
+        rest = [row for row, _ in rows if row not in picked]
+        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+        for row, req in rows:
+            token, lp, tlp = (picked[row], None, None) if row in picked else self.sampler.sample(req, host[row])
+            req.append_token(token, lp, tlp)
+            touched[req.request_id] = None
 
     def _output(self, rid: str) -> RequestOutput:
         group = self.requests[rid]

@@ -68,9 +68,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:
+        """The step's batch and its logits rows [rows, V], left on the model's device in its dtype
+        (the engine copies to the host only the rows it must)."""
         batch = self.build(schedule)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return batch, self.graphs.run(batch).float().cpu()
+            return batch, self.graphs.run(batch)
         extra = {} if batch.paged is None else {"paged": batch.paged}
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
-        return batch, out.logits.float().cpu()
+        return batch, out.logits

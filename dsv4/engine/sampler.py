@@ -1,7 +1,9 @@
 """Token sampling: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
 Each request's row is processed on its own, so a token never depends on the batch it was
-sampled in. Greedy picks the lowest token id among equal maxima. Logprobs are those of the
+sampled in. Greedy picks the lowest token id among equal maxima. Plain greedy rows (no penalties,
+bans or logprobs) are picked where the logits are, in one batched argmax (`greedy_picks`), so a
+decode step copies a few ids to the host instead of [batch, vocab] logits. Logprobs are those of the
 model's raw distribution (before penalties and temperature), as vLLM reports them.
 """
 
@@ -59,7 +61,29 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int, decode=None) -> dic
     return out
 
 
+def plain_greedy(req: Request) -> bool:
+    """Whether ``req``'s next token is just the first argmax of its raw logits (no penalties, EOS or
+    stop-id bans, logprobs): the rows `greedy_picks` may pick on the device."""
+    p = req.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
+
+
+def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, int]:
+    """{row: first-argmax token} for the finite ``rows`` of ``logits`` [n, V], computed on the
+    logits' device with one small copy back. torch.argmax returns the first maximal index, as
+    `_first_argmax` does; rows with NaN/Inf are left out (the per-row path reports them)."""
+    if not rows:
+        return {}
+    x = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    both = torch.stack([x.argmax(dim=-1), torch.isfinite(x).all(dim=-1).long()]).tolist()
+    return {r: t for r, t, ok in zip(rows, both[0], both[1]) if ok}
+
+
 class Sampler:
+    batched_greedy = True  # the engine may pick plain greedy rows with greedy_picks (wrappers that
+    #                        must see every request set this False)
+
     def __init__(self, eos_token_id: int, seed: int = 0, decode=None):
         self.eos = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)

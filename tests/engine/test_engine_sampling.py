@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4.engine.request import Request
-from dsv4.engine.sampler import apply_penalties, filter_logits
+from dsv4.engine.sampler import Sampler, _first_argmax, apply_penalties, filter_logits, greedy_picks, plain_greedy
 from dsv4.engine.sampling_params import SamplingParams
 
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
@@ -31,6 +31,54 @@ def _tokens(out, i=0):
 
 
 # ---- pure functions on hand-made vectors ---------------------------------------------------
+def test_greedy_picks_equal_the_per_row_first_argmax():
+    """The batched device pick = the sampler's per-row rule (lowest id among equal maxima), in fp32
+    and bf16; rows with NaN/Inf are left to the per-row path, which reports them."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 3, (8, 50), generator=g).float()  # small integers: many tied maxima
+    x[2, 7] = float("nan")
+    x[4, 1] = float("inf")
+    x[6] = 0.0
+    x[6, 10] = -0.0  # -0.0 == 0.0: a tie, the lowest index wins
+    rows = list(range(8))
+    for t in (x, x.bfloat16()):
+        picks = greedy_picks(t, rows)
+        assert sorted(picks) == [0, 1, 3, 5, 6, 7]
+        assert all(tok == _first_argmax(x[r]) for r, tok in picks.items())
+        assert picks[6] == 0
+    assert greedy_picks(x, [5, 1]) == {5: _first_argmax(x[5]), 1: _first_argmax(x[1])}
+    assert greedy_picks(x, []) == {}
+
+
+def test_plain_greedy_excludes_what_the_per_row_path_must_do():
+    def req(**kw):
+        return Request("r", [1, 2], SamplingParams(**kw), eos_token_id=1)
+    assert plain_greedy(req(temperature=0))
+    assert not plain_greedy(req(temperature=0.5))
+    assert not plain_greedy(req(temperature=0, logprobs=2))
+    assert not plain_greedy(req(temperature=0, repetition_penalty=1.2))
+    assert not plain_greedy(req(temperature=0, presence_penalty=0.5))
+    assert not plain_greedy(req(temperature=0, frequency_penalty=0.5))
+    assert not plain_greedy(req(temperature=0, min_tokens=2))  # EOS is banned until then
+
+
+def test_batched_greedy_equals_the_per_row_sampler(llm, prompts, monkeypatch):
+    """A mixed batch (plain greedy, greedy with logprobs / penalties / min_tokens, seeded sampling)
+    gives the same tokens and logprobs with and without the batched greedy pick."""
+    params = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, min_tokens=3),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=8)]
+
+    def run():
+        outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        both = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs + both]
+
+    fast = run()
+    monkeypatch.setattr(Sampler, "batched_greedy", False)
+    assert run() == fast
+
+
 def test_filter_logits_on_hand_made_vector():
     x = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
     p = torch.softmax(x, -1)  # ≈ [.032, .636, .086, .234, .012]; order by size: 1, 3, 2, 0, 4

@@ -116,6 +116,8 @@ class ScriptedSampler:
     Prompts without a marker fall through to the real sampler. Every prompt seen is recorded.
     """
 
+    batched_greedy = False  # every request goes through sample(), scripted or not
+
     def __init__(self, inner, tokenizer, scripts: list[tuple[str, str | None]]):
         self.inner = inner
         self.scripts = [(m, None if t is None else tokenizer.encode(t)) for m, t in scripts]

@@ -156,6 +156,7 @@ def test_fault_d_bos_after_the_first_token(tiny_ckpt, validate_model, monkeypatc
         return true_sample(self, req, logits)
 
     monkeypatch.setattr(Sampler, "sample", bos_after_first)
+    monkeypatch.setattr(Sampler, "batched_greedy", False)  # every row through the patched sample()
     report, text = probe(tiny_ckpt, validate_model)
     assert report.verdict == "FAIL" and statuses(report)["generate"] == "FAIL"
     assert "BOS (id 0) after the first token" in report.first_failure
