@@ -228,9 +228,12 @@ class PagedSequenceView:
 
     # ---- compressor state ----------------------------------------------------------------
     def write_state(self, layer, kind, positions, rows):
-        # held aside until advance(): writing the ring now could overwrite rows this forward
-        # still reads (the previous block's rows for the ratio-4 overlap)
-        self._chunk[(layer, kind)] = (int(positions[0]), rows.float())
+        self.hold_state(layer, kind, int(positions[0]), rows)
+
+    def hold_state(self, layer, kind, start: int, rows):
+        """State rows of positions start.. held aside until advance(): writing the ring now could
+        overwrite rows this forward still reads (the previous block's rows for the ratio-4 overlap)."""
+        self._chunk[(layer, kind)] = (start, rows.float())
 
     def read_state(self, layer, kind, positions):
         key = (layer, kind)

@@ -5,10 +5,12 @@ through a :class:`~dsv4.cache.paged.PagedSequenceView` — exact, but a Python l
 host synchronisations in the codecs. This path does the same work for the whole step at once:
 
 - every token's window KV is inserted by one op (``kv_insert``) at its (page, offset);
-- decode tokens' compressor state goes straight into the per-request rings and the entries of
-  blocks that close are pooled and inserted for all requests together; invalid writes go to a
-  spare page, so there is no data-dependent branch (prefill chunks keep the per-request
-  compressor: their work is large and their rows must be held until the step ends);
+- the compressors run once for all tokens of the step. Decode tokens' state rows go straight into
+  the per-request rings (a CUDA graph's input); in a step with prefill chunks each chunk's rows
+  are held by its view until the step ends (the ring keeps only the newest rows, and the prefix
+  cache snapshots block boundaries from them). The entries of blocks that close are pooled from
+  those rows and the ring and inserted for all requests together; invalid writes go to a spare
+  page, so there is no data-dependent branch and no host synchronisation;
 - the Lightning Indexer scores every query against its own request's paged indexer keys
   (``indexer`` op) and the sparse attention reads the window and the selected compressed
   entries from the pages in-kernel (``sparse_attention`` op).
@@ -19,7 +21,7 @@ tensors and a token's result never depends on the other tokens of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +59,7 @@ class PagedBatch:
     decode_only: bool  # every chunk is one token (the batched compressor applies)
     max_end: int  # largest (start + length) of the step: bounds the compressed entries
     ops: dict
+    _emitting: dict = field(default_factory=dict, repr=False)  # ratio → tokens that close a block
 
     @classmethod
     def build(cls, kvc: PagedKVCache, chunks: list[SeqChunk], allocs, ops: dict) -> "PagedBatch":
@@ -143,27 +146,75 @@ class PagedBatch:
 
     # ---- compressor ----------------------------------------------------------------------
     def _compress(self, comp, x: torch.Tensor) -> None:
+        """What ``Compressor.run`` does per chunk, for every token of the step at once."""
         if not self.decode_only:
-            for c in self.chunks:  # prefill: the reference compressor through the request's view
-                comp.run(x[c.offset: c.offset + c.length], c)
-            return
-        kvc, dev = self.kvc, x.device
+            return self._compress_chunks(comp, x)
+        kvc = self.kvc
         key = (comp.layer, comp.kind)
         ring = kvc.ring[key]
         size = ring.shape[1]
         pos = self.positions
         slot = self.slots[self.seq_ids]
         ring[slot, pos % size] = comp.state_rows(x, pos)  # a decode row never overwrites a row still needed
-        r, d = comp.ratio, comp.dim
-        width = comp.wkv.shape[0]
+        r = comp.ratio
         emits = (pos + 1) % r == 0
-        entry = (pos + 1) // r - 1  # the entry this token closes (valid where emits)
-        e = entry.clamp(min=0)
-        rows_pos = e[:, None] * r + torch.arange(r, device=dev)[None, :]  # [T, r]
+        e = ((pos + 1) // r - 1).clamp(min=0)  # the entry this token closes (valid where emits)
+        rows_pos = e[:, None] * r + torch.arange(r, device=x.device)[None, :]  # [T, r]
         cur = ring[slot[:, None], rows_pos % size]  # [T, r, 2·width]
+        prev = ring[slot[:, None], (rows_pos - r) % size] if comp.overlap else None
+        per = kvc.per_block(key)
+        page = torch.where(emits, self.block_table[self.seq_ids, e // per], -1)
+        self._insert(kvc.comp[key], page, e % per, self._pool(comp, cur, prev, e), per, comp.kind, round_bf16=True)
+
+    def _compress_chunks(self, comp, x: torch.Tensor) -> None:
+        """A step with prefill chunks: state rows of all tokens in one pass, held by each chunk's
+        view until the step ends; every entry closing in the step pooled from the step's rows
+        (positions ≥ its chunk's start) and the ring (earlier positions)."""
+        kvc = self.kvc
+        key = (comp.layer, comp.kind)
+        rows = comp.state_rows(x, self.positions)  # [T, 2·width] fp32
+        for c in self.chunks:
+            c.cache.hold_state(comp.layer, comp.kind, c.start, rows[c.offset: c.offset + c.length])
+        plan = self._closing(comp.ratio)
+        if plan is None:
+            return
+        tok, c_start, c_off, seq = plan
+        r = comp.ratio
+        e = (self.positions[tok] + 1) // r - 1
+        back = r if comp.overlap else 0  # the overlap also pools the previous block's rows
+        need = e[:, None] * r + torch.arange(-back, r, device=x.device)[None, :]  # [E, back + r] positions
+        step_rows = rows[(c_off[:, None] + need - c_start[:, None]).clamp(0, rows.shape[0] - 1)]
+        ring = kvc.ring[key]
+        ring_rows = ring[self.slots[seq][:, None], need % ring.shape[1]]
+        got = torch.where((need >= c_start[:, None])[..., None], step_rows, ring_rows)
+        per = kvc.per_block(key)
+        entries = self._pool(comp, got[:, back:], got[:, :back] if comp.overlap else None, e)
+        self._insert(kvc.comp[key], self.block_table[seq, e // per], e % per, entries, per, comp.kind, round_bf16=True)
+
+    def _closing(self, r: int):
+        """[4, E] device tensor (token index, its chunk's start, chunk offset, request row) of the
+        step's tokens that close a compression block of ratio ``r``, or None; computed on the host
+        from the chunks and copied without a host synchronisation."""
+        if r not in self._emitting:
+            cols: list[list[int]] = [[], [], [], []]
+            for i, c in enumerate(self.chunks):
+                first = -(-(c.start + 1) // r) * r - 1  # first position ≥ start with (p + 1) % r == 0
+                for p in range(first, c.start + c.length, r):
+                    for col, v in zip(cols, (c.offset + p - c.start, c.start, c.offset, i)):
+                        col.append(v)
+            t = torch.tensor(cols, dtype=torch.long) if cols[0] else None
+            if t is not None and self.kvc.device.type == "cuda":
+                t = t.pin_memory().to(self.kvc.device, non_blocking=True)
+            self._emitting[r] = t
+        return self._emitting[r]
+
+    @staticmethod
+    def _pool(comp, cur: torch.Tensor, prev: torch.Tensor | None, e: torch.Tensor) -> torch.Tensor:
+        """Entries e from their block's state rows ``cur`` [N, r, 2·width] (and, for the ratio-4
+        overlap, the previous block's ``prev``): the arithmetic of ``Compressor.run``."""
+        d, width = comp.dim, comp.wkv.shape[0]
         kv, score = cur[..., :width], cur[..., width:]
-        if comp.overlap:
-            prev = ring[slot[:, None], (rows_pos - r) % size]
+        if prev is not None:
             has_prev = (e > 0)[:, None, None]
             prev_kv = torch.where(has_prev, prev[..., :d], 0.0)
             prev_sc = torch.where(has_prev, prev[..., width: width + d], float("-inf"))
@@ -172,11 +223,8 @@ class PagedBatch:
         weights = torch.softmax(score.double(), dim=1).float()
         pooled = (kv * weights).sum(dim=1)
         normed = rms_norm(pooled, comp.norm, comp.cfg.rms_norm_eps)
-        cos, sin = cos_sin(comp.cfg.rope_compress, e * r)
-        entries = apply_rope(normed, cos, sin)
-        per = kvc.per_block(key)
-        page = torch.where(emits, self.block_table[self.seq_ids, e // per], -1)
-        self._insert(kvc.comp[key], page, e % per, entries, per, comp.kind, round_bf16=True)
+        cos, sin = cos_sin(comp.cfg.rope_compress, e * comp.ratio)
+        return apply_rope(normed, cos, sin)
 
     # ---- Lightning Indexer ---------------------------------------------------------------
     def _indexer(self, attn, x, qr, visible, n_max: int) -> torch.Tensor:

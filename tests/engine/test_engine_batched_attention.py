@@ -79,3 +79,20 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     got = [signature(o) for o in padded.generate(prompts, params)]
     assert 4 in used, f"no padded decode step ran (buckets used: {used})"
     assert got == want
+
+
+def test_batched_prefill_with_prefix_cache_hit_equals_reference(tiny_ckpt):
+    """Prefill chunks pool their compressed entries from the step's own state rows and the ring, and
+    hold the rows for the block-boundary snapshot a later prefix-cache hit restores: a prompt that
+    hits another's first block, in 100-token chunks, gives the reference path's tokens bitwise."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 1000, (300,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 70)]
+    params = greedy(12)
+    ref = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=100, attention="reference",
+                   enable_prefix_caching=False)
+    want = [signature(ref.generate([p], params)[0]) for p in prompts]
+    fast = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=100, attention="batched", backend="torch")
+    got = [signature(fast.generate([p], params)[0]) for p in prompts]  # the second hits the first's block
+    assert fast.engine.kv.hits >= 256
+    assert got == want
