@@ -196,16 +196,16 @@ class PagedBatch:
         step's tokens that close a compression block of ratio ``r``, or None; computed on the host
         from the chunks and copied without a host synchronisation."""
         if r not in self._emitting:
-            cols: list[list[int]] = [[], [], [], []]
-            for i, c in enumerate(self.chunks):
-                first = -(-(c.start + 1) // r) * r - 1  # first position ≥ start with (p + 1) % r == 0
-                for p in range(first, c.start + c.length, r):
-                    for col, v in zip(cols, (c.offset + p - c.start, c.start, c.offset, i)):
-                        col.append(v)
-            t = torch.tensor(cols, dtype=torch.long) if cols[0] else None
-            if t is not None and self.kvc.device.type == "cuda":
+            start, length, offset = (torch.tensor(v, dtype=torch.long) for v in
+                                     zip(*((c.start, c.length, c.offset) for c in self.chunks)))
+            first = (start + r) // r * r - 1  # first position ≥ start with (p + 1) % r == 0
+            count = ((start + length - first + r - 1) // r).clamp(min=0)  # closing positions per chunk
+            seq = torch.repeat_interleave(torch.arange(len(self.chunks)), count)
+            k = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
+            t = torch.stack([offset[seq] + first[seq] + k * r - start[seq], start[seq], offset[seq], seq])
+            if t.shape[1] and self.kvc.device.type == "cuda":
                 t = t.pin_memory().to(self.kvc.device, non_blocking=True)
-            self._emitting[r] = t
+            self._emitting[r] = t if t.shape[1] else None
         return self._emitting[r]
 
     @staticmethod

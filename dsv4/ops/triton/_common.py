@@ -119,6 +119,17 @@ def fp8_to_f32(b, NATIVE: tl.constexpr, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid`` in grouped order: GROUP_M row blocks share
+    each weight tile while it is in L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsize = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % per_group) % gsize, (pid % per_group) // gsize
+
+
+@triton.jit
 def e2m1_to_f32(c):
     """E2M1 codes (int32 0..15, bit 3 = sign) -> float32 (code 8 is -0.0)."""
     h = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)

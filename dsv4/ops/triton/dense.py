@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, interpreting, sum_in_order
+from ._common import cast, grouped_tile, interpreting, sum_in_order
 
 __all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS"]
 
@@ -113,14 +113,7 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   SPLIT: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n  # grouped order: GROUP_M row blocks share a weight tile in L2
-    group = pid // per_group
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % gsize
-    pid_n = (pid % per_group) // gsize
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
-from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, num_sms,
-                      scale_kind, sum_in_order, ue8m0_to_f32)
+from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, grouped_tile, interpreting, native_fp8,
+                      num_sms, scale_kind, sum_in_order, ue8m0_to_f32)
 
 __all__ = ["fp8_linear", "pick_config"]
 
@@ -48,15 +48,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                        Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row-blocks share each weight tile while it is in L2
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % gsize
-    pid_n = (pid % per_group) // gsize
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

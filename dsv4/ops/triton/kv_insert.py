@@ -74,15 +74,21 @@ def encode_e4m3(y, FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr
 
 
 @triton.jit
+def _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE):
+    """Token t's (page, offset) and whether it is a real slot (page −1 or an offset outside the
+    page is skipped); page and offset are 0 where it is not, so addresses stay in bounds."""
+    page = tl.load(page_ids_ptr + t).to(tl.int64)
+    off = tl.load(offsets_ptr + t).to(tl.int64)
+    ok = (page >= 0) & (off >= 0) & (off < BLOCK_SIZE)
+    return tl.where(ok, page, 0), tl.where(ok, off, 0), ok
+
+
+@triton.jit
 def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, stride_xt, stride_xd,
                       BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, FMT_MAX: tl.constexpr,
                       BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    page = tl.load(page_ids_ptr + t).to(tl.int64)
-    off = tl.load(offsets_ptr + t).to(tl.int64)
-    ok = (page >= 0) & (off >= 0) & (off < BLOCK_SIZE)
-    page = tl.where(ok, page, 0)
-    off = tl.where(ok, off, 0)
+    page, off, ok = _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE)
     base = pages_ptr + page * stride_page
     xrow = x_ptr + t * stride_xt
 
@@ -119,11 +125,7 @@ def _dense_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, D, BLOCK_S
                          stride_p, stride_b, stride_d, stride_xt, stride_xd,
                          BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    page = tl.load(page_ids_ptr + t).to(tl.int64)
-    off = tl.load(offsets_ptr + t).to(tl.int64)
-    ok = (page >= 0) & (off >= 0) & (off < BLOCK_SIZE)
-    page = tl.where(ok, page, 0)
-    off = tl.where(ok, off, 0)
+    page, off, ok = _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     x = tl.load(x_ptr + t * stride_xt + d * stride_xd, mask=dm, other=0.0)
