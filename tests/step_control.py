@@ -13,12 +13,13 @@ from dsv4.engine.request import Status
 from dsv4.engine.scheduler import ScheduledChunk
 
 
-def step_with(engine, reqs) -> dict[int, torch.Tensor]:
-    """One engine step over exactly ``reqs`` (each takes all its uncomputed tokens); returns
-    id(request) → the logits row it sampled from (float32, on the host)."""
+def step_with(engine, reqs, tokens: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """One engine step over exactly ``reqs`` (each takes all its uncomputed tokens, or
+    ``tokens[i]`` of them: a prefill chunk); returns id(request) → the logits row it sampled from
+    (float32, on the host; a partial prefill chunk samples nothing)."""
     sched = []
-    for r in reqs:
-        n = r.num_tokens - r.num_computed
+    for i, r in enumerate(reqs):
+        n = r.num_tokens - r.num_computed if tokens is None else tokens[i]
         if not engine.kv.can_allocate(r.alloc, n):
             raise RuntimeError(f"request {r.request_id}: no pages for {n} tokens")
         engine.kv.allocate(r.alloc, n)

@@ -5,7 +5,9 @@ must not change with batch composition). Kernels whose per-row arithmetic depend
 rows M — split-K counts derived from M, a GEMV kernel for small M and a grouped one for larger M —
 break that. With the switch on (the default), every decode-sized launch (M ≤ ``DECODE_MAX_ROWS``)
 uses one tile configuration chosen from the weight shape alone; prefill-sized launches keep their
-fastest configuration. ``DSV4_BATCH_INVARIANT=0`` (or ``set_batch_invariant(False)``) restores the
+fastest tiles but the FP8 linear reduces K in the same chunks, in the same order, as at decode
+sizes (a prompt prefilled alone, among others, in chunks or after a prefix-cache hit gets the same
+bits; on the H200 the MMA tile shape does not change a row's value). ``DSV4_BATCH_INVARIANT=0`` (or ``set_batch_invariant(False)``) restores the
 fastest per-M choice (``bench/`` measures what invariance costs).
 """
 

@@ -1,15 +1,15 @@
 """Batch invariance of the weight kernels at decode sizes (issue 8).
 
 With ``dsv4.ops.invariance`` on (the default), a row's result must be bitwise the same whether it
-is computed alone or among up to 64 rows: the FP8 linear keeps one tile shape and split-K count
-for every M ≤ 64 and sums the splits in a fixed order; the MoE keeps the grouped kernels with one
-tile shape. (Prefill sizes keep their fastest tiles; invariance is promised for decode batches.)
+is computed alone or among any number of rows: the FP8 linear reduces K in the same chunks, in the
+same order, for every M (one program per chunk at decode sizes, all chunks folded in one program at
+prefill sizes); the MoE keeps the grouped kernels with one tile shape at decode sizes.
 
-On CPU the interpreter's dot is numpy's BLAS, whose result for a row can depend on where the row
-sits inside the tile; so here the rows keep their place (leading rows of a larger launch) and the
-test checks what the tile pickers control — the tiles and splits do not change with M. Whether a
-row's place in an MMA tile matters is a property of the GPU, checked on the H200 by
-tests/gpu/test_gpu_batch_invariance.py.
+The FP8 linear sums products k by k in the interpreter, so its rows can be compared at any place
+and any M here. The MoE's interpreter dot is numpy's BLAS, whose result for a row can depend on
+where the row sits inside the tile; so its rows keep their place (leading rows of a larger launch).
+Whether a row's place in an MMA tile matters is a property of the GPU, checked on the H200 by
+tests/gpu/test_gpu_batch_invariance.py and tests/gpu/test_gpu_prefill_invariance.py.
 """
 
 import pytest
@@ -42,6 +42,24 @@ def test_fp8_linear_row_is_independent_of_m(dtype):
     full = tlin.fp8_linear(x, w, s)
     for m in (1, 3, 17):
         assert torch.equal(tlin.fp8_linear(x[:m], w, s), full[:m]), f"M={m}: rows differ from the M=64 launch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_rows_equal_at_decode_and_prefill_sizes(dtype):
+    """A prompt prefilled alone (M ≤ 64: split mode) or among others (M > 64: fused mode, other
+    tiles) gets the same bits: the K chunks and their order depend on the weight only."""
+    g = gen(13)
+    n, k = 192, 640  # 5 K blocks, 3 column tiles: several chunks
+    w, s = quantize_block_fp8(torch.randn(n, k, generator=g) * 0.05)
+    w, s = w.to(DEV), s.to(DEV)
+    x = randn((150, k), g, dtype=dtype)
+    dec, pre = (tlin.pick_config(m, n, k, torch.device(DEV)) for m in (3, 150))
+    assert dec["chunk"] == pre["chunk"] == tlin.invariant_chunk(n, k, torch.device(DEV))
+    assert dec["split_k"] > 1 and pre["split_k"] == 1 and pre["chunks_per_program"] == dec["split_k"]
+    assert pre["BLOCK_M"] != dec["BLOCK_M"]
+    full = tlin.fp8_linear(x, w, s)
+    for rows in ([0], [7, 149, 64], list(range(64)), list(range(40, 150))):
+        assert torch.equal(tlin.fp8_linear(x[rows], w, s), full[rows]), f"rows {rows[:3]}…: differ by M"
 
 
 def test_moe_token_is_independent_of_batch():

@@ -92,7 +92,7 @@ def test_decode_split_k_and_tile_overrides():
     ref = torch_ops.fp8_linear(x, wq, s)
     ap = _absprod(x, wq, s)
     cfg = tfl.pick_config(2, n, k, torch.device(DEV), {"split_k": 2})
-    assert cfg["split_k"] == 2 and cfg["k_per_split"] == 384 and cfg["BLOCK_M"] == 64  # batch-invariant decode tile
+    assert cfg["split_k"] == 2 and cfg["chunk"] == 384 and cfg["BLOCK_M"] == 64  # batch-invariant decode tile
     set_batch_invariant(False)
     try:
         assert tfl.pick_config(2, n, k, torch.device(DEV))["BLOCK_M"] == 16  # fastest per-M tile

@@ -1,6 +1,6 @@
 """Triton FP8 block-scaled linear: y = x · dequant(W)ᵀ, W e4m3 [N, K] with one scale per 128×128 block.
 
-Per program: a [BLOCK_M, BLOCK_N] output tile over a range of K (all of K, or one split-K share).
+Per program: a [BLOCK_M, BLOCK_N] output tile over a run of K chunks (see "Batch invariance").
 Per K step (BLOCK_K = 128 = one scale block column):
 
 1. load the x tile [BLOCK_M, 128] (bf16/fp16/fp32; rows ≥ M and columns ≥ K masked to 0);
@@ -13,12 +13,21 @@ Per K step (BLOCK_K = 128 = one scale block column):
    W_tile · x_tileᵀ into an fp32 [BLOCK_N, BLOCK_M] tile ("swap-AB": the decoded weight is the
    register-resident left operand, the activations the right one, so decode batches of 1..64 rows
    only narrow the MMA instead of padding it to 64 rows). fp32 x uses an IEEE fp32 dot, never
-   TF32; the interpreter upcasts bf16 operands to fp32 because its bf16 dot is wrong (same values).
+   TF32; the interpreter sums the products k by k in fp32 (``dense.dot_acc``: its bf16 dot is
+   wrong and its fp32 dot is a BLAS call whose row result depends on the row's place in the tile).
 
-Configurations by M (chosen from an H200 sweep, CUDA-graph timings): decode (M ≤ 64: BLOCK_M
-16/32/64, BLOCK_N 64/128, and split-K so that about two programs per SM run even when N is small;
-the fp32 partials are summed in torch) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that
-gives ≥ 96 tiles, else 128 × 64 with 4 warps; grouped program order for L2 reuse of weight tiles).
+Batch invariance (the default, ``dsv4.ops.invariance``): K is reduced in chunks whose width depends
+on the weight shape alone (``invariant_chunk``), each chunk accumulated from 0 and the chunks added
+in order, y = round(((0 + P_0) + P_1) + …). Decode sizes (M ≤ 64) use one tile shape and one
+program per chunk (the fp32 partials added in order by ``sum_in_order``); prefill sizes use their
+fastest tiles and fold the chunks in one program. The bits of a row are the same for every M (on
+the H200 the MMA tile shape does not change them, ``tests/gpu``), so a prompt's logits do not
+depend on the other requests of its step, its chunking or prefix-cache hits.
+
+Tiles by M (chosen from an H200 sweep, CUDA-graph timings): decode (M ≤ 64; without invariance
+BLOCK_M 16/32/64, BLOCK_N 64/128, and split-K so that about two programs per SM run even when N is
+small) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that gives ≥ 96 tiles, else 128 × 64
+with 4 warps; grouped program order for L2 reuse of weight tiles).
 """
 
 from __future__ import annotations
@@ -30,16 +39,17 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
+from .dense import dot_acc
 from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, grouped_tile, interpreting, native_fp8,
                       num_sms, scale_kind, sum_in_order, ue8m0_to_f32)
 
-__all__ = ["fp8_linear", "pick_config"]
+__all__ = ["fp8_linear", "pick_config", "invariant_chunk"]
 
 BLOCK = 128
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, CHUNK, CHUNKS_PER_PROGRAM,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
                        stride_ys, stride_ym, stride_yn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -57,38 +67,64 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     n_mask = offs_n < N
     x_dtype = x_ptr.dtype.element_ty
 
-    k_begin = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    # K is cut into chunks of CHUNK columns; this program adds chunks [c_lo, c_hi) in order, each
+    # accumulated from 0 apart: total = ((0 + P_lo) + P_lo+1) + ... (split mode: one chunk each,
+    # summed in the same order by sum_in_order; fused mode: all chunks here; same bits)
+    c_lo = pid_s * CHUNKS_PER_PROGRAM
+    c_hi = tl.minimum(c_lo + CHUNKS_PER_PROGRAM, tl.cdiv(K, CHUNK))
     # swap-AB: acc[n, m] = W_tile · x_tileᵀ, so the decoded weight is the left (register) operand
     # and a small M only sets the MMA's N width (no padding of M to 64/128 rows).
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                     mask=n_mask[:, None] & k_mask[None, :], other=0)
-        sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-        if SCALE_UE8M0:
-            s = ue8m0_to_f32(sb)
-        else:
-            s = sb.to(tl.float32)
-        w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
-        if ACT_QUANT:
-            x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(x))
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                         mask=n_mask[:, None] & k_mask[None, :], other=0)
+            sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+            if SCALE_UE8M0:
+                s = ue8m0_to_f32(sb)
+            else:
+                s = sb.to(tl.float32)
+            w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
+            if ACT_QUANT:
+                x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
+            if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
+                acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
+            elif DOT_F32:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+        total += acc
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
-    tl.store(y_ptrs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
+    tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def invariant_chunk(n: int, k: int, device: torch.device) -> int:
+    """K columns per chunk of the batch-invariant reduction of an [n, k] weight: a function of the
+    weight shape (and the device's SM count) alone, so every M reduces K in the same order. It is
+    the split-K share of the decode tile (BLOCK_N 128 for n ≥ 4096, else 64): about two programs
+    per SM at batch 1."""
+    k_blocks = max(1, math.ceil(k / BLOCK))
+    tiles = math.ceil(n / (128 if n >= 4096 else 64))
+    split = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
+    return math.ceil(k_blocks / split) * BLOCK
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
-    """Tile configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override)."""
-    invariant = batch_invariant() and m <= DECODE_MAX_ROWS
-    if invariant:  # decode, batch-invariant: one tile shape and split for every M ≤ 64 (weight shape only)
+    """Launch configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override).
+
+    Batch-invariant (the default): K is reduced in chunks of ``invariant_chunk(n, k)`` for every M,
+    one program per chunk at decode sizes (M ≤ 64, one tile shape; the partials summed in order)
+    and all chunks folded in one program at prefill sizes (their fastest tiles): a row's bits do
+    not depend on M, so neither on the batch, the chunking of a prompt nor prefix-cache hits.
+    Otherwise the fastest per-M choice (decode split-K from M; prefill one chunk)."""
+    invariant = batch_invariant()
+    decode = m <= DECODE_MAX_ROWS
+    if invariant and decode:  # one tile shape for every M ≤ 64 (weight shape only)
         cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=128 if n >= 4096 else 64, num_warps=4, num_stages=3,
                    GROUP_M=1, split_k=None)
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
@@ -99,16 +135,24 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
     else:  # mid-size M or narrow N: smaller tiles keep the SMs busy
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=8, split_k=1)
+    override_split = bool(config) and "split_k" in config
     if config:
         cfg.update(config)
     k_blocks = max(1, math.ceil(k / BLOCK))
+    if invariant and not override_split:
+        chunk = invariant_chunk(n, k, device)
+        n_chunks = math.ceil(k_blocks * BLOCK / chunk)
+        cfg["chunk"] = chunk
+        cfg["split_k"] = n_chunks if decode else 1  # split mode (programs per chunk) or fused mode
+        cfg["chunks_per_program"] = 1 if decode else n_chunks
+        return cfg
     if cfg["split_k"] is None:  # decode: enough programs to cover the SMs twice
-        rows = 1 if invariant else math.ceil(m / cfg["BLOCK_M"])
-        tiles = rows * math.ceil(n / cfg["BLOCK_N"])
+        tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
         cfg["split_k"] = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
     per = math.ceil(k_blocks / max(1, int(cfg["split_k"])))
-    cfg["k_per_split"] = per * BLOCK
+    cfg["chunk"] = per * BLOCK
     cfg["split_k"] = math.ceil(k_blocks / per)
+    cfg["chunks_per_program"] = 1
     return cfg
 
 
@@ -154,7 +198,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         ys = (0, *y.stride())
     grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
     _fp8_linear_kernel[grid](
-        x2, wb, sc, y, m, n, k, cfg["k_per_split"],
+        x2, wb, sc, y, m, n, k, cfg["chunk"], cfg["chunks_per_program"],
         x2.stride(0), x2.stride(1), wb.stride(0), wb.stride(1), sc.stride(0), sc.stride(1),
         ys[0], ys[1], ys[2],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
