@@ -54,6 +54,10 @@ class MoE:
         # tensor parallelism (dsv4/dist): this rank holds its experts (EP) or a slice of each
         # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
         self.tp = None
+        if weights.keep_quantized and "moe_experts" in weights.ops:
+            # stacked now, not at the first forward: the engine sizes its KV cache from the memory
+            # that loading leaves free, so every weight must be resident by then
+            weights.stacked_experts(prefix)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if self.wts.keep_quantized and "moe_experts" in self.wts.ops:
