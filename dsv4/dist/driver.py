@@ -154,6 +154,23 @@ class TPDriver:
 
         kv.apply_prefix = apply_prefix
 
+    def capture_graphs(self, kvc, attention_ops, max_num_seqs: int, max_model_len: int) -> "TPDecodeGraphs":
+        """Every rank captures the decode CUDA graphs of its shard at once (the all-reduces inside
+        are matched bucket by bucket, in the same order); returns rank 0's replayer."""
+        from ..engine.cuda_graphs import DecodeGraphs
+
+        self.ensure_alive()
+        self.send(StepPlan("graphs", graph_sizes=(max_num_seqs, max_model_len)))
+        graphs = DecodeGraphs(self.model.inner, kvc, attention_ops, max_num_seqs, max_model_len)
+        self._in_step = True
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - the workers are mid-capture: nothing can be re-matched
+            raise self.fatal(e, "decode graph capture") from e
+        finally:
+            self._in_step = False
+        return TPDecodeGraphs(self, graphs)
+
     def send(self, plan: StepPlan) -> None:
         import torch.distributed as dist
 
@@ -271,5 +288,38 @@ class TPModel:
             return out
         except Exception as e:  # noqa: BLE001 - the workers are mid-step: nothing can be re-matched
             raise d.fatal(e, "forward") from e
+        finally:
+            d._in_step = False
+
+
+class TPDecodeGraphs:
+    """Rank 0's decode graphs at TP > 1 (the runner's ``graphs``): a replay first broadcasts the
+    step plan flagged ``graph``, so every worker loads the same static inputs and replays its own
+    graph. While the all-reduces are being timed (``tp.timed``) steps run eagerly instead: a
+    collective inside a graph cannot be timed."""
+
+    def __init__(self, driver: TPDriver, graphs):
+        self.driver, self.graphs = driver, graphs
+        self.buckets, self.capture_seconds = graphs.buckets, graphs.capture_seconds
+
+    def bucket(self, n: int) -> int | None:
+        return self.graphs.bucket(n)
+
+    def can_run(self, batch) -> bool:
+        return not self.driver.tp.timed and self.graphs.can_run(batch)
+
+    def run(self, batch) -> torch.Tensor:
+        d = self.driver
+        d.ensure_alive()
+        d.send(plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True))
+        d.restores.clear()
+        d._in_step = True
+        try:
+            logits = self.graphs.run(batch)
+            if d.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
+                torch.cuda.synchronize(d.device)
+            return logits
+        except Exception as e:  # noqa: BLE001 - the workers are mid-step: nothing can be re-matched
+            raise d.fatal(e, "decode graph replay") from e
         finally:
             d._in_step = False

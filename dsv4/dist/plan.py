@@ -6,11 +6,16 @@ model — token ids, and per chunk its start, length and the request's block / S
 slot and computed-token count — plus the rows that need logits. The only cache write outside a
 forward is a prefix-cache hit restoring boundary compressor rows into the request's state ring
 (``KVCacheManager.apply_prefix``); those are recorded on rank 0 and replayed first.
+
+Decode CUDA graphs: every rank captures its own at once (a "graphs" plan; the all-reduces inside
+are matched bucket by bucket), and a step flagged ``graph`` makes each worker load the same static
+inputs from the plan and replay its graph while rank 0 replays its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -30,16 +35,19 @@ class ChunkPlan:
 
 @dataclass
 class StepPlan:
-    kind: str  # "step" | "cache" (allocate the paged cache of ``budget``) | "shutdown"
+    kind: str  # "step" | "cache" (allocate the paged cache of ``budget``) | "graphs" (capture) | "shutdown"
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
     logits_rows: list[int] | None = None
     restores: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, block index, block id)
     paged: bool = False  # the runner used the batched paged attention: build the same tables
+    graph: bool = False  # rank 0 replays its decode CUDA graph of this batch: replay yours
     budget: object = None
+    graph_sizes: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_model_len)
 
 
-def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool) -> StepPlan:
+def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool,
+              graph: bool = False) -> StepPlan:
     out = []
     for c in chunks:
         a = getattr(c.cache, "alloc", None)
@@ -48,7 +56,7 @@ def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, rest
                             f"{type(c.cache).__name__}: the workers cannot mirror it")
         out.append(ChunkPlan(c.start, c.length, list(a.blocks), list(a.swa), a.slot, a.num_computed))
     rows = None if logits_rows is None else [int(r) for r in logits_rows.tolist()]
-    return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged)
+    return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph)
 
 
 def replay_restores(kvc, restores) -> None:
@@ -58,8 +66,9 @@ def replay_restores(kvc, restores) -> None:
 
 
 @torch.no_grad()
-def run_step(plan: StepPlan, model, kvc, attention_ops, device) -> None:
-    """A worker's forward of one step (its logits are rank 0's business)."""
+def run_step(plan: StepPlan, model, kvc, attention_ops, device, graphs=None) -> None:
+    """A worker's forward of one step (its logits are rank 0's business); ``graphs``: this
+    worker's captured decode graphs (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``."""
     replay_restores(kvc, plan.restores)
     chunks, allocs, off = [], [], 0
     for c in plan.chunks:
@@ -76,4 +85,9 @@ def run_step(plan: StepPlan, model, kvc, attention_ops, device) -> None:
         if attention_ops is None:
             raise RuntimeError("rank 0 ran the batched paged attention but this worker resolved no attention ops")
         extra["paged"] = PagedBatch.build(kvc, chunks, allocs, attention_ops)
+    if plan.graph:
+        if graphs is None or not plan.paged:
+            raise RuntimeError("rank 0 replayed a decode CUDA graph but this worker captured none")
+        graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, paged=extra["paged"]))  # advances the views
+        return
     model.forward(ids, chunks, logits_rows=rows, **extra)

@@ -89,7 +89,7 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
              f", peak device memory {stats['device_peak_mib']:.0f} MiB")
     dist.gather_object(stats, None, dst=0, group=tp.startup)
     attention_ops = config.resolve_attention_ops(device)
-    kvc = None
+    kvc = graphs = None
     numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)
     while True:
         box = [None]
@@ -99,8 +99,13 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             break
         if plan.kind == "cache":
             kvc = PagedKVCache(model.cfg, numerics, plan.budget, model.dtype, device)
+        elif plan.kind == "graphs":  # rank 0 captures at the same time: the collectives inside pair up
+            from ..engine.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(model, kvc, attention_ops, *plan.graph_sizes)
+            graphs.capture()
         elif plan.kind == "step":
-            run_step(plan, model, kvc, attention_ops, device)
+            run_step(plan, model, kvc, attention_ops, device, graphs)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
     dist.destroy_process_group()

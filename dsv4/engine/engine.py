@@ -141,13 +141,8 @@ class LLMEngine:
             self.dist.start_caches(budget, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, config.resolve_attention_ops(device))
-        if device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager \
-                and self.dist is None:  # TP: the workers replay no graphs (eager steps)
-            from .cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, self.runner.attention_ops,
-                                              config.max_num_seqs, self.max_model_len)
-            self.runner.graphs.capture()
+        if device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager:
+            self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
         self.requests: dict[str, list[Request]] = {}
@@ -155,6 +150,21 @@ class LLMEngine:
         log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
+
+    def capture_decode_graphs(self) -> None:
+        """CUDA graphs of the decode forward (``engine.cuda_graphs``); at TP > 1 every rank captures
+        its own and each replay is announced to the workers (``dist.driver.TPDecodeGraphs``). On the
+        CPU the graphs are emulated (the same static inputs, run eagerly): how tests reach the path."""
+        from .cuda_graphs import DecodeGraphs
+
+        if self.runner.attention_ops is None:
+            raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
+        args = (self.kv_cache, self.runner.attention_ops, self.config.max_num_seqs, self.max_model_len)
+        if self.dist is not None:
+            self.runner.graphs = self.dist.capture_graphs(*args)
+        else:
+            self.runner.graphs = DecodeGraphs(self.model, *args)
+            self.runner.graphs.capture()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""

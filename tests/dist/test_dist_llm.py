@@ -95,3 +95,22 @@ def test_tp2_with_the_batched_paged_attention_matches_tp1(tiny_ckpt, reference):
     finally:
         llm.shutdown()
     assert got == reference
+
+
+def test_tp2_decode_graph_replay_matches_tp1(tiny_ckpt, reference):
+    """The decode CUDA-graph path at TP=2, emulated on CPU: every rank captures its graphs at
+    once, each replay on rank 0 is announced to the worker, which loads the same static inputs
+    (spare lanes padded to the bucket) and replays its own; the greedy tokens are TP=1's."""
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
+    try:
+        llm.engine.capture_decode_graphs()
+        graphs = llm.engine.runner.graphs
+        assert graphs.buckets == [1, 2, 4, 8]
+        used = []
+        run = graphs.run
+        graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or run(batch)
+        got = greedy_llm(llm)
+    finally:
+        llm.shutdown()
+    assert 4 in used, f"no padded decode step replayed the graphs (buckets used: {used})"
+    assert got == reference
