@@ -44,18 +44,28 @@ sys.path.insert(0, str(ROOT))
 N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
 
 
+F32 = "_f32"  # suffix of the greedy-only float32 configurations
+
+
 def _configs(tp: int) -> list[tuple[str, dict]]:
-    """TP=1 (CUDA graphs for decode), TP=1 eager (TP>1 runs eager: the like-for-like single-GPU
-    figure), TP=N, TP=N + expert parallel."""
-    return [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
-            (f"tp{tp}", {"tensor_parallel_size": tp}),
-            (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
+    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel (decode replays CUDA graphs on every rank
+    unless eager); then TP=1, TP=N and TP=N + EP in float32 for greedy
+    tokens only. bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds
+    once), so on a random-weight model whose bf16 logits often tie exactly, bf16 greedy tokens may
+    part at a near-tie; in float32 the layouts differ only in fp32 summation order."""
+    layouts = [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
+               (f"tp{tp}", {"tensor_parallel_size": tp}),
+               (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
+    f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32"})
+           for name, extra in layouts if name != "tp1_eager"]
+    return layouts + f32
 
 
 def _engine_kwargs(a, extra: dict) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
               max_num_seqs=max(a.batches), max_num_batched_tokens=max(a.prefill_len, 2048), seed=0,
-              enable_prefix_caching=False, **extra)  # every timed prefill computes all its tokens
+              enable_prefix_caching=False)  # every timed prefill computes all its tokens
+    kw.update(extra)
     if a.cpu:
         kw.update(device="cpu", kv_cache_memory=a.kv_cache_mib << 20)
     elif a.kv_cache_mib:
@@ -124,8 +134,13 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
         _sync(dev)
         total = time.perf_counter() - t0
         tp.timed = False
-        res.update(timed_ms_per_step=round(total / steps * 1e3, 3), comm_ms_per_step=round(tp.comm_s / steps * 1e3, 3),
-                   comm_share=round(tp.comm_s / total, 4), collectives_per_step=tp.comm_calls // steps)
+        # the timed pass runs eagerly (a collective inside a CUDA graph cannot be timed): comm_share
+        # is the share of that eager step; comm_vs_step puts the same collective time against the
+        # untimed (graph) step, an upper bound since a synced collective also waits for the slower rank
+        comm_ms = tp.comm_s / steps * 1e3
+        res.update(timed_ms_per_step=round(total / steps * 1e3, 3), comm_ms_per_step=round(comm_ms, 3),
+                   comm_share=round(tp.comm_s / total, 4), comm_vs_step=round(comm_ms / ms, 4),
+                   collectives_per_step=tp.comm_calls // steps)
     for r in rids:
         engine.abort_request(r)
     return res
@@ -162,8 +177,12 @@ def run_one(a, name: str, extra: dict, save) -> dict:
     try:
         res["greedy"] = _greedy(llm, a)
         save(res)
+        if name.endswith(F32):  # greedy tokens only
+            return res
         tp = eng.dist.tp if eng.dist is not None else None
-        _prefill(eng, min(512, a.prefill_len), seed=4)  # warm-up (kernel autotuning, first NCCL collectives)
+        # warm-up at the timed length (other tokens): Triton compiles a kernel per new shape class,
+        # and NCCL sets up its first collectives; neither belongs in the timed prefill
+        _prefill(eng, a.prefill_len, seed=4)
         res["prefill"] = _prefill(eng, a.prefill_len)
         print(f"[{name}] prefill {res['prefill']}", flush=True)
         save(res)
@@ -179,14 +198,17 @@ def run_one(a, name: str, extra: dict, save) -> dict:
 
 # ---- the driver -------------------------------------------------------------------------------------
 def ensure_checkpoint(a) -> str:
-    from dsv4.checkpoint.synthetic import write_checkpoint
+    from dsv4.checkpoint.reader import INDEX_FILE
 
     preset = "tiny" if a.cpu else "flash-width"
     path = Path(a.ckpt or f"/tmp/dsv4_tp_gpu/{preset}-L{a.layers}")
-    if not (path / "config.json").exists():
+    if not (path / INDEX_FILE).exists():  # written last: a checkpoint cut short is rewritten
         print(f"writing a {preset} checkpoint with {a.layers} layers to {path}", flush=True)
         t0 = time.perf_counter()
-        write_checkpoint(path, preset=preset, layers=a.layers, device="cpu" if a.cpu else "cuda", progress=False)
+        # in a child process: memory this process held on GPU 0 would shrink every engine's budget there
+        subprocess.run([sys.executable, "-m", "dsv4.cli", "make-checkpoint", "--preset", preset, "--layers",
+                        str(a.layers), "--out", str(path), "--device", "cpu" if a.cpu else "cuda", "--quiet"],
+                       check=True)
         gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
         print(f"wrote {gib:.1f} GiB in {time.perf_counter() - t0:.0f} s", flush=True)
     return str(path)
@@ -211,7 +233,8 @@ def run_probe(a, tp: int, out_dir: Path) -> dict:
     if a.cpu:
         cmd += ["--max-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-memory", str(a.kv_cache_mib)]
     else:
-        cmd += ["--max-tokens", "12", "--batch-sizes", "1,8", "--repeats", "2"]
+        # the oracle is a second model on GPU 0: the engine's KV cache must leave room for it
+        cmd += ["--max-tokens", "12", "--batch-sizes", "1,8", "--repeats", "2", "--kv-cache-memory", "8192"]
     t0 = time.perf_counter()
     # its own process group: on a timeout its worker ranks are killed too (they hold GPU memory)
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -235,7 +258,7 @@ def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) 
     lines.append(" | ".join("---" for _ in head))
     for r in results:
         c = checks.get(r["config"])
-        eq = "ref" if r["config"] == ref_name else "-" if c is None else "yes" if all(x["equal"] for x in c) else \
+        eq = "ref" if r["config"] in (ref_name, ref_name + F32) else "-" if c is None else "yes" if all(x["equal"] for x in c) else \
             "NO: " + ", ".join(f"p{x['prompt_len']}@{x['first_divergence']} (margin {x['tp1_top2_margin']})"
                                for x in c if not x["equal"])
         dec = {d["batch"]: d for d in r.get("decode", [])}
@@ -318,16 +341,23 @@ def main(argv=None) -> int:
         if one.exists():  # partial results of a failed run are kept (the table shows what finished)
             results.append(json.loads(one.read_text()))
     checks = {}
-    # The reference for greedy equality: TP=1 when it ran, else the first configuration that ran.
-    ref = next((r for r in results if r["config"] == "tp1"), results[0] if results else None)
+    # The reference for greedy equality: TP=1 of the same dtype when it ran, else the first
+    # configuration of that dtype that ran.
+    families = {False: [r for r in results if not r["config"].endswith(F32)],
+                True: [r for r in results if r["config"].endswith(F32)]}
+    refs = {f32: next((r for r in rs if r["config"] in ("tp1", "tp1" + F32)), rs[0] if rs else None)
+            for f32, rs in families.items()}
+    ref = refs[False] or refs[True]
     for r in results:
-        if ref is not None and r is not ref and "greedy" in r and "greedy" in ref:
-            checks[r["config"]] = compare(ref["greedy"], r["greedy"])
+        fref = refs[r["config"].endswith(F32)]
+        if fref is not None and r is not fref and "greedy" in r and "greedy" in fref:
+            checks[r["config"]] = compare(fref["greedy"], r["greedy"])
     probe = None if a.skip_probe else run_probe(a, a.tp, out_dir)
     doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
            "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                               "NVSHMEM_DISABLE_NVLS")},
-           "results": results, "greedy_reference": ref and ref["config"], "greedy_vs_reference": checks, "probe": probe, "failures": failures}
+           "results": results, "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
+           "greedy_vs_reference": checks, "probe": probe, "failures": failures}
     if results and ref is not None:
         print(table(results, checks, a.batches, ref["config"]))
     if probe is not None:
