@@ -13,7 +13,8 @@ The multi-GPU run (issue 11), on a machine with ≥ 2 H200s:
 3. compares the parallel runs' greedy tokens with TP=1: a divergence is reported with TP=1's
    top-1/top-2 margin there (bf16 all-reduces sum in another order than TP=1, so a near tie may
    flip; ``--dtype float32`` makes the comparison tight);
-4. runs ``dsv4 probe`` at TP=N (oracle: a separately loaded single-GPU torch model);
+4. runs ``dsv4 probe`` at TP=N, and at each TP of ``--probe-tps`` (oracle: a separately loaded
+   single-GPU torch model; TP=1 shows how far the engine itself is from the oracle);
 5. prints a table and writes JSON.
 
 Every process (this one, the per-config children, their worker ranks, the probe) runs with
@@ -292,6 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
     p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
     p.add_argument("--skip-probe", action="store_true")
+    p.add_argument("--probe-tps", default=None, help="comma-separated TP sizes to probe (default: --tp)")
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--config-timeout", type=int, default=None, help="seconds allowed to one configuration")
     p.add_argument("--cpu", action="store_true", help="smoke test without GPUs: tiny checkpoint, gloo")
@@ -352,22 +354,22 @@ def main(argv=None) -> int:
         fref = refs[r["config"].endswith(F32)]
         if fref is not None and r is not fref and "greedy" in r and "greedy" in fref:
             checks[r["config"]] = compare(fref["greedy"], r["greedy"])
-    probe = None if a.skip_probe else run_probe(a, a.tp, out_dir)
+    probes = [] if a.skip_probe else [run_probe(a, int(t), out_dir) for t in (a.probe_tps or str(a.tp)).split(",")]
     doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
            "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                               "NVSHMEM_DISABLE_NVLS")},
            "results": results, "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
-           "greedy_vs_reference": checks, "probe": probe, "failures": failures}
+           "greedy_vs_reference": checks, "probe": probes, "failures": failures}
     if results and ref is not None:
         print(table(results, checks, a.batches, ref["config"]))
-    if probe is not None:
-        print(f"probe at TP={a.tp}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
+    for probe in probes:
+        print(f"probe at TP={probe['tp']}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
     for f in failures:
         print("FAILED:", f)
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
         print("wrote", a.out)
-    ok = not failures and all(c["equal"] for cs in checks.values() for c in cs) and (probe is None or probe["exit_code"] == 0)
+    ok = not failures and all(c["equal"] for cs in checks.values() for c in cs) and all(pr["exit_code"] == 0 for pr in probes)
     return 0 if ok else 1
 
 
