@@ -204,6 +204,17 @@ def run(device, results: list, small: bool = False) -> list:
                         row("sparse_attention", case, txt,
                             lambda cfg=cfg: paged_sparse_attention(*args, config=cfg), nbytes)
                 del args
+    # prefill-sized launches (T tokens, here each its own sequence): H = 64 falls back from
+    # BLOCK_H=64 with 2 stages (too much shared memory) to 1 stage; the sweep shows whether
+    # another head block is faster there (the choice must stay a function of H: batch invariance)
+    t_pre = 16 if small else 2048
+    args, nbytes = make_case("csa", t_pre, ns[0], dev, g, heads)
+    case = f"csa N={ns[0] // 1024}K T={t_pre} (prefill)"
+    row("sparse_attention", case, "default", lambda: paged_sparse_attention(*args), nbytes)
+    for cfg in (SWEEP[4:5] if small else SWEEP):
+        txt = "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**cfg)
+        row("sparse_attention", case, txt, lambda cfg=cfg: paged_sparse_attention(*args, config=cfg), nbytes)
+    del args
     for t in ((1, 8) if small else (1, 64, 8192)):
         pages = _fill_pages(-(-t // SWA_B) + 1, SWA_B, dev, g)
         x = torch.randn(t, D, device=dev, generator=g)
