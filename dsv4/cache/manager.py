@@ -88,7 +88,7 @@ class KVCacheManager:
         if alloc.slot >= 0:
             self.free_slots.append(alloc.slot)
         alloc.blocks, alloc.swa, alloc.slot = [], [], -1
-        alloc.num_computed = alloc.registered_blocks = 0
+        alloc.num_computed = alloc.registered_blocks = alloc.swa_released = 0
         alloc.block_hashes = []
 
     def view(self, alloc: CacheAllocation) -> PagedSequenceView:
@@ -121,10 +121,12 @@ class KVCacheManager:
     def release_out_of_window(self, alloc: CacheAllocation) -> None:
         """Drop SWA pages no future query of this request can read (all tokens < p - window + 1)."""
         first_needed = max(0, alloc.num_computed - (self.window - 1))
-        for i in range(min(first_needed // SWA_PAGE, len(alloc.swa))):
+        end = min(first_needed // SWA_PAGE, len(alloc.swa))
+        for i in range(alloc.swa_released, end):  # pages below the watermark are gone already
             if alloc.swa[i] >= 0:
                 self.swa.decref(alloc.swa[i], keep=False)
                 alloc.swa[i] = -1
+        alloc.swa_released = max(alloc.swa_released, end)
 
     # ---- prefix caching ------------------------------------------------------------------
     @staticmethod
@@ -134,6 +136,10 @@ class KVCacheManager:
             parent = hash((parent, tuple(token_ids[i * BLOCK: (i + 1) * BLOCK])))
             out.append(parent)
         return out
+
+    def has_new_full_blocks(self, alloc: CacheAllocation) -> bool:
+        """Whether ``register_full_blocks`` has anything to offer (prefix caching on, a block closed)."""
+        return self.prefix and alloc.num_computed // BLOCK > alloc.registered_blocks
 
     def register_full_blocks(self, alloc: CacheAllocation, token_ids: list[int]) -> None:
         """Offer newly completed blocks to the prefix cache (keeping their window pages)."""

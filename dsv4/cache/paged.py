@@ -155,6 +155,7 @@ class CacheAllocation:
     slot: int = -1
     num_computed: int = 0  # tokens whose KV/state is in the cache
     registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    swa_released: int = 0  # leading SWA pages already released (every entry below it is -1)
     block_hashes: list[int] = field(default_factory=list)
 
 

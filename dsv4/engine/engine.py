@@ -247,7 +247,8 @@ class LLMEngine:
         self._sample(schedule, batch, logits, touched)
         for sc in schedule:
             req = sc.req
-            self.kv.register_full_blocks(req.alloc, req.all_token_ids)
+            if self.kv.has_new_full_blocks(req.alloc):  # the token list is only built when a block closed
+                self.kv.register_full_blocks(req.alloc, req.all_token_ids)
             if req.finished:
                 self.scheduler.remove(req)
             else:

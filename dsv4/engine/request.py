@@ -51,6 +51,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a step needs a few tokens
+        of a long context)."""
+        p = self.prompt_token_ids
+        n = len(p)
+        if end <= n:
+            return p[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return p[start:] + self.output_token_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

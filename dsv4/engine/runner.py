@@ -47,7 +47,7 @@ class ModelRunner:
         off = 0
         for si, sc in enumerate(schedule):
             req, n, start = sc.req, sc.num_tokens, sc.req.num_computed
-            ids.extend(req.all_token_ids[start: start + n])
+            ids.extend(req.token_slice(start, start + n))
             chunks.append(SeqChunk(self.kv.view(req.alloc), start, n, offset=off, device=self.device))
             if req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
                 last = min(start + n, len(req.prompt_token_ids) - 1)

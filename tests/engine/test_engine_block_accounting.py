@@ -115,6 +115,7 @@ def test_sliding_window_pages_released_while_running(llm):
         assert len(r.alloc.swa) == -(-n // SWA_PAGE)
         assert all(p == -1 for p in r.alloc.swa[:first_needed])
         assert all(p >= 0 for p in r.alloc.swa[first_needed:])
+        assert r.alloc.swa_released == first_needed  # the next release starts there, not at page 0
         assert len(live) <= 3, f"{len(live)} live SWA pages after {n} tokens"
         # the pool holds exactly the live pages plus those the prefix cache retains
         retained = {p for e in kv.cached.values() for p in e.swa}
@@ -124,3 +125,27 @@ def test_sliding_window_pages_released_while_running(llm):
     assert len(r.output_token_ids) == n_new
     assert_no_leaks(llm)
     assert_all_free_after_reset(llm)
+
+
+def test_token_slice_and_new_block_check_avoid_the_whole_token_list(llm, monkeypatch):
+    """A step reads a few tokens of each request: ``token_slice`` equals slicing the whole list
+    across the prompt/output boundary, and the prefix cache is offered blocks (which builds the
+    whole list) only on a step that closed one."""
+    engine, kv = llm.engine, llm.engine.kv
+    calls = []
+    register = kv.register_full_blocks
+    monkeypatch.setattr(kv, "register_full_blocks", lambda alloc, ids: calls.append(len(ids)) or register(alloc, ids))
+    rid = engine.add_request(rand_prompts(26, [250])[0], greedy(12))
+    r = engine.requests[rid][0]
+    steps = 0
+    while not r.finished:
+        engine.step()
+        steps += 1
+        assert not kv.has_new_full_blocks(r.alloc)  # whatever the step closed was registered
+    full = r.all_token_ids
+    n = len(r.prompt_token_ids)
+    for a, b in ((0, 5), (n - 3, n), (n - 3, n + 4), (n, n + 2), (n + 5, len(full)), (0, len(full))):
+        assert r.token_slice(a, b) == full[a:b], (a, b)
+    # 250 + 12 tokens close block 0 once (its 256th token is computed at decode step 6 of 12)
+    assert steps > 2 and calls == [BLOCK + 1]  # once, with the 257 tokens known then
+    assert_no_leaks(llm)
