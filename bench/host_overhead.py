@@ -1,0 +1,95 @@
+"""The engine's host work per decode step, with a stand-in model (no forward, constant logits).
+
+At batch 64 the H200 decode step was 18.7 ms with 14.7 ms of device time (docs/perf.md): the rest
+is host work — scheduling, page tables, bookkeeping, sampling. This runs the engine's real
+scheduler, runner, paged-table building and sampler around a model that only advances its caches,
+so what is timed is the host side; cProfile splits it by function (ms per step, cumulative).
+
+    python bench/host_overhead.py --ckpt /tmp/tiny --context 1024,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+WATCH = ("engine.py:", "runner.py:", "paged_attention.py:", "manager.py:", "scheduler.py:", "sampler.py:",
+         "request.py:")
+
+
+class StandIn:
+    """Advances the caches like a forward and returns constant logits (no device work)."""
+
+    def __init__(self, cfg, device):
+        self.cfg, self.device, self.dtype = cfg, device, torch.float32
+        self.row = torch.zeros(1, cfg.vocab_size, device=device)
+
+    def forward(self, token_ids, chunks, logits_rows=None, paged=None, **kw):
+        from dsv4.model.model import ForwardOutput
+
+        for c in chunks:
+            c.cache.advance(c.length)
+        n = token_ids.shape[0] if logits_rows is None else logits_rows.shape[0]
+        return ForwardOutput(self.row.expand(n, -1), None)
+
+
+def run(ckpt: str, batch: int, context: int, steps: int, top: int) -> None:
+    from dsv4 import SamplingParams
+    from dsv4.config import load_config
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+
+    cfg = load_config(ckpt)
+    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + steps + 64,
+                                 max_num_seqs=batch, max_num_batched_tokens=batch * context,
+                                 kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu"),
+                    backend=StandIn(cfg, torch.device("cpu")))
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(prompt_token_ids=torch.randint(3, 1000, (context,), generator=g).tolist(), params=sp)
+    for _ in range(6):  # the prefill, then a few decode steps
+        eng.step()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    print(f"\nbatch {batch}, context {context}: {ms:.2f} ms/step under cProfile (host only)")
+    rows = []
+    for (f, line, name), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
+        key = f"{Path(f).name}:{line}({name})"
+        if key.startswith(WATCH) and "dsv4" in f:
+            rows.append((cum / steps * 1e3, key))
+    for t, key in sorted(rows, reverse=True)[:top]:
+        print(f"  {key:<55} {t:8.2f} ms/step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="a checkpoint (written with the tiny preset if missing)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", default="1024,8192")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--top", type=int, default=14)
+    a = p.parse_args()
+    if not Path(a.ckpt, "config.json").exists():
+        from dsv4.checkpoint.synthetic import write_checkpoint
+
+        write_checkpoint(a.ckpt, preset="tiny", progress=False)
+    for n in (int(x) for x in a.context.split(",")):
+        run(a.ckpt, a.batch, n, a.steps, a.top)
+
+
+if __name__ == "__main__":
+    main()
