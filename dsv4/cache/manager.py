@@ -143,11 +143,9 @@ class KVCacheManager:
 
     def register_full_blocks(self, alloc: CacheAllocation, token_ids: list[int]) -> None:
         """Offer newly completed blocks to the prefix cache (keeping their window pages)."""
-        if not self.prefix:
+        if not self.has_new_full_blocks(alloc):
             return
         full = alloc.num_computed // BLOCK
-        if full <= alloc.registered_blocks:
-            return
         parent = alloc.block_hashes[-1] if alloc.block_hashes else 0
         new = self.chain_hashes(token_ids, full, parent, len(alloc.block_hashes))
         alloc.block_hashes.extend(new)

@@ -160,16 +160,27 @@ class TPDriver:
         from ..engine.cuda_graphs import DecodeGraphs
 
         self.ensure_alive()
-        self.send(StepPlan("graphs", graph_sizes=(max_num_seqs, max_model_len)))
         graphs = DecodeGraphs(self.model.inner, kvc, attention_ops, max_num_seqs, max_model_len)
+        self.lockstep(StepPlan("graphs", graph_sizes=(max_num_seqs, max_model_len)), graphs.capture,
+                      "decode graph capture")
+        return TPDecodeGraphs(self, graphs)
+
+    def lockstep(self, plan: StepPlan, run, what: str):
+        """Send ``plan``, then ``run()`` rank 0's share of the same step while the workers run theirs;
+        returns its result. The prefix-cache restores the plan carries are then done with. A failure
+        makes the engine dead: the workers are mid-step and nothing can be re-matched."""
+        self.send(plan)
+        del self.restores[:len(plan.restores)]
         self._in_step = True
         try:
-            graphs.capture()
-        except Exception as e:  # noqa: BLE001 - the workers are mid-capture: nothing can be re-matched
-            raise self.fatal(e, "decode graph capture") from e
+            out = run()
+            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
+                torch.cuda.synchronize(self.device)
+            return out
+        except Exception as e:  # noqa: BLE001
+            raise self.fatal(e, what) from e
         finally:
             self._in_step = False
-        return TPDecodeGraphs(self, graphs)
 
     def send(self, plan: StepPlan) -> None:
         import torch.distributed as dist
@@ -277,19 +288,9 @@ class TPModel:
         d = self.driver
         d.ensure_alive()
         plan = plan_step(token_ids, chunks, logits_rows, d.restores, paged is not None)
-        d.send(plan)
-        d.restores.clear()
-        d._in_step = True
-        try:
-            extra = {} if paged is None else {"paged": paged}
-            out = self.inner.forward(token_ids, chunks, logits_rows=logits_rows, **extra)
-            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
-                torch.cuda.synchronize(self.device)
-            return out
-        except Exception as e:  # noqa: BLE001 - the workers are mid-step: nothing can be re-matched
-            raise d.fatal(e, "forward") from e
-        finally:
-            d._in_step = False
+        extra = {} if paged is None else {"paged": paged}
+        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, **extra),
+                          "forward")
 
 
 class TPDecodeGraphs:
@@ -311,15 +312,5 @@ class TPDecodeGraphs:
     def run(self, batch) -> torch.Tensor:
         d = self.driver
         d.ensure_alive()
-        d.send(plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True))
-        d.restores.clear()
-        d._in_step = True
-        try:
-            logits = self.graphs.run(batch)
-            if d.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
-                torch.cuda.synchronize(d.device)
-            return logits
-        except Exception as e:  # noqa: BLE001 - the workers are mid-step: nothing can be re-matched
-            raise d.fatal(e, "decode graph replay") from e
-        finally:
-            d._in_step = False
+        plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True)
+        return d.lockstep(plan, lambda: self.graphs.run(batch), "decode graph replay")

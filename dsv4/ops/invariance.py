@@ -7,8 +7,9 @@ break that. With the switch on (the default), every decode-sized launch (M ≤ `
 uses one tile configuration chosen from the weight shape alone; prefill-sized launches keep their
 fastest tiles but the FP8 linear reduces K in the same chunks, in the same order, as at decode
 sizes (a prompt prefilled alone, among others, in chunks or after a prefix-cache hit gets the same
-bits; on the H200 the MMA tile shape does not change a row's value). ``DSV4_BATCH_INVARIANT=0`` (or ``set_batch_invariant(False)``) restores the
-fastest per-M choice (``bench/`` measures what invariance costs).
+bits; on the H200 the MMA tile shape does not change a row's value). ``DSV4_BATCH_INVARIANT=0``
+(or ``set_batch_invariant(False)``) restores the fastest per-M choice (``bench/`` measures what
+invariance costs).
 """
 
 from __future__ import annotations

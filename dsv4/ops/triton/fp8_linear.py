@@ -103,13 +103,18 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, CHUNK, CHUNKS_PER_PR
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
 
 
+def _decode_block_n(n: int) -> int:
+    """BLOCK_N of the batch-invariant decode tile of an [n, k] weight."""
+    return 128 if n >= 4096 else 64
+
+
 def invariant_chunk(n: int, k: int, device: torch.device) -> int:
     """K columns per chunk of the batch-invariant reduction of an [n, k] weight: a function of the
     weight shape (and the device's SM count) alone, so every M reduces K in the same order. It is
     the split-K share of the decode tile (BLOCK_N 128 for n ≥ 4096, else 64): about two programs
     per SM at batch 1."""
     k_blocks = max(1, math.ceil(k / BLOCK))
-    tiles = math.ceil(n / (128 if n >= 4096 else 64))
+    tiles = math.ceil(n / _decode_block_n(n))
     split = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
     return math.ceil(k_blocks / split) * BLOCK
 
@@ -125,7 +130,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     invariant = batch_invariant()
     decode = m <= DECODE_MAX_ROWS
     if invariant and decode:  # one tile shape for every M ≤ 64 (weight shape only)
-        cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=128 if n >= 4096 else 64, num_warps=4, num_stages=3,
+        cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=_decode_block_n(n), num_warps=4, num_stages=3,
                    GROUP_M=1, split_k=None)
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
