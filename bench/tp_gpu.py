@@ -48,7 +48,7 @@ N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
 F32 = "_f32"  # suffix of the greedy-only float32 configurations
 
 
-def _configs(tp: int) -> list[tuple[str, dict]]:
+def _configs(tp: int, f32_backend: str = "auto") -> list[tuple[str, dict]]:
     """TP=1, TP=1 eager, TP=N, TP=N + expert parallel (decode replays CUDA graphs on every rank
     unless eager); then TP=1, TP=N and TP=N + EP in float32 for greedy
     tokens only. bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds
@@ -57,7 +57,7 @@ def _configs(tp: int) -> list[tuple[str, dict]]:
     layouts = [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
                (f"tp{tp}", {"tensor_parallel_size": tp}),
                (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
-    f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32"})
+    f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32", "backend": f32_backend})
            for name, extra in layouts if name != "tp1_eager"]
     return layouts + f32
 
@@ -193,7 +193,9 @@ def run_one(a, name: str, extra: dict, save) -> dict:
             print(f"[{name}] decode {res['decode'][-1]}", flush=True)
             save(res)
     finally:
+        t1 = time.perf_counter()
         llm.shutdown()
+        print(f"[{name}] shutdown {time.perf_counter() - t1:.1f} s", flush=True)
     return res
 
 
@@ -235,6 +237,8 @@ def run_probe(a, spec: str, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "dsv4.cli", "probe", "--model", a.ckpt, "--tp", str(tp), "--oracle", "torch",
            "--dtype", dtype, "--kv-cache-dtype", a.kv_cache_dtype, "--max-model-len", str(min(a.max_model_len, 4096)),
            "--json-report", str(report)]
+    if dtype == "float32":
+        cmd += ["--backend", a.f32_backend]
     if a.cpu:
         cmd += ["--max-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-memory", str(a.kv_cache_mib)]
     else:
@@ -296,6 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
     p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
+    p.add_argument("--f32-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="backend of the float32 greedy configurations")
     p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--probe-tps", default=None,
                    help="comma-separated probes, each TP or TP:dtype (default: --tp at --dtype)")
@@ -318,7 +324,7 @@ def main(argv=None) -> int:
     a.kv_cache_mib = a.kv_cache_mib or (256 if cpu else 0)
 
     if a.run_one:
-        extra = dict(_configs(a.tp))[a.run_one]
+        extra = dict(_configs(a.tp, a.f32_backend))[a.run_one]
         run_one(a, a.run_one, extra, lambda res: Path(a.one_out).write_text(json.dumps(res)))
         return 0
 
@@ -354,7 +360,7 @@ def main(argv=None) -> int:
         return refs[False] or refs[True], checks
 
     wanted = a.only.split(",") if a.only else None  # "none": probes only
-    for name, _ in _configs(a.tp):
+    for name, _ in _configs(a.tp, a.f32_backend):
         if wanted and name not in wanted:
             continue
         one = out_dir / f"tp_gpu_{name}.json"

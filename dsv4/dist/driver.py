@@ -51,16 +51,31 @@ def _stop_workers(procs: dict, grace: float = 10.0) -> None:
             p.join(5.0)
 
 
+def _destroy_group(timeout: float) -> None:
+    """Leave the process group, giving up after ``timeout`` seconds (a hung teardown must not hang
+    the caller's shutdown; the process exit releases what is left)."""
+    if not torch.distributed.is_initialized():
+        return
+
+    def destroy():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+    t = threading.Thread(target=destroy, name="dsv4-destroy-group", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("destroying the process group did not return in %.0f s; leaving it to the process exit", timeout)
+
+
 def _finalize(procs: dict) -> None:  # the engine was dropped without shutdown(): no graceful message
     for p in procs.values():
         if p.is_alive():
             p.terminate()
     _stop_workers(procs, grace=0.0)
-    if torch.distributed.is_initialized():
-        try:
-            torch.distributed.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    _destroy_group(timeout=30.0)
 
 
 class TPDriver:
@@ -197,6 +212,9 @@ class TPDriver:
                 self.send(StepPlan("shutdown"))
             except EngineDeadError:
                 pass
+            # every rank leaves the group at the same time: NCCL's communicator teardown can wait
+            # for its peers, so rank 0 must not first wait for the workers to exit
+            _destroy_group(timeout=30.0)
         _stop_workers(self.procs, grace=10.0 if self.dead is None else 0.0)
         self._finalizer.detach()
         _finalize(self.procs)

@@ -9,6 +9,7 @@ and a worker whose parent (rank 0, or a headless node's launcher) is gone exits 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -71,6 +72,7 @@ def worker_main(config, spec, local_rank: int, port: int, parent_pid: int) -> No
 
 
 def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
+    import torch
     import torch.distributed as dist
 
     from ..cache.paged import PagedKVCache
@@ -108,6 +110,10 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             run_step(plan, model, kvc, attention_ops, device, graphs)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
+    graphs = None  # the captured NCCL launches go before the communicator they use
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     dist.destroy_process_group()
 
 

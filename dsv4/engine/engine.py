@@ -169,6 +169,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
         if self.dist is not None:
+            self.runner.graphs = None  # captured NCCL launches: released before the group is destroyed
             self.dist.shutdown()
 
     # ---- requests ------------------------------------------------------------------------

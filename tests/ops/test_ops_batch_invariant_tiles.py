@@ -72,3 +72,16 @@ def test_moe_token_is_independent_of_batch():
     full = tmoe.moe_experts(x, ids, wts, *layer)
     for m in (1, 3):
         assert torch.equal(tmoe.moe_experts(x[:m], ids[:m], wts[:m], *layer), full[:m])
+
+
+@pytest.mark.parametrize("x_bytes", [2, 4])
+def test_fp8_linear_tiles_fit_shared_memory(x_bytes):
+    """Every automatic tile fits the H200's shared memory at bf16 and at fp32 activations (fp32
+    prefill once asked for 253,952 bytes of 232,448 and could not launch)."""
+    from dsv4.ops.triton import fp8_linear as tlin
+
+    assert tlin.shared_bytes(dict(BLOCK_M=128, BLOCK_N=64, num_stages=4), 4) == 253952  # what the H200 reported
+    for m in (1, 17, 64, 65, 300, 1500, 8192):
+        for n, k in ((1024, 4096), (4096, 1024), (32768, 1024), (129280, 4096)):
+            cfg = tlin.pick_config(m, n, k, torch.device(DEV), x_bytes=x_bytes)
+            assert tlin.shared_bytes(cfg, x_bytes) <= tlin.SHARED_LIMIT, (m, n, k, cfg)

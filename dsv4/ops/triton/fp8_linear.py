@@ -119,8 +119,25 @@ def invariant_chunk(n: int, k: int, device: torch.device) -> int:
     return math.ceil(k_blocks / split) * BLOCK
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
+SHARED_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm_90), as Triton reports it
+
+
+def shared_bytes(cfg: dict, x_bytes: int) -> int:
+    """Shared memory a tile configuration needs: (stages - 1) buffers of the x and FP8 weight
+    tiles, plus the weight tile upcast to fp32 for the fp32 dot. It reproduces what the H200
+    reported for an fp32 128×64 tile at 4 stages (253,952 bytes)."""
+    per_stage = cfg["BLOCK_M"] * BLOCK * x_bytes + cfg["BLOCK_N"] * BLOCK
+    upcast = cfg["BLOCK_N"] * BLOCK * 4 if x_bytes == 4 else 0
+    return (cfg["num_stages"] - 1) * per_stage + upcast
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None,
+                x_bytes: int = 2) -> dict:
     """Launch configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override).
+
+    ``x_bytes``: the activation's element size. fp32 activations (the fp32 dot) double the x
+    tiles in shared memory and add the upcast weight tile: the H200 measured 248 KiB for
+    128×64 at 4 stages (limit 227 KiB), so fp32 prefill tiles are 128×64 at 2 stages.
 
     Batch-invariant (the default): K is reduced in chunks of ``invariant_chunk(n, k)`` for every M,
     one program per chunk at decode sizes (M ≤ 64, one tile shape; the partials summed in order)
@@ -136,8 +153,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
-    elif math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
+    elif x_bytes <= 2 and math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
         cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
+    elif x_bytes > 2:  # fp32 activations: the tiles that fit in shared memory (see above)
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, GROUP_M=8, split_k=1)
     else:  # mid-size M or narrow N: smaller tiles keep the SMs busy
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=8, split_k=1)
     override_split = bool(config) and "split_k" in config
@@ -191,7 +210,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
-    cfg = pick_config(m, n, k, x.device, config)
+    cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
     native = cfg.get("native", native_fp8(x.device) and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
     s = cfg["split_k"]
