@@ -12,13 +12,13 @@ mkdir -p "$OUT/f32" "$OUT/f32t"
 [ -f /tmp/fw4/model.safetensors.index.json ] || \
   CUDA_VISIBLE_DEVICES=0 python3 -m dsv4.cli make-checkpoint --preset flash-width --layers 4 --out /tmp/fw4 --device cuda --quiet
 echo "checkpoint at $(( $(date +%s) - T0 )) s"
-timeout ${F32_S:-420} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only tp1_f32,tp2_f32,tp2_ep_f32 \
+timeout ${F32_S:-420} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only ${ONLY:-tp1_f32,tp2_f32,tp2_ep_f32} \
   --config-timeout ${CONFIG_S:-90} --probe-timeout ${PROBE_S:-110} --probe-tps ${PROBES:-2,2:float32,1} \
   --out "$OUT/f32/tp.json" > "$OUT/f32/tp.log" 2>&1
 grep -E "^\[|^config|^---|^tp|^probe|FAILED|OutOfResources" "$OUT/f32/tp.log" | cut -c1-300 | tail -30
 echo "f32 + probes done at $(( $(date +%s) - T0 )) s"
 if grep -q "FAILED: tp.*_f32" "$OUT/f32/tp.log"; then
-  timeout ${F32T_S:-150} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only tp1_f32,tp2_f32,tp2_ep_f32 \
+  timeout ${F32T_S:-150} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only ${ONLY:-tp1_f32,tp2_f32,tp2_ep_f32} \
     --f32-backend torch --skip-probe --config-timeout 70 --out "$OUT/f32t/tp.json" > "$OUT/f32t/tp.log" 2>&1
   grep -E "^\[|^config|^---|^tp|FAILED" "$OUT/f32t/tp.log" | cut -c1-300 | tail -20
   echo "torch f32 done at $(( $(date +%s) - T0 )) s"
