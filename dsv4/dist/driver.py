@@ -324,6 +324,10 @@ class TPDecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return self.graphs.bucket(n)
 
+    def release(self) -> None:
+        self.graphs.release()
+        self.buckets = []
+
     def can_run(self, batch) -> bool:
         return not self.driver.tp.timed and self.graphs.can_run(batch)
 

@@ -110,7 +110,9 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             run_step(plan, model, kvc, attention_ops, device, graphs)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
-    graphs = None  # the captured NCCL launches go before the communicator they use
+    if graphs is not None:  # the captured NCCL launches go before the communicator they use
+        graphs.release()
+    graphs = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

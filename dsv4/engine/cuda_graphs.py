@@ -84,6 +84,16 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def release(self) -> None:
+        """Reset every captured graph now. Graphs holding NCCL launches keep the communicator busy:
+        destroying the process group while one lives hangs in ncclCommDestroy (pytorch#115388)."""
+        for graph, *_ in self.graphs.values():
+            if graph is not None:
+                graph.reset()
+        self.graphs.clear()
+        self._keep.clear()
+        self.buckets = []
+
     def can_run(self, batch) -> bool:
         p = batch.paged
         return (p is not None and p.decode_only and self.bucket(len(batch.chunks)) is not None

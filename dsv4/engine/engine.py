@@ -169,7 +169,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
         if self.dist is not None:
-            self.runner.graphs = None  # captured NCCL launches: released before the group is destroyed
+            if self.runner.graphs is not None:  # captured NCCL launches go before the group does
+                self.runner.graphs.release()
+                self.runner.graphs = None
             self.dist.shutdown()
 
     # ---- requests ------------------------------------------------------------------------
