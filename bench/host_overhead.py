@@ -6,6 +6,7 @@ scheduler, runner, paged-table building and sampler around a model that only adv
 so what is timed is the host side; cProfile splits it by function (ms per step, cumulative).
 
     python bench/host_overhead.py --ckpt /tmp/tiny --context 1024,8192
+    python bench/host_overhead.py --ckpt /tmp/tiny --tables --context 1024,8192,65536
 """
 
 from __future__ import annotations
@@ -75,6 +76,31 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int) -> None:
         print(f"  {key:<55} {t:8.2f} ms/step")
 
 
+def tables(batch: int, context: int, reps: int = 200) -> None:
+    """``PagedBatch.build`` alone, without the profiler's per-call cost: ``batch`` decode requests
+    whose window pages below the watermark are released, as a long decode leaves them."""
+    import types
+
+    from dsv4.cache.paged import CacheAllocation
+    from dsv4.engine.paged_attention import PagedBatch
+    from dsv4.model.attention import SeqChunk
+
+    kvc = types.SimpleNamespace(device=torch.device("cpu"))
+    allocs = []
+    for i in range(batch):
+        n_swa = context // 64 + 1
+        rel = max(0, n_swa - 3)
+        allocs.append(CacheAllocation(blocks=list(range(i * 1000, i * 1000 + context // 256 + 1)),
+                                      swa=[-1] * rel + [i, i + 1, i + 2], slot=i, swa_released=rel))
+    chunks = [SeqChunk(None, context, 1) for _ in range(batch)]
+    for _ in range(20):
+        PagedBatch.build(kvc, chunks, allocs, {})
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        PagedBatch.build(kvc, chunks, allocs, {})
+    print(f"PagedBatch.build, batch {batch}, context {context}: {(time.perf_counter() - t0) / reps * 1e3:.3f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="a checkpoint (written with the tiny preset if missing)")
@@ -82,7 +108,12 @@ def main() -> None:
     p.add_argument("--context", default="1024,8192")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--tables", action="store_true", help="time PagedBatch.build alone (no profiler)")
     a = p.parse_args()
+    if a.tables:
+        for n in (int(x) for x in a.context.split(",")):
+            tables(a.batch, n)
+        return
     if not Path(a.ckpt, "config.json").exists():
         from dsv4.checkpoint.synthetic import write_checkpoint
 

@@ -13,6 +13,7 @@ with ``auto`` they hold model-dtype rows.
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass, field
 
@@ -146,6 +147,30 @@ class PagedKVCache:
         return BLOCK // self.ratio[key]
 
 
+class PageRow:
+    """A host int64 copy of one request's page list, kept in step with it at the cost of what
+    changed: the lists only grow, and the SWA list turns to -1 below a watermark
+    (``swa_released``); a list replaced by a new object (freed, prefix hit) is copied again.
+    Building a step's page tables from these costs memory copies, not O(context) Python ints."""
+
+    __slots__ = ("src", "buf", "released")
+
+    def __init__(self):
+        self.src, self.buf, self.released = None, array.array("q"), 0
+
+    def sync(self, pages: list[int], released: int = 0) -> array.array:
+        if pages is not self.src or len(pages) < len(self.buf):
+            self.src, self.buf, self.released = pages, array.array("q"), 0
+        n = len(self.buf)
+        if len(pages) > n:
+            self.buf.extend(pages[n:])
+        if released > self.released:
+            k = min(released, len(self.buf)) - self.released
+            self.buf[self.released:self.released + k] = array.array("q", [-1]) * k
+            self.released = released
+        return self.buf
+
+
 @dataclass
 class CacheAllocation:
     """What one request holds: block ids, SWA page ids (-1 once freed), its state slot."""
@@ -157,6 +182,9 @@ class CacheAllocation:
     registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     swa_released: int = 0  # leading SWA pages already released (every entry below it is -1)
     block_hashes: list[int] = field(default_factory=list)
+    # host copies of ``blocks`` / ``swa`` for the per-step tables (PagedBatch.build)
+    block_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
+    swa_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
 
 
 class PagedSequenceView:

@@ -28,9 +28,15 @@ class ChunkPlan:
     start: int
     length: int
     blocks: list[int]
-    swa: list[int]
+    swa: list[int]  # the request's SWA pages from ``swa_released`` on (every one before is -1)
     slot: int
     num_computed: int
+    swa_released: int = 0
+
+    def allocation(self) -> CacheAllocation:
+        """The request's allocation as rank 0 holds it."""
+        return CacheAllocation(blocks=self.blocks, swa=[-1] * self.swa_released + self.swa, slot=self.slot,
+                               num_computed=self.num_computed, swa_released=self.swa_released)
 
 
 @dataclass
@@ -54,7 +60,10 @@ def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, rest
         if a is None:
             raise TypeError(f"a tensor-parallel forward runs on the engine's paged cache views, got a "
                             f"{type(c.cache).__name__}: the workers cannot mirror it")
-        out.append(ChunkPlan(c.start, c.length, list(a.blocks), list(a.swa), a.slot, a.num_computed))
+        # the released window pages are all -1: only their count travels (a long context's SWA
+        # list is mostly released, and the plan is pickled and broadcast every step)
+        r = a.swa_released
+        out.append(ChunkPlan(c.start, c.length, list(a.blocks), a.swa[r:], a.slot, a.num_computed, r))
     rows = None if logits_rows is None else [int(r) for r in logits_rows.tolist()]
     return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph)
 
@@ -72,7 +81,7 @@ def run_step(plan: StepPlan, model, kvc, attention_ops, device, graphs=None) -> 
     replay_restores(kvc, plan.restores)
     chunks, allocs, off = [], [], 0
     for c in plan.chunks:
-        a = CacheAllocation(blocks=c.blocks, swa=c.swa, slot=c.slot, num_computed=c.num_computed)
+        a = c.allocation()
         allocs.append(a)
         chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
         off += c.length

@@ -21,6 +21,7 @@ tensors and a token's result never depends on the other tokens of the step.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +39,17 @@ from ..model.rope import apply_rope, cos_sin
 ATTENTION_OPS = ("kv_insert", "sparse_attention", "indexer")
 
 
-def _pad_rows(rows: list[list[int]], fill: int = -1) -> list[list[int]]:
+def _table(rows: list, device) -> torch.Tensor:
+    """[len(rows), max length ≥ 1] int64 on ``device`` from int64 arrays, padded with -1."""
     width = max(1, max((len(r) for r in rows), default=1))
-    return [r + [fill] * (width - len(r)) for r in rows]
+    flat = array.array("q")
+    pad = array.array("q", [-1]) * width
+    for r in rows:
+        flat.extend(r)
+        flat.extend(pad[:width - len(r)])
+    if not flat:  # no rows (frombuffer refuses an empty buffer)
+        return torch.empty((0, width), dtype=torch.long, device=device)
+    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width).to(device)
 
 
 @dataclass
@@ -70,8 +79,8 @@ class PagedBatch:
             sid.extend([i] * c.length)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         seq_ids = torch.tensor(sid, dtype=torch.long, device=dev)
-        swa_table = torch.tensor(_pad_rows([list(a.swa) for a in allocs]), dtype=torch.long, device=dev)
-        block_table = torch.tensor(_pad_rows([list(a.blocks) for a in allocs]), dtype=torch.long, device=dev)
+        swa_table = _table([a.swa_row.sync(a.swa, a.swa_released) for a in allocs], dev)
+        block_table = _table([a.block_row.sync(a.blocks) for a in allocs], dev)
         slots = torch.tensor([a.slot for a in allocs], dtype=torch.long, device=dev)
         swa_page = swa_table[seq_ids, positions // SWA_PAGE]
         return cls(kvc, chunks, positions, seq_ids, swa_table, block_table, slots, swa_page, positions % SWA_PAGE,
