@@ -53,7 +53,7 @@ from dsv4.canary.data import make_batch  # noqa: E402
 from dsv4.canary.eval import evaluate_reference  # noqa: E402
 from dsv4.canary.model import (TensorWeights, canary_config_dict, forward_tensors, init_params,  # noqa: E402
                                load_params, write_checkpoint)
-from dsv4.canary.tasks import heldout  # noqa: E402
+from dsv4.canary.tasks import heldout, make_recall  # noqa: E402
 from dsv4.canary.tokenizer import CharCodec  # noqa: E402
 from dsv4.config import LayerType, config_from_dict  # noqa: E402
 from dsv4.model.attention import Attention, Compressor, SeqChunk  # noqa: E402
@@ -275,6 +275,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1536, help="tokens per sequence (about)")
     ap.add_argument("--recall-len", type=int, nargs=2, default=[150, 1000], help="record-run length range")
     ap.add_argument("--recall-per-seq", type=int, default=1, help="record runs per sequence")
+    ap.add_argument("--far-from", type=float, default=0.0,
+                    help="fraction of the budget before which every recall question is answered inside the "
+                         "window (short record runs): the lookup is learnt before the compressed path is asked")
+    ap.add_argument("--near-eval", type=int, default=16,
+                    help="in-window recall examples for the end-of-run diagnostic (0: none)")
     ap.add_argument("--dense-until", type=float, default=0.35)
     ap.add_argument("--qat-from", type=float, default=0.75)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
@@ -342,7 +347,8 @@ def main(argv=None) -> int:
         if frac >= 1.0:
             break
         sparse, qat = frac >= a.dense_until, frac >= a.qat_from
-        seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq)
+        near = frac < a.far_from
+        seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq, near)
         lr = lr_at(frac, step, a.lr, a.warmup, a.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -367,7 +373,7 @@ def main(argv=None) -> int:
             ntok = sum(len(s.ids) for s in seqs)
             log(f"step {step} frac {frac:.3f} lr {lr:.2e} loss main {ema['main']:.3f} mtp {ema['mtp']:.3f} "
                 f"kl {ema['kl']:.3f} gnorm {float(gn):.2f} tokens {ntok} {'sparse' if sparse else 'dense'}"
-                f"{' qat' if qat else ''}")
+                f"{' qat' if qat else ''}{' near-recall' if near else ''}")
             hist.append({"step": step, "t": round(time.time() - t0, 1), **{k: round(v, 4) for k, v in ema.items()}})
         if time.time() - last_save > a.save_every_s:
             write_checkpoint(params, cfg_dict, a.out, extra={"partial": True, "step": step})
@@ -403,6 +409,14 @@ def main(argv=None) -> int:
     write_checkpoint(params, cfg_dict, a.out, extra=info)
     evaluate_into(a.out, info, [k for k in a.evals.split(",") if k], held, dev, log,
                   fp32={n: p.detach() for n, p in params.items()}, cfg=cfg)
+    if a.near_eval > 0:  # has the lookup itself been learnt? (the held-out recall is all beyond the window)
+        near_rng = random.Random(f"{a.seed}:near")
+        near_set = [make_recall(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
+        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, {n: p.detach() for n, p in params.items()}, device=dev),
+                                                kv_cache_dtype="auto"), near_set)
+        info["diagnostics"] = {"recall_in_window_fp32": res["accuracy"]["recall"]}
+        (Path(a.out) / "canary.json").write_text(json.dumps(info, indent=2) + "\n")
+        log(f"in-window recall (fp32 weights, {a.near_eval} examples of 60-110 tokens): {res['accuracy']['recall']}")
     log(f"wrote {a.out} ({sum(f.stat().st_size for f in Path(a.out).iterdir()) / 2**20:.2f} MiB)")
     return 0
 

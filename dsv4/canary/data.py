@@ -89,15 +89,26 @@ def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, quer
     return Sequence(ids, target)
 
 
+NEAR_RUN = (20, 90)  # a near-phase record run: with NEAR_QUERIES questions it stays in the window
+NEAR_QUERIES = 4  # 1 + 90 + 4 × 8 tokens < 128
+
+
 def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len: tuple[int, int],
-                   exclude: frozenset[str] = frozenset(), n_recall: int = 1) -> Sequence:
+                   exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False) -> Sequence:
     """``n_recall`` recall runs (with their questions) and short samples, in random order, about
     ``length`` tokens.
+
+    ``near``: the recall runs are short and every question is answered inside the sliding window
+    (curriculum: the lookup itself is learnt over plain attention before it has to go through the
+    compressed caches, whose questions give no usable signal until it is).
 
     Few long sequences rather than many short ones: the reference runs attention per sequence, so
     a training step's cost grows with the number of sequences far more than with their length.
     """
-    parts = [recall_sequence(rng, codec, *recall_len) for _ in range(n_recall)]
+    if near:
+        parts = [recall_sequence(rng, codec, *NEAR_RUN, queries=NEAR_QUERIES, p_far=0.0) for _ in range(n_recall)]
+    else:
+        parts = [recall_sequence(rng, codec, *recall_len) for _ in range(n_recall)]
     used = sum(len(r.ids) for r in parts)
     parts.append(packed_sequence(rng, codec, max(length - used, 32), exclude=exclude))
     rng.shuffle(parts)
@@ -105,5 +116,5 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
 
 
 def make_batch(rng: random.Random, codec: CharCodec, n_seqs: int, length: int, recall_len: tuple[int, int],
-               exclude: frozenset[str] = frozenset(), n_recall: int = 1) -> list[Sequence]:
-    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall) for _ in range(n_seqs)]
+               exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False) -> list[Sequence]:
+    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near) for _ in range(n_seqs)]

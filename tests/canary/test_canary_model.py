@@ -104,10 +104,34 @@ def test_training_tool_runs_one_step_and_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "c"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "train_canary.py"), "--out", str(out), "--device", "cpu",
                         "--max-steps", "1", "--seqs", "1", "--seq-len", "160", "--recall-len", "150", "150",
-                        "--evals", "", "--eval-per-task", "1", "--eval-recall", "1"],
+                        "--evals", "", "--eval-per-task", "1", "--eval-recall", "1", "--far-from", "1.0",
+                        "--near-eval", "2"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "trained 1 steps" in r.stdout
+    assert "trained 1 steps" in r.stdout and "near-recall" in r.stdout
+    assert "in-window recall (fp32 weights, 2 examples" in r.stdout
     text, ok = inspect_checkpoint(out)
     assert ok, text
-    assert json.loads((out / "canary.json").read_text())["steps"] == 1
+    info = json.loads((out / "canary.json").read_text())
+    assert info["steps"] == 1 and 0.0 <= info["diagnostics"]["recall_in_window_fp32"] <= 1.0
+
+
+def test_near_recall_batches_keep_every_question_inside_the_window():
+    """The curriculum's first phase (``--far-from``): each answered record starts fewer than
+    window (128) tokens before its answer, so plain attention can see it."""
+    import random
+
+    from dsv4.canary.data import make_batch
+    from dsv4.canary.tokenizer import CharCodec
+
+    codec, rng, asked = CharCodec(), random.Random(1), 0
+    for seq in make_batch(rng, codec, 8, 600, (150, 400), n_recall=2, near=True):
+        tok = [codec.decode([t]) if len(codec.decode([t])) == 1 else "\0" for t in seq.ids]  # 1 char per token
+        text = "".join(tok)
+        for i, ch in enumerate(text):
+            if ch == "?" and i + 3 < len(text) and text[i + 3] == "=" and text[i + 1: i + 3].isalpha():
+                rec = text.rfind(text[i + 1: i + 3] + ":", 0, i)
+                if rec >= 0:
+                    asked += 1
+                    assert (i + 4) - rec < 128, text[rec: i + 8]
+    assert asked >= 16
