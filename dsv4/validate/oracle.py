@@ -36,6 +36,8 @@ class StepAgreement:
     engine_logprob: float | None
     oracle_logprob: float  # oracle's logprob of the engine's token
     topk_overlap: float | None  # |engine top-k ∩ oracle top-k| / k, when the engine reported top-k
+    oracle_logit: float | None = None  # the oracle's logit of the engine's token (its magnitude sets its rounding)
+    logprob_tol: float | None = None  # the logprob tolerance applied: drift plus the logits' rounding
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -119,7 +121,7 @@ def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: li
             if top_k > 0 and len(ranked) >= top_k:
                 otop = set(torch.topk(row, top_k).indices.tolist())
                 overlap = len(otop & set(ranked)) / top_k
-        s = StepAgreement(i, t, o, margin, e_lp, float(lp[t]), overlap)
+        s = StepAgreement(i, t, o, margin, e_lp, float(lp[t]), overlap, float(row[t]), lp_tol)
         a.steps.append(s)
         what = "first token" if i == 0 else f"step {i}"
         if t != o:

@@ -48,3 +48,10 @@ def test_top1_disagreement_within_a_rounding_step_is_a_near_tie():
     assert not b.ok
     far = _row(top=20.0, tok=19.5)  # four ulps: a real disagreement
     assert not compare([3], far[None], None, tol=0.05, top_k=0, logit_dtype=torch.bfloat16).ok
+
+
+def test_steps_record_the_logit_and_the_tolerance_applied():
+    row = _row()
+    s = compare([7], row[None], None, logprob_tol=0.1, top_k=0, logit_dtype=torch.bfloat16).steps[0]
+    assert s.oracle_logit == 17.0 and s.logprob_tol > 0.1 + 0.0625  # one ulp at 17 is 0.125
+    assert compare([7], row[None], None, top_k=0).steps[0].logprob_tol == 0.1
