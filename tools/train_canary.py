@@ -407,13 +407,12 @@ def main(argv=None) -> int:
         info["total_steps"] = step + sum(r.get("steps", 0) for r in info["previous_runs"])
         info["total_train_seconds"] = round(train_s + sum(r.get("train_seconds", 0) for r in info["previous_runs"]), 1)
     write_checkpoint(params, cfg_dict, a.out, extra=info)
-    evaluate_into(a.out, info, [k for k in a.evals.split(",") if k], held, dev, log,
-                  fp32={n: p.detach() for n, p in params.items()}, cfg=cfg)
+    fp32 = {n: p.detach() for n, p in params.items()}
+    evaluate_into(a.out, info, [k for k in a.evals.split(",") if k], held, dev, log, fp32=fp32, cfg=cfg)
     if a.near_eval > 0:  # has the lookup itself been learnt? (the held-out recall is all beyond the window)
         near_rng = random.Random(f"{a.seed}:near")
         near_set = [make_recall(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
-        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, {n: p.detach() for n, p in params.items()}, device=dev),
-                                                kv_cache_dtype="auto"), near_set)
+        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, fp32, device=dev), kv_cache_dtype="auto"), near_set)
         info["diagnostics"] = {"recall_in_window_fp32": res["accuracy"]["recall"]}
         (Path(a.out) / "canary.json").write_text(json.dumps(info, indent=2) + "\n")
         log(f"in-window recall (fp32 weights, {a.near_eval} examples of 60-110 tokens): {res['accuracy']['recall']}")

@@ -153,10 +153,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
-    elif x_bytes <= 2 and math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
-        cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
     elif x_bytes > 2:  # fp32 activations: the tiles that fit in shared memory (see above)
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, GROUP_M=8, split_k=1)
+    elif math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
+        cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
     else:  # mid-size M or narrow N: smaller tiles keep the SMs busy
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=8, split_k=1)
     override_split = bool(config) and "split_k" in config
