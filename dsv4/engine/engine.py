@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,15 @@ class EngineConfig:
         return table[self.dtype]
 
 
+def _shutdown_tp(runner: ModelRunner, dist) -> None:
+    """Rank 0's tensor-parallel teardown: captured NCCL launches go before the group does (a live
+    graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
+    dist.shutdown()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, backend=None, tokenizer=None):
         from ..chat.tokenizer import load_tokenizer
@@ -141,6 +151,8 @@ class LLMEngine:
             self.dist.start_caches(budget, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, config.resolve_attention_ops(device))
+        if self.dist is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
+            self._tp_finalizer = weakref.finalize(self, _shutdown_tp, self.runner, self.dist)
         if device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager:
             self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
@@ -169,10 +181,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
         if self.dist is not None:
-            if self.runner.graphs is not None:  # captured NCCL launches go before the group does
-                self.runner.graphs.release()
-                self.runner.graphs = None
-            self.dist.shutdown()
+            self._tp_finalizer()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,

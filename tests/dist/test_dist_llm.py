@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as torch_dist
 from dist_helpers import ENGINE, free_port, greedy_llm
 
 from dsv4 import LLM, SamplingParams
@@ -116,3 +117,28 @@ def test_tp2_decode_graph_replay_matches_tp1(tiny_ckpt, reference):
     assert got == reference
     # shutdown resets the graphs before the group goes (NCCL: a live graph hangs its teardown)
     assert llm.engine.runner.graphs is None and graphs.graphs.graphs == {} and graphs.buckets == []
+
+
+def test_tp2_engine_dropped_without_shutdown_releases_its_graphs_then_stops_the_workers(tiny_ckpt):
+    """`dsv4 probe`, `generate` and scripts never call shutdown(): the engine's finalizer (run when it
+    is collected, or at interpreter exit before the driver's own) must still reset the captured
+    graphs before the group goes — on the H200 the probe at TP=2 aborted at exit (code -6)."""
+    import gc
+
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
+    llm.engine.capture_decode_graphs()
+    graphs, pids = llm.engine.runner.graphs, llm.engine.dist.worker_pids
+    assert graphs.buckets
+    greedy_llm(llm)
+    order = []
+    release, destroy = graphs.release, torch_dist.destroy_process_group
+    graphs.release = lambda: order.append("release") or release()
+    torch_dist.destroy_process_group = lambda *a, **k: order.append("destroy") or destroy(*a, **k)
+    try:
+        del llm
+        gc.collect()
+    finally:
+        torch_dist.destroy_process_group = destroy
+    assert order == ["release", "destroy"], order
+    assert graphs.buckets == [] and not torch_dist.is_initialized()
+    assert all(_gone(pid) for pid in pids.values())
