@@ -141,6 +141,7 @@ def _cmd_probe(a: argparse.Namespace) -> int:
                         prompts=load_prompts(a.prompts) if a.prompts else None, max_tokens=a.max_tokens,
                         batch_sizes=tuple(a.batch_sizes), repeats=a.repeats, validate=a.validate,
                         ref_tokens=a.ref_tokens, ref_tol=a.ref_tol, logprob_tol=a.logprob_tol, oracle=a.oracle,
+                        exact_oracle=a.exact_oracle,
                         batch_tie_tol=a.batch_tie_tol,
                         expect=a.expect, record=a.record, json_report=a.json_report, thinking=a.thinking,
                         seed=a.seed, verdict=verdict)
@@ -182,6 +183,9 @@ def _add_probe_args(pr: argparse.ArgumentParser) -> None:
                          "(default 0: any difference fails)")
     pr.add_argument("--oracle", choices=["shared", "torch", "off"], default="shared",
                     help="shared: the engine's model on a dense cache; torch: a separately loaded torch reference")
+    pr.add_argument("--exact-oracle", action=argparse.BooleanOptionalAction, default=True,
+                    help="below float32, judge steps that part from the reference again against the float32 "
+                         "reference: they pass when the engine is no farther from it than the reference is")
     pr.add_argument("--expect", default=None, metavar="FILE", help="PASS only if the tokens equal this golden run")
     pr.add_argument("--record", default=None, metavar="FILE", help="write this run's tokens as a golden file")
     pr.add_argument("--json-report", default=None, metavar="FILE")

@@ -18,10 +18,24 @@ one hidden value can part by 0.125 in a logprob with no fault anywhere. By defau
 engine's model object (weights and kernels) and differs only in the cache path and batching: it
 cannot see a fault both share — a wrong activation formula, say. The probe's golden-token check
 (``--expect``) and a trained canary are the detectors for those.
+
+**Precision-conditioned steps.** On random weights a bf16 model is ill-conditioned: MoE routing
+scores sit within 1e-3 of each other, so a last-bit difference in a hidden state swaps an expert,
+and one swapped expert moves a logprob by 0.1–0.5 nats. Two correct bf16 computations then part
+far beyond any rounding bound — measured on the 4-layer flash-width checkpoint
+(``bench/probe_divergence.py``, docs/perf.md): the bf16 reference itself is up to 0.25 nats from
+the float32 reference, with routing flips at score gaps of 3e-4..8e-2. When ``exact_logits`` (the
+same reference in float32, teacher-forced on the same tokens) is given, a step that fails against
+the same-precision reference is judged again against the exact one: it passes, as a warning, when
+the engine is no farther from the exact function than the same-precision reference is (plus the
+drift tolerance) — its logprob within ``lp_tol + |ref - exact|`` of the exact one, its token's exact
+margin within ``tie_tol`` + the exact margin of the reference's own top-1. A real fault moves the
+engine away from both references; only rounding that the reference shares is forgiven.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -91,12 +105,16 @@ def _first_argmax(x: torch.Tensor) -> int:
 
 def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: list[dict] | None = None,
             tol: float = 0.05, logprob_tol: float = 0.1, top_k: int = 5,
-            logit_dtype: torch.dtype | None = None) -> Agreement:
+            logit_dtype: torch.dtype | None = None, exact_logits: torch.Tensor | None = None) -> Agreement:
     """Judge the engine's tokens (and reported logprobs) against teacher-forced oracle logits.
 
     ``logit_dtype``: the precision both sides' logits were rounded to. A logprob l_t - lse moves
     under rounding by at most ulp(l_t) + Σ_i p_i·ulp(l_i) (first order), and a top-1 margin by
-    ulp(l_o) + ulp(l_t); each is added to the drift tolerance of that check."""
+    ulp(l_o) + ulp(l_t); each is added to the drift tolerance of that check.
+
+    ``exact_logits``: the reference in float32 on the same tokens; steps that fail the checks above
+    are judged again against it (see the module docstring) and pass as warnings when the engine is
+    no farther from it than the same-precision reference."""
     a = Agreement()
     for i in range(oracle_logits.shape[0]):
         row = oracle_logits[i]
@@ -124,13 +142,28 @@ def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: li
         s = StepAgreement(i, t, o, margin, e_lp, float(lp[t]), overlap, float(row[t]), lp_tol)
         a.steps.append(s)
         what = "first token" if i == 0 else f"step {i}"
+        lpx = None if exact_logits is None else torch.log_softmax(exact_logits[i].double(), dim=-1)
         if t != o:
             msg = (f"{what}: engine token {t} differs from the reference's top-1 {o} "
                    f"(margin {margin:.4g} nats, tolerance {_tol_text(tol, tie_tol)})")
-            (a.problems if margin > tie_tol else a.warnings).append(msg if margin > tie_tol else msg + ": a near-tie")
+            if margin <= tie_tol:
+                a.warnings.append(msg + ": a near-tie")
+            elif lpx is not None and float(lpx.max() - lpx[t]) <= tie_tol + float(lpx.max() - lpx[o]):
+                ex, eo = float(lpx.max() - lpx[t]), float(lpx.max() - lpx[o])
+                a.warnings.append(msg + f": precision-conditioned — in the float32 reference the engine's token is "
+                                  f"{ex:.4g} below the top-1 and the reference's own pick {eo:.4g}")
+            else:
+                a.problems.append(msg)
         if e_lp is not None and (not torch.isfinite(torch.tensor(e_lp)) or abs(e_lp - float(lp[t])) > lp_tol):
-            a.problems.append(f"{what}: engine logprob of token {t} is {e_lp:.5g}, the reference's {float(lp[t]):.5g} "
-                              f"(|Δ| > {_tol_text(logprob_tol, lp_tol)})")
+            msg = (f"{what}: engine logprob of token {t} is {e_lp:.5g}, the reference's {float(lp[t]):.5g} "
+                   f"(|Δ| > {_tol_text(logprob_tol, lp_tol)})")
+            if lpx is not None and math.isfinite(e_lp) and \
+                    abs(e_lp - float(lpx[t])) <= lp_tol + abs(float(lp[t] - lpx[t])):
+                a.warnings.append(msg + f": precision-conditioned — the float32 reference gives {float(lpx[t]):.5g}: "
+                                  f"the engine is {abs(e_lp - float(lpx[t])):.3g} from it, the reference "
+                                  f"{abs(float(lp[t] - lpx[t])):.3g}")
+            else:
+                a.problems.append(msg)
     return a
 
 

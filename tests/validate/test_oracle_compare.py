@@ -55,3 +55,49 @@ def test_steps_record_the_logit_and_the_tolerance_applied():
     s = compare([7], row[None], None, logprob_tol=0.1, top_k=0, logit_dtype=torch.bfloat16).steps[0]
     assert s.oracle_logit == 17.0 and s.logprob_tol > 0.1 + 0.0625  # one ulp at 17 is 0.125
     assert compare([7], row[None], None, top_k=0).steps[0].logprob_tol == 0.1
+
+
+def _lrow(**logits) -> torch.Tensor:
+    """A float32 row over 4096 tokens at logit 0 except the named ones (``t7=4.0`` sets token 7)."""
+    row = torch.zeros(4096)
+    for k, v in logits.items():
+        row[int(k[1:])] = v
+    return row
+
+
+def _lp(row: torch.Tensor, t: int) -> float:
+    return float(torch.log_softmax(row.double(), -1)[t])
+
+
+def test_a_logprob_the_bf16_reference_itself_gets_wrong_is_judged_against_float32():
+    """The probe's TP=1 bf16 failure on the H200: engine -7.28, bf16 reference -7.81, float32
+    reference -7.56 — the engine is no farther from the exact function than the bf16 reference."""
+    o16, o32 = _lrow(t7=4.0), _lrow(t7=4.25)
+    assert _lp(o32, 7) - _lp(o16, 7) > 0.24
+    e_lp = _lp(o32, 7) + 0.2  # 0.45 from the bf16 reference, 0.2 from the float32 one
+    plain = compare([7], o16[None], [{7: e_lp}], logprob_tol=0.1, top_k=0)
+    assert not plain.ok
+    a = compare([7], o16[None], [{7: e_lp}], logprob_tol=0.1, top_k=0, exact_logits=o32[None])
+    assert a.ok and "precision-conditioned" in a.warnings[0] and "float32 reference gives" in a.warnings[0]
+
+
+def test_an_engine_far_from_both_references_still_fails():
+    o16 = _lrow(t7=4.0)
+    well_conditioned = compare([7], o16[None], [{7: _lp(o16, 7) + 0.45}], logprob_tol=0.1, top_k=0,
+                               exact_logits=o16[None])  # the references agree: nothing to forgive
+    assert not well_conditioned.ok
+    o32 = _lrow(t7=4.25)  # the bf16 reference is 0.25 low; the engine errs 0.3 the other way
+    other_side = compare([7], o16[None], [{7: _lp(o16, 7) - 0.3}], logprob_tol=0.1, top_k=0, exact_logits=o32[None])
+    assert not other_side.ok and "|Δ| > 0.1" in other_side.problems[0]
+
+
+def test_a_top1_the_bf16_reference_picks_worse_than_the_engine_is_a_warning():
+    o16 = _lrow(t7=5.0, t3=4.7)  # the bf16 reference prefers 7 by 0.3 nats; the engine picked 3
+    assert not compare([3], o16[None], None, tol=0.05, top_k=0).ok
+    o32 = _lrow(t3=5.0, t7=4.8)  # the float32 reference prefers 3: the engine's pick is the better one
+    a = compare([3], o16[None], None, tol=0.05, top_k=0, exact_logits=o32[None])
+    assert a.ok and "precision-conditioned" in a.warnings[0]
+    # the float32 reference agrees with the bf16 one, or the engine's pick is worse in it: a fault
+    assert not compare([3], o16[None], None, tol=0.05, top_k=0, exact_logits=o16[None]).ok
+    o32b = _lrow(t7=5.0, t9=4.9, t3=4.6)
+    assert not compare([3], o16[None], None, tol=0.05, top_k=0, exact_logits=o32b[None]).ok
