@@ -161,7 +161,11 @@ def check_vs_torch(dev, g, N: int, T: int, heads: int) -> str:
     return f"{'ok' if ok else 'FAIL'} (max|Δ|/max|ref|: fp32 {errs[0]:.2e}, bf16 {errs[1]:.2e})"
 
 
-def run(device, results: list, small: bool = False) -> list:
+PREFILL_SWEEP = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st)
+                 for bh, bn, w, st in ((32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2))]
+
+
+def run(device, results: list, small: bool = False, prefill_only: bool = False) -> list:
     """Time the kernels on ``device``; append one dict per row to ``results`` (and print a table)."""
     from dsv4.formats import OCP
     from dsv4.ops.triton.kv_insert import kv_insert
@@ -192,7 +196,7 @@ def run(device, results: list, small: bool = False) -> list:
               f"{100 * bound / us:>7.1f}%", flush=True)
 
     sweep_at = {("csa", ns[0], ts[0])} if small else {("csa", ns[0], ts[0]), ("csa", ns[-1], ts[-1])}
-    for kind in ("csa", "hca"):
+    for kind in (() if prefill_only else ("csa", "hca")):
         for n in ns:
             for t in ts:
                 args, nbytes = make_case(kind, t, n, dev, g, heads)
@@ -211,11 +215,11 @@ def run(device, results: list, small: bool = False) -> list:
     args, nbytes = make_case("csa", t_pre, ns[0], dev, g, heads)
     case = f"csa N={ns[0] // 1024}K T={t_pre} (prefill)"
     row("sparse_attention", case, "default", lambda: paged_sparse_attention(*args), nbytes)
-    for cfg in (SWEEP[4:5] if small else SWEEP):
+    for cfg in (SWEEP[4:5] if small else PREFILL_SWEEP if prefill_only else SWEEP):
         txt = "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**cfg)
         row("sparse_attention", case, txt, lambda cfg=cfg: paged_sparse_attention(*args, config=cfg), nbytes)
     del args
-    for t in ((1, 8) if small else (1, 64, 8192)):
+    for t in (() if prefill_only else (1, 8) if small else (1, 64, 8192)):
         pages = _fill_pages(-(-t // SWA_B) + 1, SWA_B, dev, g)
         x = torch.randn(t, D, device=dev, generator=g)
         page_ids = torch.arange(t, device=dev) // SWA_B
@@ -229,6 +233,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.small:
@@ -236,7 +241,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results: list = []
-    run(dev, results, small=a.small)
+    run(dev, results, small=a.small, prefill_only=a.prefill_only)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 
