@@ -7,6 +7,7 @@ so what is timed is the host side; cProfile splits it by function (ms per step, 
 
     python bench/host_overhead.py --ckpt /tmp/tiny --context 1024,8192
     python bench/host_overhead.py --ckpt /tmp/tiny --tables --context 1024,8192,65536
+    python bench/host_overhead.py --ckpt /tmp/tiny --context 1024 --generated 4096   # output_kind
 """
 
 from __future__ import annotations
@@ -43,21 +44,22 @@ class StandIn:
         return ForwardOutput(self.row.expand(n, -1), None)
 
 
-def run(ckpt: str, batch: int, context: int, steps: int, top: int) -> None:
+def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: int = 0,
+        output_kind: str = "cumulative") -> None:
     from dsv4 import SamplingParams
     from dsv4.config import load_config
     from dsv4.engine.engine import EngineConfig, LLMEngine
 
     cfg = load_config(ckpt)
-    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + steps + 64,
+    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + generated + steps + 64,
                                  max_num_seqs=batch, max_num_batched_tokens=batch * context,
                                  kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu"),
                     backend=StandIn(cfg, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=generated + steps + 16, ignore_eos=True, output_kind=output_kind)
     for _ in range(batch):
         eng.add_request(prompt_token_ids=torch.randint(3, 1000, (context,), generator=g).tolist(), params=sp)
-    for _ in range(6):  # the prefill, then a few decode steps
+    for _ in range(6 + generated):  # the prefill, then decode steps (``generated``: a long output so far)
         eng.step()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -66,7 +68,8 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int) -> None:
         eng.step()
     prof.disable()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    print(f"\nbatch {batch}, context {context}: {ms:.2f} ms/step under cProfile (host only)")
+    print(f"\nbatch {batch}, context {context}, {generated} tokens generated, output_kind {output_kind}: "
+          f"{ms:.2f} ms/step under cProfile (host only)")
     rows = []
     for (f, line, name), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
         key = f"{Path(f).name}:{line}({name})"
@@ -109,6 +112,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--tables", action="store_true", help="time PagedBatch.build alone (no profiler)")
+    p.add_argument("--generated", type=int, default=0, help="decode this many tokens before timing")
+    p.add_argument("--output-kind", default="cumulative,final_only",
+                   help="comma-separated SamplingParams.output_kind values to time")
     a = p.parse_args()
     if a.tables:
         for n in (int(x) for x in a.context.split(",")):
@@ -119,7 +125,8 @@ def main() -> None:
 
         write_checkpoint(a.ckpt, preset="tiny", progress=False)
     for n in (int(x) for x in a.context.split(",")):
-        run(a.ckpt, a.batch, n, a.steps, a.top)
+        for kind in a.output_kind.split(","):
+            run(a.ckpt, a.batch, n, a.steps, a.top, a.generated, kind)
 
 
 if __name__ == "__main__":

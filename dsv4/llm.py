@@ -111,6 +111,8 @@ class LLM:
 
 
 def _copy(p: SamplingParams) -> SamplingParams:
+    """The caller's parameters, reported only when finished: ``generate`` returns final outputs, so
+    the engine need not copy every running request's tokens at every step."""
     from .engine.engine import _fields
 
-    return SamplingParams(**_fields(p))
+    return SamplingParams(**{**_fields(p), "output_kind": "final_only"})

@@ -291,6 +291,9 @@ def main(argv=None) -> int:
     ap.add_argument("--save-every-s", type=float, default=150.0, help="write a checkpoint this often (a timeout still returns one)")
     ap.add_argument("--log", default=None, help="also append log lines to this file")
     ap.add_argument("--resume", default=None, metavar="DIR", help="start from this canary checkpoint's stored weights")
+    ap.add_argument("--swiglu-limit", type=float, default=None,
+                    help="the config's SwiGLU clamp (default: the canary config's 10). Smaller makes the trained "
+                         "function depend on the clamp, so a missing clamp stays visible as the model improves")
     ap.add_argument("--lr-floor", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     ap.add_argument("--evals", default=",".join(EVALS), help=f"held-out evaluations at the end, from {EVALS}")
     ap.add_argument("--evaluate", default=None, metavar="DIR",
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     install_hooks(not a.reference_attention)
-    cfg_dict = canary_config_dict()
+    cfg_dict = canary_config_dict(**({} if a.swiglu_limit is None else {"swiglu_limit": a.swiglu_limit}))
     cfg = config_from_dict(cfg_dict)
     dense_cfg = dataclasses.replace(cfg, index_topk=1 << 20)
     codec = CharCodec()

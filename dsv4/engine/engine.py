@@ -266,7 +266,12 @@ class LLMEngine:
             else:
                 self.kv.release_out_of_window(req.alloc)
             touched[req.request_id] = None
-        return [self._output(rid) for rid in touched if rid in self.requests]
+        return [self._output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
+
+    def _reports(self, rid: str) -> bool:
+        """Whether this step returns the request's output: always, or only at the end ("final_only")."""
+        group = self.requests[rid]
+        return group[0].params.output_kind != "final_only" or all(r.finished for r in group)
 
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
         """Append each sampled request's next token. Plain greedy rows are picked on the logits'

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -25,6 +28,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": ``step()`` returns the whole output so far every step the request advances (a
+    # copy of its token list: O(output length) per step); "final_only": only once it finishes (what
+    # ``LLM.generate`` uses). As vLLM's ``RequestOutputKind``.
+    output_kind: str = "cumulative"
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
@@ -68,6 +75,8 @@ class SamplingParams:
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", self.seed, "an integer")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", self.output_kind, f"one of {', '.join(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:

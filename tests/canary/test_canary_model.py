@@ -105,7 +105,7 @@ def test_training_tool_runs_one_step_and_writes_a_loadable_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "train_canary.py"), "--out", str(out), "--device", "cpu",
                         "--max-steps", "1", "--seqs", "1", "--seq-len", "160", "--recall-len", "150", "150",
                         "--evals", "", "--eval-per-task", "1", "--eval-recall", "1", "--far-from", "1.0",
-                        "--near-eval", "2"],
+                        "--near-eval", "2", "--swiglu-limit", "4"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "trained 1 steps" in r.stdout and "near-recall" in r.stdout
@@ -114,6 +114,7 @@ def test_training_tool_runs_one_step_and_writes_a_loadable_checkpoint(tmp_path):
     assert ok, text
     info = json.loads((out / "canary.json").read_text())
     assert info["steps"] == 1 and 0.0 <= info["diagnostics"]["recall_in_window_fp32"] <= 1.0
+    assert json.loads((out / "config.json").read_text())["swiglu_limit"] == 4.0  # the clamp it was trained with
 
 
 def test_near_recall_batches_keep_every_question_inside_the_window():

@@ -11,7 +11,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.sampler import Sampler, _first_argmax, apply_penalties, filter_logits, greedy_picks, plain_greedy
 from dsv4.engine.sampling_params import SamplingParams
 
-from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 NEG = float("-inf")
 
@@ -361,3 +361,30 @@ def test_stop_strings(llm, prompts):
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop="\x00never"))[0]
     assert out.outputs[0].text == text and out.outputs[0].finish_reason == "length"
     assert_no_leaks(llm)
+
+
+def test_output_kind_final_only_reports_once_with_the_cumulative_result(llm, prompts):
+    """``final_only`` (what ``LLM.generate`` uses): ``step()`` returns a request's output only when
+    it finishes — no per-step copy of its growing token list — and that output is the one the
+    cumulative kind ends with."""
+    eng = llm.engine
+    outs = {}
+    for kind in ("cumulative", "final_only"):
+        rid = eng.add_request(prompt_token_ids=prompts[1], params=greedy(6, logprobs=2, output_kind=kind))
+        seen = []
+        while eng.has_unfinished_requests():
+            seen += [o for o in eng.step() if o.request_id == rid]
+        outs[kind] = seen
+    cum, fin = outs["cumulative"], outs["final_only"]
+    assert [len(o.outputs[0].token_ids) for o in cum] == [1, 2, 3, 4, 5, 6]
+    assert len(fin) == 1 and fin[0].finished
+    assert signature(fin[0]) == signature(cum[-1]) and fin[0].outputs[0].logprobs == cum[-1].outputs[0].logprobs
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="SamplingParams.output_kind must be one of cumulative, final_only"):
+        SamplingParams(output_kind="delta")
+
+
+def test_generate_leaves_the_callers_params_cumulative(llm, prompts):
+    sp = greedy(3)
+    out = llm.generate([prompts[0]], sp)[0]
+    assert out.finished and len(out.outputs[0].token_ids) == 3 and sp.output_kind == "cumulative"

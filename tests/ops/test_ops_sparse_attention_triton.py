@@ -151,12 +151,12 @@ def _bound(q, ref, a, gmax):
     return bound
 
 
-def _check(sc, H, qdtype, seed, scale=512 ** -0.5):
+def _check(sc, H, qdtype, seed, scale=512 ** -0.5, config=None):
     g = gen(seed)
     T = sc.positions.shape[0]
     q = (torch.randn(T, H, 512, generator=g) * 2).to(qdtype).to(DEV)
     sink = torch.randn(H, generator=g).to(DEV)
-    out = _run(tsa.paged_sparse_attention, sc, q, sink, scale)
+    out = _run(lambda *a: tsa.paged_sparse_attention(*a, config=config), sc, q, sink, scale)
     ref = _run(torch_attention.paged_sparse_attention, sc, q, sink, scale)
     assert out.dtype == qdtype and out.shape == (T, H, 512)
     assert torch.isfinite(out).all()
@@ -195,6 +195,37 @@ def test_h64_decode_head_block_64():
     sc = Scene(OCP, "hca", LENS, [(1, 89), (2, 199)], 128, gen(7))
     assert tsa.pick_config(64, torch.device(DEV))["BLOCK_H"] == 64
     _check(sc, 64, torch.bfloat16, 15)
+
+
+SPLIT = {"SPLIT_D": 2}  # two programs per token and head block, 256 output dims each
+
+
+@pytest.mark.parametrize("fmt", [OCP, FNUZ], ids=["ocp", "fnuz"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_split_d_fp8_pages_fp32(fmt, kind):
+    """The prefill-oriented tile: each program keeps half the output dims (a 64×256 accumulator at
+    H = 64 instead of 64×512) and still reads all 512 for the logits."""
+    sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(21 + (kind == "hca")))
+    _check(sc, 4, torch.float32, 22, config={**SPLIT, "BLOCK_H": 16})
+
+
+def test_split_d_h64_bf16_and_dense_pages():
+    sc = Scene(OCP, "csa", LENS, QUERIES, 128, gen(23))
+    _check(sc, 64, torch.bfloat16, 24, config={**SPLIT, "BLOCK_H": 64, "num_warps": 8})
+    dense = Scene(None, "csa", LENS, QUERIES, 40, gen(25), dense_dtype=torch.float32)
+    _check(dense, 4, torch.float32, 26, config=SPLIT)
+    with pytest.raises(ValueError, match="SPLIT_D must be 1 or 2"):
+        tsa.pick_config(64, torch.device(DEV), {"SPLIT_D": 4})
+
+
+def test_split_d_batch_invariance_bitwise():
+    sc = Scene(OCP, "csa", LENS, QUERIES, 40, gen(27))
+    q, sink, out = _check(sc, 16, torch.bfloat16, 28, config=SPLIT)
+    run = lambda *a: tsa.paged_sparse_attention(*a, config=SPLIT)  # noqa: E731
+    for t in (0, 4, 7):
+        row = sc.comp_idx[t: t + 1]
+        alone = _run(run, sc, q, sink, 512 ** -0.5, slice(t, t + 1), row[:, : int((row >= 0).sum())])
+        assert torch.equal(alone, out[t: t + 1]), f"token {t} differs alone"
 
 
 def test_swa_only_lc0_and_h20():

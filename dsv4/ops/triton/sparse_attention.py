@@ -1,8 +1,11 @@
 """Triton sparse attention over the paged KV cache (window + compressed entries), read in-kernel.
 
-One program per (query token, block of BLOCK_H heads), 1-D grid T·ceil(H/BLOCK_H) with a token's head
-blocks adjacent (they read the same keys, so the second read hits L2); BLOCK_H is 16, 32 or 64 by
-the head count (64 at H = 64: one program per token). All heads share one KV row
+One program per (query token, block of BLOCK_H heads, SPLIT_D-th of the output dims), 1-D grid
+T·ceil(H/BLOCK_H)·SPLIT_D with a token's programs adjacent (they read the same keys, so the second
+read hits L2); BLOCK_H is 16, 32 or 64 by the head count (64 at H = 64: one program per token).
+SPLIT_D = 2 (a configuration option, for prefill-sized launches) keeps a BLOCK_H×256 accumulator
+instead of BLOCK_H×512: each program still decodes all 512 dims of a key for the logits, and
+multiplies the probabilities by its half only. All heads share one KV row
 (K = V, 512 dims), so each key block is loaded and decoded once per program and multiplied
 against the whole head block (GQA-style). Per program:
 
@@ -73,50 +76,58 @@ def _mma(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS,
-               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 keys [BLOCK_N, 512] at (page, off); invalid rows are 0.
+               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr,
+               T0: tl.constexpr = 0, NT: tl.constexpr = 8):
+    """fp32 keys [BLOCK_N, NT·64] at (page, off): dims T0·64 .. (T0+NT)·64 (all 512 by default);
+    invalid rows are 0.
 
-    Records are read as [BLOCK_N, 8, 64] tiles: tiles 0..6 are FP8 codes × their scale byte, tile 7
-    the 64 bf16 rope values (one int16 load each), merged with a select and flattened to 512.
+    Records are read as [BLOCK_N, NT, 64] tiles: tiles 0..6 are FP8 codes × their scale byte, tile 7
+    the 64 bf16 rope values (one int16 load each), merged with a select and flattened.
     """
     page = tl.where(valid, page, 0).to(tl.int64)
     off = tl.where(valid, off, 0).to(tl.int64)
     if DENSE:
-        d = tl.arange(0, 512)
+        d = T0 * 64 + tl.arange(0, NT * 64)
         ptr = pages_ptr + page[:, None] * s_page + off[:, None] * s_tok + d[None, :] * s_dim
         k = tl.load(ptr, mask=valid[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
     else:
-        c = tl.arange(0, 8)
+        c = T0 + tl.arange(0, NT)
         j = tl.arange(0, 64)
-        is_nope = (c < 7)[:, None] & (j < 64)[None, :]  # [8, 64]
+        is_nope = (c < 7)[:, None] & (j < 64)[None, :]  # [NT, 64]
         row = pages_ptr + page * s_page + off * 576
         codes = tl.load(row[:, None, None] + (c[:, None] * 64 + j[None, :])[None, :, :],
                         mask=valid[:, None, None] & is_nope[None, :, :], other=0)
         sb = tl.load((pages_ptr + page * s_page + TOKENS * 576 + off * 8)[:, None] + c[None, :],
                      mask=valid[:, None] & (c < 7)[None, :], other=127)
         nope = fp8_to_f32(codes, NATIVE, FNUZ) * ue8m0_to_f32(sb)[:, :, None]
-        rope16 = tl.load((row + 448).to(tl.pointer_type(tl.int16))[:, None] + j[None, :],
-                         mask=valid[:, None] & (j < 64)[None, :], other=0)
-        rope = (rope16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        k = tl.reshape(tl.where(is_nope[None, :, :], nope, rope[:, None, :]), (BLOCK_N, 512))
+        if T0 + NT > 7:  # the rope tile is in range
+            rope16 = tl.load((row + 448).to(tl.pointer_type(tl.int16))[:, None] + j[None, :],
+                             mask=valid[:, None] & (j < 64)[None, :], other=0)
+            rope = (rope16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            nope = tl.where(is_nope[None, :, :], nope, rope[:, None, :])
+        k = tl.reshape(nope, (BLOCK_N, NT * 64))
     return k
 
 
 @triton.jit
-def _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  QP: tl.constexpr, PP: tl.constexpr, KEYS_F32: tl.constexpr, INTERP: tl.constexpr):
-    """One key block of the online softmax: returns the new (m, l, acc)."""
+def _qk(q, q1, q2, q3, k, s, QP: tl.constexpr, KEYS_F32: tl.constexpr, INTERP: tl.constexpr):
+    """s + q·kᵀ in fp32 (exact products, see "MMA precision"); small parts first."""
     if KEYS_F32:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
     else:
-        kb = k.to(tl.bfloat16)  # exact: decoded keys are bf16 values
-        kt = tl.trans(kb)
-        s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)  # small parts first
+        kt = tl.trans(k.to(tl.bfloat16))  # exact: decoded keys are bf16 values
         if QP >= 3:
             s = _mma(q3, kt, s, INTERP)
         if QP >= 2:
             s = _mma(q2, kt, s, INTERP)
         s = _mma(q1, kt, s, INTERP)
+    return s
+
+
+@triton.jit
+def _softmax_pv(s, v, valid, m, l, acc, scale_log2, PP: tl.constexpr, KEYS_F32: tl.constexpr,
+                INTERP: tl.constexpr):
+    """One key block of the online softmax over logits ``s``, values ``v``: the new (m, l, acc)."""
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet (sink = -inf): avoid inf - inf
@@ -125,14 +136,41 @@ def _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H: tl.co
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if KEYS_F32:
-        acc = tl.dot(p, k, acc, input_precision="ieee")
+        acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
+        vb = v.to(tl.bfloat16)
         p1, p2, p3 = _split3(p)
         if PP >= 3:
-            acc = _mma(p3, kb, acc, INTERP)
-        acc = _mma(p2, kb, acc, INTERP)
-        acc = _mma(p1, kb, acc, INTERP)
+            acc = _mma(p3, vb, acc, INTERP)
+        acc = _mma(p2, vb, acc, INTERP)
+        acc = _mma(p1, vb, acc, INTERP)
     return m_new, l, acc
+
+
+@triton.jit
+def _attend_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, dh,
+                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr, QP: tl.constexpr,
+                 PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
+                 NATIVE: tl.constexpr, INTERP: tl.constexpr):
+    """Decode one block of keys and attend to it. SPLIT_D = 2: q is dims 0..255 and qb 256..511;
+    the logits take both halves, the values only this program's half ``dh``."""
+    s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
+    if SPLIT_D == 1:
+        k = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE)
+        s = _qk(q, q1, q2, q3, k, s, QP, KEYS_F32, INTERP)
+        m, l, acc = _softmax_pv(s, k, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
+    else:
+        ka = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE, 0, 4)
+        kb = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE, 4, 4)
+        s = _qk(q, q1, q2, q3, ka, s, QP, KEYS_F32, INTERP)
+        s = _qk(qb, qb1, qb2, qb3, kb, s, QP, KEYS_F32, INTERP)
+        if dh == 0:
+            v = ka
+        else:
+            v = kb
+        m, l, acc = _softmax_pv(s, v, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
+    return m, l, acc
 
 
 @triton.jit
@@ -140,21 +178,30 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                         out_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
                         s_qt, s_qh, s_qd, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj,
                         s_ct, s_ctj, s_ot, s_oh, s_od,
-                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr, PP: tl.constexpr,
-                        KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr,
-                        INTERP: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr, QP: tl.constexpr,
+                        PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
+                        NATIVE: tl.constexpr, INTERP: tl.constexpr):
+    DV: tl.constexpr = 512 // SPLIT_D  # output dims of this program
+    DQ: tl.constexpr = 512 // SPLIT_D  # q dims per q tensor (q, and qb when split)
     pid = tl.program_id(0)
-    hb = pid % NHB
-    t = (pid // NHB).to(tl.int64)
+    dh = pid % SPLIT_D
+    hb = (pid // SPLIT_D) % NHB
+    t = (pid // (SPLIT_D * NHB)).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    d = tl.arange(0, 512)
-    q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
-                mask=hmask[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
+    d = tl.arange(0, DQ)
+    qrow = q_ptr + t * s_qt + heads[:, None] * s_qh
+    q = tl.load(qrow + d[None, :] * s_qd, mask=hmask[:, None] & (d < DQ)[None, :], other=0.0).to(tl.float32)
     q1, q2, q3 = _split3(q)
+    if SPLIT_D == 2:
+        qb = tl.load(qrow + (DQ + d)[None, :] * s_qd, mask=hmask[:, None] & (d < DQ)[None, :],
+                     other=0.0).to(tl.float32)
+    else:
+        qb = q  # unused
+    qb1, qb2, qb3 = _split3(qb)
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
     l = tl.where(m == float("-inf"), 0.0, 1.0)
-    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    acc = tl.zeros((BLOCK_H, DV), tl.float32)
     p_abs = tl.load(pos_ptr + t).to(tl.int32)
     sid = tl.load(seq_ptr + t).to(tl.int64)
     cols0 = tl.arange(0, BLOCK_N)
@@ -172,9 +219,9 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         e = tl.where(valid, ids, 0)
         page = tl.load(btab_ptr + sid * s_bt + (e // COMP_B) * s_btj, mask=valid, other=-1)
         valid = valid & (page >= 0)
-        k = _load_keys(comp_ptr, page, e % COMP_B, valid, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE, FNUZ, NATIVE)
-        m, l, acc = _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H, BLOCK_N,
-                                  QP, PP, KEYS_F32, INTERP)
+        m, l, acc = _attend_keys(comp_ptr, page, e % COMP_B, valid, s_cp, s_cb, s_cd, COMP_B, dh,
+                                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, SPLIT_D, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
 
     # window: positions max(0, p-w+1) .. p
     lo = tl.maximum(p_abs - W + 1, 0)
@@ -183,13 +230,14 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         inw = wp <= p_abs
         page = tl.load(swa_tab_ptr + sid * s_st + (wp // SWA_B) * s_stj, mask=inw, other=-1)
         valid = inw & (page >= 0)
-        k = _load_keys(swa_ptr, page, wp % SWA_B, valid, s_swp, s_swb, s_swd, SWA_B, BLOCK_N, DENSE, FNUZ, NATIVE)
-        m, l, acc = _attend_block(q, q1, q2, q3, k, valid, m, l, acc, scale_log2, BLOCK_H, BLOCK_N,
-                                  QP, PP, KEYS_F32, INTERP)
+        m, l, acc = _attend_keys(swa_ptr, page, wp % SWA_B, valid, s_swp, s_swb, s_swd, SWA_B, dh,
+                                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, SPLIT_D, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
 
     out = acc / l[:, None]
-    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od,
-             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (d < 512)[None, :])
+    dv = dh * DV + tl.arange(0, DV)
+    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + dv[None, :] * s_od,
+             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (dv < 512)[None, :])
 
 
 def pick_config(num_heads: int, device: torch.device, config: dict | None = None) -> dict:
@@ -199,11 +247,14 @@ def pick_config(num_heads: int, device: torch.device, config: dict | None = None
     per key element; the MMA work is the same for any BLOCK_H). ``config`` entries override.
     """
     bh = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
-    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh == 16 else 8, num_stages=2)
+    cfg = dict(BLOCK_H=bh, BLOCK_N=32, SPLIT_D=1, num_warps=4 if bh == 16 else 8, num_stages=2)
     if config:
         cfg.update(config)
     if cfg["BLOCK_H"] < 16 or cfg["BLOCK_N"] < 16:
         raise ValueError(f"BLOCK_H and BLOCK_N must be ≥ 16 (tl.dot minimum), got {cfg}")
+    if cfg["SPLIT_D"] not in (1, 2):
+        raise ValueError(f"SPLIT_D must be 1 or 2 (programs per token and head block, each 512/SPLIT_D "
+                         f"output dims), got {cfg['SPLIT_D']}")
     return cfg
 
 
@@ -282,14 +333,15 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     cands = [first] if config else ([_WORKING[key]] if key in _WORKING else _fallbacks(first))
     for i, cfg in enumerate(cands):
         nhb = math.ceil(H / cfg["BLOCK_H"])
+        split = cfg.get("SPLIT_D", 1)
         native = cfg.get("native", native_fp8(q.device) and not fnuz and not dense)
         try:
-            _sparse_attn_kernel[(T * nhb,)](
+            _sparse_attn_kernel[(T * nhb * split,)](
                 q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, cidx, sink, out,
                 H, nhb, Lc, int(window), swa_b, int(entries_per_block), float(scale) * LOG2E,
                 *q.stride(), *_strides3(swa_pages), *swa_table.stride(), *_strides3(comp_pages),
                 *block_table.stride(), *cidx_strides, *out.stride(),
-                BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], QP=_Q_PARTS[q.dtype],
+                BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT_D=split, QP=_Q_PARTS[q.dtype],
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
