@@ -148,8 +148,7 @@ def compare(gen_ids: list[int], oracle_logits: torch.Tensor, engine_logprobs: li
                    f"(margin {margin:.4g} nats, tolerance {_tol_text(tol, tie_tol)})")
             if margin <= tie_tol:
                 a.warnings.append(msg + ": a near-tie")
-            elif lpx is not None and float(lpx.max() - lpx[t]) <= tie_tol + float(lpx.max() - lpx[o]):
-                ex, eo = float(lpx.max() - lpx[t]), float(lpx.max() - lpx[o])
+            elif lpx is not None and (ex := float(lpx.max() - lpx[t])) <= tie_tol + (eo := float(lpx.max() - lpx[o])):
                 a.warnings.append(msg + f": precision-conditioned — in the float32 reference the engine's token is "
                                   f"{ex:.4g} below the top-1 and the reference's own pick {eo:.4g}")
             else:

@@ -694,11 +694,14 @@ class Probe:
     # ---- stage: reference agreement --------------------------------------------------------------------
     def _oracle_model(self):
         eng = self.llm.engine
-        if self.o.oracle == "shared":
-            return eng.model
+        return eng.model if self.o.oracle == "shared" else self._torch_reference(eng.model.dtype)
+
+    def _torch_reference(self, dtype):
+        """A separately loaded torch reference model in ``dtype``, in the engine's cache numerics."""
         from ..model.model import ReferenceModel
 
-        return ReferenceModel(self.o.model, dtype=eng.model.dtype, device=eng.model.device,
+        eng = self.llm.engine
+        return ReferenceModel(self.o.model, dtype=dtype, device=eng.model.device,
                               kv_cache_dtype=eng.config.kv_cache_dtype, fp8_format=eng.config.fp8_format)
 
     def _reference(self, st: Stage) -> None:
@@ -737,7 +740,7 @@ class Probe:
                 del model
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            exact = self._exact_model()
+            exact = self._torch_reference(torch.float32)  # weights dequantized on its device
             st.data["exact_oracle"] = "the torch reference in float32, for the prompts that failed"
             self.say(f"  {len(failing)} prompt(s) part from the {kw['logit_dtype']} reference: judged again "
                      f"against the float32 reference")
@@ -764,16 +767,6 @@ class Probe:
             rows.append({"prompt_index": i, **a.to_dict()})
         rows.sort(key=lambda r: r["prompt_index"])
         st.data["prompts"] = rows
-
-    def _exact_model(self):
-        """The torch reference in float32 (weights dequantized on its device), for precision-conditioned steps."""
-        import torch
-
-        from ..model.model import ReferenceModel
-
-        eng = self.llm.engine
-        return ReferenceModel(self.o.model, dtype=torch.float32, device=eng.model.device,
-                              kv_cache_dtype=eng.config.kv_cache_dtype, fp8_format=eng.config.fp8_format)
 
     # ---- stage: golden ------------------------------------------------------------------------------------
     def _golden(self, st: Stage) -> None:

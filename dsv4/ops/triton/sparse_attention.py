@@ -181,20 +181,19 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr, QP: tl.constexpr,
                         PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
                         NATIVE: tl.constexpr, INTERP: tl.constexpr):
-    DV: tl.constexpr = 512 // SPLIT_D  # output dims of this program
-    DQ: tl.constexpr = 512 // SPLIT_D  # q dims per q tensor (q, and qb when split)
+    DV: tl.constexpr = 512 // SPLIT_D  # output dims of this program, and q dims per q tensor (q; qb when split)
     pid = tl.program_id(0)
     dh = pid % SPLIT_D
     hb = (pid // SPLIT_D) % NHB
     t = (pid // (SPLIT_D * NHB)).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    d = tl.arange(0, DQ)
+    d = tl.arange(0, DV)
     qrow = q_ptr + t * s_qt + heads[:, None] * s_qh
-    q = tl.load(qrow + d[None, :] * s_qd, mask=hmask[:, None] & (d < DQ)[None, :], other=0.0).to(tl.float32)
+    q = tl.load(qrow + d[None, :] * s_qd, mask=hmask[:, None] & (d < DV)[None, :], other=0.0).to(tl.float32)
     q1, q2, q3 = _split3(q)
     if SPLIT_D == 2:
-        qb = tl.load(qrow + (DQ + d)[None, :] * s_qd, mask=hmask[:, None] & (d < DQ)[None, :],
+        qb = tl.load(qrow + (DV + d)[None, :] * s_qd, mask=hmask[:, None] & (d < DV)[None, :],
                      other=0.0).to(tl.float32)
     else:
         qb = q  # unused
