@@ -129,9 +129,12 @@ PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first ma
 )
 
 
-def profile_decode(eng, steps: int = 5, run=None) -> dict:
+TOP_KERNELS: list = []  # per profile_decode call with top > 0: its largest kernels
+
+
+def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> dict:
     """Device time per decode step by op group (torch.profiler over ``steps`` engine steps, or
-    over one call of ``run``, with steps=1)."""
+    over one call of ``run``, with steps=1); the ``top`` largest kernels go to TOP_KERNELS."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -143,16 +146,28 @@ def profile_decode(eng, steps: int = 5, run=None) -> dict:
                 eng.step()
         torch.cuda.synchronize()
     groups = {name: 0.0 for name, _ in PROFILE_GROUPS}
+    kernels = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if not t or ev.key.startswith("ProfilerStep"):
             continue
+        kernels.append((t / 1e3 / steps, ev.count / steps, ev.key[:90]))
         key = ev.key.lower()
         for name, subs in PROFILE_GROUPS:
             if any(sub.lower() in key for sub in subs):
                 groups[name] += t / 1e3 / steps
                 break
+    if top:  # the largest device-time entries: (ms per step, launches per step, name)
+        TOP_KERNELS.append(sorted(kernels, reverse=True)[:top])
     return {k: round(v, 3) for k, v in groups.items()}
+
+
+def _top_rows() -> list:
+    """The last profile's largest kernels as printable rows (and print them)."""
+    rows = [[round(ms, 4), round(n, 1), name] for ms, n, name in (TOP_KERNELS[-1] if TOP_KERNELS else [])]
+    for ms, n, name in rows:
+        print(f"   {ms:9.4f} ms {n:7.1f}x  {name}", flush=True)
+    return rows
 
 
 def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tuple[float, dict | None]:
@@ -218,6 +233,7 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             if prof:
                 prof["device total"] = round(sum(prof.values()), 3)
                 res[f"profile_b{B}" + ("_graphs" if variant == "graphs" else "")] = prof
+                res[f"top_kernels_b{B}" + ("_graphs" if variant == "graphs" else "")] = _top_rows()
             print(variant, B, round(ms, 3), prof or "", flush=True)
         set_batch_invariant(True)
     if variants[-1] != "graphs":
@@ -243,6 +259,7 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             prof = profile_decode(eng, steps=1, run=one_prefill)
             prof["device total"] = round(sum(prof.values()), 3)
             res[f"profile_prefill_{L}"] = prof
+            res[f"top_kernels_prefill_{L}"] = _top_rows()
             print("prefill", L, round(dt * 1e3, 1), "ms", prof, flush=True)
     if long_context:  # one long prompt: chunked prefill, then 16 decode steps; peak memory
         chunk = 8192

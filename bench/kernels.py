@@ -178,6 +178,8 @@ def bench_moe(tab, dev, t_list):
                 nbytes, flops, chk, rep_ms=30 if slow else 60, warmup_ms=5 if slow else 15, graph=False)
         tab.add("moe_experts", shape, "triton", lambda: tmoe.moe_experts(x, ids, w, w13, s13, w2, s2),
                 nbytes, flops, chk)
+        tab.add("moe_experts", shape, "triton, portable MXFP4 decode",  # what the PTX decode saves
+                lambda: tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config={"ptx_fp4": False}), nbytes, flops, chk)
 
 
 def sweep(dev, only=("linear", "moe")):

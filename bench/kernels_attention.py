@@ -146,7 +146,8 @@ def copy_bandwidth(dev, nbytes: int) -> float:
 
 def check_vs_torch(dev, g, N: int, T: int, heads: int, config: dict | None = None) -> str:
     """Triton vs the torch backend on one CSA shape, max |Δ| / max |ref| for fp32 q (fp32 accumulation:
-    ≲ 1e-5) and bf16 q (outputs rounded to bf16 on both sides: ≲ 2^-8)."""
+    ≲ 1e-5) and bf16 q (outputs rounded to bf16 on both sides, so a value whose fp32 results differ
+    in summation order can round one bf16 step apart: ≤ ulp(max |ref|) ≤ 2^-7 of it)."""
     from dsv4.ops import torch_attention
     from dsv4.ops.triton.sparse_attention import paged_sparse_attention
 
@@ -157,15 +158,15 @@ def check_vs_torch(dev, g, N: int, T: int, heads: int, config: dict | None = Non
         y = paged_sparse_attention(*a, config=config).float()
         ref = torch_attention.paged_sparse_attention(*a).float()
         errs.append(((y - ref).abs().max() / ref.abs().max()).item())
-    ok = errs[0] < 1e-5 and errs[1] < 2.0 ** -8
+    ok = errs[0] < 1e-5 and errs[1] <= 2.0 ** -7
     return f"{'ok' if ok else 'FAIL'} (max|Δ|/max|ref|: fp32 {errs[0]:.2e}, bf16 {errs[1]:.2e})"
 
 
-# prefill at H = 64: fewer heads per program, or half the output dims per program (SPLIT_D = 2:
-# a 64×256 accumulator instead of 64×512, the logits still over all 512 dims)
-PREFILL_SWEEP = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st, SPLIT_D=sd)
-                 for bh, bn, w, st, sd in ((64, 32, 8, 2, 2), (64, 32, 8, 1, 2), (32, 32, 8, 2, 1),
-                                           (32, 32, 8, 2, 2), (16, 32, 4, 2, 1), (32, 64, 8, 2, 1))]
+# prefill at H = 64: the head block and key block (the choice must stay a function of H only:
+# batch invariance)
+PREFILL_SWEEP = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st)
+                 for bh, bn, w, st in ((16, 32, 4, 1), (16, 32, 4, 2), (16, 16, 4, 1), (16, 64, 4, 1),
+                                       (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 1))]
 
 
 def run(device, results: list, small: bool = False, prefill_only: bool = False) -> list:
@@ -218,10 +219,10 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False) 
     args, nbytes = make_case("csa", t_pre, ns[0], dev, g, heads)
     case = f"csa N={ns[0] // 1024}K T={t_pre} (prefill)"
     row("sparse_attention", case, "default", lambda: paged_sparse_attention(*args), nbytes)
-    for cfg in (SWEEP[4:5] + PREFILL_SWEEP[:1] if small else PREFILL_SWEEP if prefill_only else SWEEP + PREFILL_SWEEP):
-        txt = "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**cfg) + \
-            (" d/{SPLIT_D}".format(**cfg) if cfg.get("SPLIT_D", 1) > 1 else "")
-        if cfg.get("SPLIT_D", 1) > 1 or prefill_only:
+    for cfg in (SWEEP[4:5] + PREFILL_SWEEP[2:3] if small else PREFILL_SWEEP if prefill_only else
+                SWEEP + [c for c in PREFILL_SWEEP if c not in SWEEP]):
+        txt = "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**cfg)
+        if prefill_only:
             try:
                 print(f"  {txt} vs torch: {check_vs_torch(dev, g, ns[0], 2 if small else 8, heads, cfg)}", flush=True)
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: the timing row says so too

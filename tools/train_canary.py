@@ -278,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--far-from", type=float, default=0.0,
                     help="fraction of the budget before which every recall question is answered inside the "
                          "window (short record runs): the lookup is learnt before the compressed path is asked")
+    ap.add_argument("--far-distance", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="far recall questions ask records LO..HI tokens back (default: at least 150, as the "
+                         "held-out set); e.g. 130 250 just beyond the 128-token window")
     ap.add_argument("--near-eval", type=int, default=16,
                     help="in-window recall examples for the end-of-run diagnostic (0: none)")
     ap.add_argument("--dense-until", type=float, default=0.35)
@@ -351,7 +354,8 @@ def main(argv=None) -> int:
             break
         sparse, qat = frac >= a.dense_until, frac >= a.qat_from
         near = frac < a.far_from
-        seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq, near)
+        seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq, near,
+                          tuple(a.far_distance) if a.far_distance else None)
         lr = lr_at(frac, step, a.lr, a.warmup, a.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr

@@ -66,10 +66,12 @@ def packed_sequence(rng: random.Random, codec: CharCodec, length: int, p_no_bos=
 
 
 def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, queries: int = 16,
-                    p_far: float = 0.8, weight: float = 3.0) -> Sequence:
+                    p_far: float = 0.8, weight: float = 3.0, far: tuple[int, int] | None = None) -> Sequence:
     """One record run followed by up to ``queries`` questions ``?ab=`` each answered and closed by
     EOS. Several answers per run, each weighted ``weight``: the long-context signal is otherwise
-    sparse next to the short samples' answers."""
+    sparse next to the short samples' answers. A far question (probability ``p_far``) asks a record
+    that starts at least FAR tokens back, or, with ``far`` = (lo, hi), lo..hi tokens back."""
+    d_lo, d_hi = far or (FAR, None)
     ex = make_recall(rng, length=rng.randint(lo, hi), min_distance=0)
     text = ex.prompt[: ex.prompt.rindex("?")]
     records = dict(r.split(":") for r in text.split(";") if r)
@@ -79,8 +81,8 @@ def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, quer
     ids = [codec.bos] + codec.encode(text)
     target = [0.0] * len(ids)
     for _ in range(rng.randint(1, queries)):
-        far = rng.random() < p_far
-        pick = [i for i in order if len(ids) - 1 - start[keys[i]] >= FAR] if far else order
+        is_far = rng.random() < p_far
+        pick = [i for i in order if d_lo <= len(ids) - 1 - start[keys[i]] <= (d_hi or len(ids))] if is_far else order
         k = keys[rng.choice(pick or order)]
         q = codec.encode(f"?{k}=")
         a = codec.encode(records[k]) + [codec.eos]
@@ -94,13 +96,16 @@ NEAR_QUERIES = 4  # 1 + 90 + 4 × 8 tokens < 128
 
 
 def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len: tuple[int, int],
-                   exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False) -> Sequence:
+                   exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
+                   far: tuple[int, int] | None = None) -> Sequence:
     """``n_recall`` recall runs (with their questions) and short samples, in random order, about
     ``length`` tokens.
 
     ``near``: the recall runs are short and every question is answered inside the sliding window
     (curriculum: the lookup itself is learnt over plain attention before it has to go through the
     compressed caches, whose questions give no usable signal until it is).
+    ``far`` = (lo, hi): far questions ask records lo..hi tokens back (curriculum: just beyond the
+    window first, where the ratio-4 entries are fine-grained and the indexer has few candidates).
 
     Few long sequences rather than many short ones: the reference runs attention per sequence, so
     a training step's cost grows with the number of sequences far more than with their length.
@@ -108,7 +113,7 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
     if near:
         parts = [recall_sequence(rng, codec, *NEAR_RUN, queries=NEAR_QUERIES, p_far=0.0) for _ in range(n_recall)]
     else:
-        parts = [recall_sequence(rng, codec, *recall_len) for _ in range(n_recall)]
+        parts = [recall_sequence(rng, codec, *recall_len, far=far) for _ in range(n_recall)]
     used = sum(len(r.ids) for r in parts)
     parts.append(packed_sequence(rng, codec, max(length - used, 32), exclude=exclude))
     rng.shuffle(parts)
@@ -116,5 +121,6 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
 
 
 def make_batch(rng: random.Random, codec: CharCodec, n_seqs: int, length: int, recall_len: tuple[int, int],
-               exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False) -> list[Sequence]:
-    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near) for _ in range(n_seqs)]
+               exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
+               far: tuple[int, int] | None = None) -> list[Sequence]:
+    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near, far) for _ in range(n_seqs)]

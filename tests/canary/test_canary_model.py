@@ -136,3 +136,25 @@ def test_near_recall_batches_keep_every_question_inside_the_window():
                     asked += 1
                     assert (i + 4) - rec < 128, text[rec: i + 8]
     assert asked >= 16
+
+
+def test_far_distance_questions_ask_records_in_the_given_range():
+    """``--far-distance 130 250``: far questions ask records just beyond the window; the default
+    asks any record at least FAR (150) tokens back."""
+    import random
+
+    from dsv4.canary.data import recall_sequence
+    from dsv4.canary.tasks import FAR
+    from dsv4.canary.tokenizer import CharCodec
+
+    codec, rng = CharCodec(), random.Random(2)
+    for far, lo, hi in (((130, 250), 130, 250), (None, FAR, 10 ** 9)):
+        dists = []
+        for _ in range(20):
+            seq = recall_sequence(rng, codec, 600, 700, queries=6, p_far=1.0, far=far)
+            text = "".join(codec.decode([t]) if len(codec.decode([t])) == 1 else "\0" for t in seq.ids)
+            for i, ch in enumerate(text):
+                if ch == "?" and text[i + 3] == "=":
+                    dists.append(i - text.rfind(text[i + 1: i + 3] + ":", 0, i))
+        assert len(dists) >= 40 and all(lo <= d <= hi for d in dists), (far, min(dists), max(dists))
+    assert max(dists) > 250  # the default reaches further back

@@ -139,3 +139,60 @@ def test_group_slots_layout():
         rows = rows[rows >= 0]
         assert rows.numel() > 0 and (flat[rows.long()] == bexp[b]).all()
     assert (slot_ids[used * bm:] == -1).all()
+
+
+# --- the PTX MXFP4 decode (CUDA sm_80+, bf16): bit-identical to the portable decode -------------
+
+def _ptx_available():
+    from dsv4.ops.triton._common import ptx_fp4
+    return DEV != "cpu" and ptx_fp4(torch.device(DEV), torch.bfloat16)
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _decode_tile_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, KH, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PTX: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)
+    lo, hi = tmoe._w_tile_fp4(w_ptr, s_ptr, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1, BLOCK_K // 32, 1,
+                              BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX)
+    j = tl.arange(0, BLOCK_K // 2)
+    off = rows[:, None] * (BLOCK_K // 2) + j[None, :]
+    tl.store(lo_ptr + off, lo)
+    tl.store(hi_ptr + off, hi)
+
+
+@pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
+def test_ptx_fp4_decode_is_the_portable_decode_bitwise():
+    """Every byte (both nibbles) under scale codes from the subnormal end (0, 1, 2) through the
+    weights' range to the top (253, 254) and NaN (255): the same bf16 bits as the portable path."""
+    n, kb = 64, 128  # 64 rows × 128 k = 64 bytes a row, 4 scale groups a row
+    codes = torch.tensor([0, 1, 2, 3, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 129, 130, 140, 200, 252,
+                          253, 254, 255], dtype=torch.uint8)
+    w = (torch.arange(n * kb // 2) % 256).to(torch.uint8).view(n, kb // 2)
+    w = w[torch.randperm(n, generator=torch.Generator().manual_seed(0))].contiguous()
+    s = codes[torch.arange(n * kb // 32) % len(codes)].view(n, kb // 32).contiguous()
+    out = {}
+    for ptx in (False, True):
+        lo = torch.empty(n, kb // 2, dtype=torch.bfloat16, device=DEV)
+        hi = torch.empty_like(lo)
+        _decode_tile_kernel[(1,)](w.to(DEV), s.to(DEV), lo, hi, kb, BLOCK_N=n, BLOCK_K=kb, PTX=ptx)
+        out[ptx] = (lo.cpu(), hi.cpu())
+    for a, b in zip(out[False], out[True]):
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b))
+        assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+    assert int(torch.isnan(out[False][0]).sum()) > 0 and int((out[False][0] == 0).sum()) > 0
+
+
+@pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
+@pytest.mark.parametrize("t,direct", [(2, True), (2, False), (40, False)])
+def test_ptx_fp4_experts_equal_the_portable_decode_bitwise(fp4_layer, t, direct):
+    g = gen(40 + t)
+    x = randn((t, H), g, dtype=torch.bfloat16)
+    ids, w = _route(t, g)
+    ys = [tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": direct, "ptx_fp4": p}) for p in (False, True)]
+    assert torch.equal(ys[0], ys[1])
+    _check(ys[1], torch_ops.moe_experts(x, ids, w, *fp4_layer), torch.bfloat16)

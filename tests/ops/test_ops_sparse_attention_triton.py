@@ -190,42 +190,14 @@ def test_fp8_pages_bf16_h16_window128():
     _check(sc, 16, torch.bfloat16, 11)
 
 
-def test_h64_decode_head_block_64():
-    """The H200 head count: one 64-head block per token."""
+def test_h64_default_16_head_blocks_and_one_64_head_block():
+    """The H200 head count: four 16-head programs per token by default (the sweep's fastest tile,
+    the same for every H), and one 64-head program per token when asked."""
     sc = Scene(OCP, "hca", LENS, [(1, 89), (2, 199)], 128, gen(7))
-    assert tsa.pick_config(64, torch.device(DEV))["BLOCK_H"] == 64
+    assert {h: tsa.pick_config(h, torch.device(DEV))["BLOCK_H"] for h in (4, 16, 32, 64)} == \
+        {4: 16, 16: 16, 32: 16, 64: 16}
     _check(sc, 64, torch.bfloat16, 15)
-
-
-SPLIT = {"SPLIT_D": 2}  # two programs per token and head block, 256 output dims each
-
-
-@pytest.mark.parametrize("fmt", [OCP, FNUZ], ids=["ocp", "fnuz"])
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_split_d_fp8_pages_fp32(fmt, kind):
-    """The prefill-oriented tile: each program keeps half the output dims (a 64×256 accumulator at
-    H = 64 instead of 64×512) and still reads all 512 for the logits."""
-    sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(21 + (kind == "hca")))
-    _check(sc, 4, torch.float32, 22, config={**SPLIT, "BLOCK_H": 16})
-
-
-def test_split_d_h64_bf16_and_dense_pages():
-    sc = Scene(OCP, "csa", LENS, QUERIES, 128, gen(23))
-    _check(sc, 64, torch.bfloat16, 24, config={**SPLIT, "BLOCK_H": 64, "num_warps": 8})
-    dense = Scene(None, "csa", LENS, QUERIES, 40, gen(25), dense_dtype=torch.float32)
-    _check(dense, 4, torch.float32, 26, config=SPLIT)
-    with pytest.raises(ValueError, match="SPLIT_D must be 1 or 2"):
-        tsa.pick_config(64, torch.device(DEV), {"SPLIT_D": 4})
-
-
-def test_split_d_batch_invariance_bitwise():
-    sc = Scene(OCP, "csa", LENS, QUERIES, 40, gen(27))
-    q, sink, out = _check(sc, 16, torch.bfloat16, 28, config=SPLIT)
-    run = lambda *a: tsa.paged_sparse_attention(*a, config=SPLIT)  # noqa: E731
-    for t in (0, 4, 7):
-        row = sc.comp_idx[t: t + 1]
-        alone = _run(run, sc, q, sink, 512 ** -0.5, slice(t, t + 1), row[:, : int((row >= 0).sum())])
-        assert torch.equal(alone, out[t: t + 1]), f"token {t} differs alone"
+    _check(sc, 64, torch.bfloat16, 15, config={"BLOCK_H": 64, "num_warps": 8, "num_stages": 2})
 
 
 def test_swa_only_lc0_and_h20():
@@ -285,7 +257,8 @@ def test_out_of_shared_memory_steps_down_to_a_smaller_tile(monkeypatch):
     g = gen(16)
     q = (torch.randn(2, 64, 512, generator=g) * 2).to(torch.bfloat16).to(DEV)
     sink = torch.randn(64, generator=g).to(DEV)
-    want = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"BLOCK_H": 32}), sc, q, sink, 512 ** -0.5)
+    want = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"BLOCK_H": 32, "num_warps": 8, "num_stages": 2}),
+                sc, q, sink, 512 ** -0.5)
     real = tsa._sparse_attn_kernel
     tried = []
 
@@ -300,6 +273,9 @@ def test_out_of_shared_memory_steps_down_to_a_smaller_tile(monkeypatch):
 
     monkeypatch.setattr(tsa, "_sparse_attn_kernel", Refusing())
     monkeypatch.setattr(tsa, "_WORKING", {})
+    default = tsa.pick_config  # start the ladder from the earlier 64-head, 2-stage default
+    monkeypatch.setattr(tsa, "pick_config", lambda h, dev, config=None: default(
+        h, dev, config or {"BLOCK_H": 64, "num_warps": 8, "num_stages": 2}))
     got = _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
     assert tried[:3] == [(64, 2), (64, 1), (32, 2)]
     assert torch.equal(got, want)  # the step-down config's own result

@@ -11,6 +11,8 @@ any arch) and in the CPU interpreter:
   CUDA, OCP) the byte is bitcast to ``tl.float8e4nv`` and converted by the hardware.
 * E2M1 nibble -> float32: sign and 3 magnitude bits shifted into an fp16 (bits 15 and 9..11),
   times 2^14: codes give 0, .5, 1, 1.5, 2, 3, 4, 6 (and -0 for code 8), as ``E2M1_VALUES``.
+* MXFP4 bytes -> scaled bf16 pairs in PTX (``e2m1_bytes_to_bf16_ptx``, CUDA sm_80+ compiled only):
+  the same values, 3-4 instructions per nibble instead of ~11, bit-identical to the portable path.
 """
 
 from __future__ import annotations
@@ -134,6 +136,69 @@ def e2m1_to_f32(c):
     """E2M1 codes (int32 0..15, bit 3 = sign) -> float32 (code 8 is -0.0)."""
     h = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
     return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+def ptx_fp4(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``e2m1_bytes_to_bf16_ptx`` can decode MXFP4 for ``dtype`` activations on ``device``:
+    bf16, CUDA (not ROCm) sm_80+ (``fma.rn.bf16x2``), compiled (the interpreter runs no PTX)."""
+    if dtype != torch.bfloat16 or device.type != "cuda" or interpreting():
+        return False
+    _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    return (not hip) and cap >= (8, 0)
+
+
+@triton.jit
+def e2m1_bytes_to_bf16_ptx(byte, scale):
+    """(low-nibble, high-nibble) values × ``scale`` as bf16, for uint8 MXFP4 bytes and bf16 scales
+    (2^(b-127), exact in bf16 for every UE8M0 code) of the same shape.
+
+    Four bytes per invocation (one register). ``prmt`` spreads bytes 0, 1 (and 2, 3) into the low
+    byte of each 16-bit half; shifts and masks put a nibble's magnitude bits at bf16 bits 6..8 and
+    its sign at bit 15, which reads as code × 2^-126 (code 1, i.e. 0.5, is the bf16 subnormal
+    2^-127); one ``fma.rn.bf16x2`` by 2^126 (+ -0.0) makes it exact E2M1, a second by the scale
+    rounds the exact product to bf16 (RNE, subnormals kept) — the value of the portable path
+    ``cast(e2m1_to_f32(code) * scale_f32, bf16)``."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 z, nz, c126, x0, x1, a, b;
+        mov.b32 z, 0;
+        mov.b32 nz, 0x80008000;
+        mov.b32 c126, 0x7E807E80;
+        prmt.b32 x0, $4, z, 0x4140;
+        prmt.b32 x1, $4, z, 0x4342;
+        shl.b32 a, x0, 6;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, x0, 12;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        fma.rn.bf16x2 a, a, c126, nz;
+        fma.rn.bf16x2 $0, a, $5, nz;
+        shl.b32 a, x1, 6;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, x1, 12;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        fma.rn.bf16x2 a, a, c126, nz;
+        fma.rn.bf16x2 $1, a, $6, nz;
+        shl.b32 a, x0, 2;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, x0, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        fma.rn.bf16x2 a, a, c126, nz;
+        fma.rn.bf16x2 $2, a, $5, nz;
+        shl.b32 a, x1, 2;
+        and.b32 a, a, 0x01C001C0;
+        shl.b32 b, x1, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        fma.rn.bf16x2 a, a, c126, nz;
+        fma.rn.bf16x2 $3, a, $6, nz;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -18,7 +18,9 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     FP8 bytes × the 128×128 block scale), rounded to x.dtype — then tl.dot(W_even, x_evenᵀ) +
     tl.dot(W_odd, x_oddᵀ) into fp32 [BLOCK_N, BLOCK_M] accumulators (swap-AB: the decoded weight
     is the register operand). Epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u
-    rounded to x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype.
+    rounded to x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype. With bf16
+    activations on CUDA sm_80+ the MXFP4 decode runs in PTX (``e2m1_bytes_to_bf16_ptx``, same bits,
+    about a third of the instructions; config ``ptx_fp4=False`` turns it off).
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
   * direct (decode) mode, T·topk ≤ 48: no grouping; one program per (slot, BLOCK_N columns) does
@@ -37,8 +39,8 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
-from ._common import (cast, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting, native_fp8, scale_kind,
-                      ue8m0_to_f32)
+from ._common import (cast, e2m1_bytes_to_bf16_ptx, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting,
+                      native_fp8, ptx_fp4, scale_kind, ue8m0_to_f32)
 
 __all__ = ["moe_route", "moe_experts", "group_slots"]
 
@@ -201,21 +203,30 @@ def _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _w_tile_fp4(w_base, s_base, rows, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
+                PTX: tl.constexpr = False):
     """(even-k, odd-k) tiles [BLOCK_N, BLOCK_K/2] in DTYPE of the MXFP4 rows ``rows``, K range
     k0..k0+BLOCK_K: byte j holds k0+2j (low nibble) and k0+2j+1 (high nibble), both in scale
-    group (k0 + 2j) // 32; the BLOCK_K/32 scales of a row are loaded once and broadcast."""
+    group (k0 + 2j) // 32; the BLOCK_K/32 scales of a row are loaded once and broadcast.
+    PTX (bf16, CUDA sm_80+): the same bits from ``e2m1_bytes_to_bf16_ptx`` (the decode is the
+    grouped kernels' bottleneck at decode batch sizes: ~11 integer/convert ops per nibble)."""
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j
     m = r_mask[:, None] & (kb < KH // 2)[None, :]
-    byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0).to(tl.int32)
+    byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0)
     gi = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     sb = tl.load(s_base + rows[:, None] * stride_sn + gi[None, :] * stride_sk,
                  mask=r_mask[:, None] & (gi < KH // 32)[None, :], other=127)
-    sc = ue8m0_to_f32(sb)
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-    lo = cast(e2m1_to_f32(byte & 15) * sc, DTYPE, INTERP)
-    hi = cast(e2m1_to_f32((byte >> 4) & 15) * sc, DTYPE, INTERP)
+    if PTX:
+        sc = ue8m0_to_f32(sb).to(tl.bfloat16)  # exact: powers of two 2^-127..2^127 and NaN
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        lo, hi = e2m1_bytes_to_bf16_ptx(byte.to(tl.uint8), sc)
+    else:
+        byte = byte.to(tl.int32)
+        sc = ue8m0_to_f32(sb)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        lo = cast(e2m1_to_f32(byte & 15) * sc, DTYPE, INTERP)
+        hi = cast(e2m1_to_f32((byte >> 4) & 15) * sc, DTYPE, INTERP)
     return lo, hi
 
 
@@ -263,7 +274,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    stride_hp, stride_hi,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                    SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                   DOT_F32: tl.constexpr, INTERP: tl.constexpr):
+                   DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -281,10 +292,10 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
             xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4)
             if FP4:
                 lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
                 acc1 += _dot(lo1, xe, DOT_F32) + _dot(hi1, xo, DOT_F32)
                 lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
                 acc3 += _dot(lo3, xe, DOT_F32) + _dot(hi3, xo, DOT_F32)
             else:
                 w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
@@ -307,7 +318,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_ys, stride_yh,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                     DOT_F32: tl.constexpr, INTERP: tl.constexpr):
+                     DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -323,7 +334,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
             he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4)
             if FP4:
                 lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP)
+                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4)
                 acc += _dot(lo, he, DOT_F32) + _dot(hi, ho, DOT_F32)
             else:
                 w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
@@ -344,7 +355,8 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, H, I, TOPK, S3_ROW,
                         stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                         stride_hp, stride_hi,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                        SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr):
+                        SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr,
+                        PTX_FP4: tl.constexpr):
     """Direct (decode) mode: one program = one slot × BLOCK_N columns of I, CUDA-core GEMV."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -364,10 +376,10 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, H, I, TOPK, S3_ROW,
                 xe = tl.load(x_row + ke * stride_xh, mask=ke < H, other=0.0)
                 xo = tl.load(x_row + (ke + 1) * stride_xh, mask=ke < H, other=0.0)
                 lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
                 acc1 += _gemv_rows(lo1, xe, INTERP) + _gemv_rows(hi1, xo, INTERP)
                 lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP)
+                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
                 acc3 += _gemv_rows(lo3, xe, INTERP) + _gemv_rows(hi3, xo, INTERP)
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -391,7 +403,8 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
                           stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                           stride_ys, stride_yh,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                          SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr):
+                          SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr,
+                        PTX_FP4: tl.constexpr):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot)
@@ -409,7 +422,7 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
                 he = tl.load(h_row + ke * stride_hi, mask=ke < I, other=0.0)
                 ho = tl.load(h_row + (ke + 1) * stride_hi, mask=ke < I, other=0.0)
                 lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP)
+                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4)
                 acc += _gemv_rows(lo, he, INTERP) + _gemv_rows(hi, ho, INTERP)
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -531,13 +544,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
     native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
+    ptx = bool(cfg.get("ptx_fp4", ptx_fp4(dev, x.dtype))) and expert_dtype == "fp4"
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bn = cfg["BLOCK_N"]
     if cfg["direct"]:
         g = dict(BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz,
-                 INTERP=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                 INTERP=interpreting(), PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
             x, w13b, s13b, h, ids32, hdim, idim, topk, s3_row, float(limit),
             x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),

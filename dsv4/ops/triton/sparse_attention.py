@@ -1,13 +1,12 @@
 """Triton sparse attention over the paged KV cache (window + compressed entries), read in-kernel.
 
-One program per (query token, block of BLOCK_H heads, SPLIT_D-th of the output dims), 1-D grid
-T·ceil(H/BLOCK_H)·SPLIT_D with a token's programs adjacent (they read the same keys, so the second
-read hits L2); BLOCK_H is 16, 32 or 64 by the head count (64 at H = 64: one program per token).
-SPLIT_D = 2 (a configuration option, for prefill-sized launches) keeps a BLOCK_H×256 accumulator
-instead of BLOCK_H×512: each program still decodes all 512 dims of a key for the logits, and
-multiplies the probabilities by its half only. All heads share one KV row
-(K = V, 512 dims), so each key block is loaded and decoded once per program and multiplied
-against the whole head block (GQA-style). Per program:
+One program per (query token, block of BLOCK_H heads), 1-D grid T·ceil(H/BLOCK_H) with a token's
+programs adjacent (they read the same keys, so the others' reads hit L2); BLOCK_H is 16 for every
+head count (H200 sweep, ``bench/kernels_attention.py``: at H = 64 four 16-head programs per token
+beat one 64-head program 20× at decode and 5× at prefill, whose 64×512 fp32 accumulator does not
+fit in registers; splitting the output dims over two programs was slower than either). All heads
+share one KV row (K = V, 512 dims), so each key block is loaded and decoded once per program and
+multiplied against the whole head block (GQA-style). Per program:
 
 1. q [BLOCK_H, 512] (heads ≥ H masked to 0) and the sink logits; the online softmax starts from
    the sink as a zero-valued key: m = sink, l = 1, acc = 0 (the sink is not scaled).
@@ -76,36 +75,32 @@ def _mma(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS,
-               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr,
-               T0: tl.constexpr = 0, NT: tl.constexpr = 8):
-    """fp32 keys [BLOCK_N, NT·64] at (page, off): dims T0·64 .. (T0+NT)·64 (all 512 by default);
-    invalid rows are 0.
+               BLOCK_N: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 keys [BLOCK_N, 512] at (page, off); invalid rows are 0.
 
-    Records are read as [BLOCK_N, NT, 64] tiles: tiles 0..6 are FP8 codes × their scale byte, tile 7
-    the 64 bf16 rope values (one int16 load each), merged with a select and flattened.
+    Records are read as [BLOCK_N, 8, 64] tiles: tiles 0..6 are FP8 codes × their scale byte, tile 7
+    the 64 bf16 rope values (one int16 load each), merged with a select and flattened to 512.
     """
     page = tl.where(valid, page, 0).to(tl.int64)
     off = tl.where(valid, off, 0).to(tl.int64)
     if DENSE:
-        d = T0 * 64 + tl.arange(0, NT * 64)
+        d = tl.arange(0, 512)
         ptr = pages_ptr + page[:, None] * s_page + off[:, None] * s_tok + d[None, :] * s_dim
         k = tl.load(ptr, mask=valid[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
     else:
-        c = T0 + tl.arange(0, NT)
+        c = tl.arange(0, 8)
         j = tl.arange(0, 64)
-        is_nope = (c < 7)[:, None] & (j < 64)[None, :]  # [NT, 64]
+        is_nope = (c < 7)[:, None] & (j < 64)[None, :]  # [8, 64]
         row = pages_ptr + page * s_page + off * 576
         codes = tl.load(row[:, None, None] + (c[:, None] * 64 + j[None, :])[None, :, :],
                         mask=valid[:, None, None] & is_nope[None, :, :], other=0)
         sb = tl.load((pages_ptr + page * s_page + TOKENS * 576 + off * 8)[:, None] + c[None, :],
                      mask=valid[:, None] & (c < 7)[None, :], other=127)
         nope = fp8_to_f32(codes, NATIVE, FNUZ) * ue8m0_to_f32(sb)[:, :, None]
-        if T0 + NT > 7:  # the rope tile is in range
-            rope16 = tl.load((row + 448).to(tl.pointer_type(tl.int16))[:, None] + j[None, :],
-                             mask=valid[:, None] & (j < 64)[None, :], other=0)
-            rope = (rope16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            nope = tl.where(is_nope[None, :, :], nope, rope[:, None, :])
-        k = tl.reshape(nope, (BLOCK_N, NT * 64))
+        rope16 = tl.load((row + 448).to(tl.pointer_type(tl.int16))[:, None] + j[None, :],
+                         mask=valid[:, None] & (j < 64)[None, :], other=0)
+        rope = (rope16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        k = tl.reshape(tl.where(is_nope[None, :, :], nope, rope[:, None, :]), (BLOCK_N, 512))
     return k
 
 
@@ -148,29 +143,16 @@ def _softmax_pv(s, v, valid, m, l, acc, scale_log2, PP: tl.constexpr, KEYS_F32: 
 
 
 @triton.jit
-def _attend_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, dh,
-                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
-                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr, QP: tl.constexpr,
+def _attend_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS,
+                 q, q1, q2, q3, m, l, acc, scale_log2,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,
                  PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
                  NATIVE: tl.constexpr, INTERP: tl.constexpr):
-    """Decode one block of keys and attend to it. SPLIT_D = 2: q is dims 0..255 and qb 256..511;
-    the logits take both halves, the values only this program's half ``dh``."""
+    """Decode one block of keys and attend to it (K = V: the decoded keys are also the values)."""
     s = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
-    if SPLIT_D == 1:
-        k = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE)
-        s = _qk(q, q1, q2, q3, k, s, QP, KEYS_F32, INTERP)
-        m, l, acc = _softmax_pv(s, k, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
-    else:
-        ka = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE, 0, 4)
-        kb = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE, 4, 4)
-        s = _qk(q, q1, q2, q3, ka, s, QP, KEYS_F32, INTERP)
-        s = _qk(qb, qb1, qb2, qb3, kb, s, QP, KEYS_F32, INTERP)
-        if dh == 0:
-            v = ka
-        else:
-            v = kb
-        m, l, acc = _softmax_pv(s, v, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
-    return m, l, acc
+    k = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE)
+    s = _qk(q, q1, q2, q3, k, s, QP, KEYS_F32, INTERP)
+    return _softmax_pv(s, k, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
 
 
 @triton.jit
@@ -178,29 +160,21 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                         out_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
                         s_qt, s_qh, s_qd, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj,
                         s_ct, s_ctj, s_ot, s_oh, s_od,
-                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_D: tl.constexpr, QP: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,
                         PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
                         NATIVE: tl.constexpr, INTERP: tl.constexpr):
-    DV: tl.constexpr = 512 // SPLIT_D  # output dims of this program, and q dims per q tensor (q; qb when split)
     pid = tl.program_id(0)
-    dh = pid % SPLIT_D
-    hb = (pid // SPLIT_D) % NHB
-    t = (pid // (SPLIT_D * NHB)).to(tl.int64)
+    hb = pid % NHB
+    t = (pid // NHB).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    d = tl.arange(0, DV)
-    qrow = q_ptr + t * s_qt + heads[:, None] * s_qh
-    q = tl.load(qrow + d[None, :] * s_qd, mask=hmask[:, None] & (d < DV)[None, :], other=0.0).to(tl.float32)
+    d = tl.arange(0, 512)
+    q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=hmask[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
     q1, q2, q3 = _split3(q)
-    if SPLIT_D == 2:
-        qb = tl.load(qrow + (DV + d)[None, :] * s_qd, mask=hmask[:, None] & (d < DV)[None, :],
-                     other=0.0).to(tl.float32)
-    else:
-        qb = q  # unused
-    qb1, qb2, qb3 = _split3(qb)
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
     l = tl.where(m == float("-inf"), 0.0, 1.0)
-    acc = tl.zeros((BLOCK_H, DV), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
     p_abs = tl.load(pos_ptr + t).to(tl.int32)
     sid = tl.load(seq_ptr + t).to(tl.int64)
     cols0 = tl.arange(0, BLOCK_N)
@@ -218,9 +192,9 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         e = tl.where(valid, ids, 0)
         page = tl.load(btab_ptr + sid * s_bt + (e // COMP_B) * s_btj, mask=valid, other=-1)
         valid = valid & (page >= 0)
-        m, l, acc = _attend_keys(comp_ptr, page, e % COMP_B, valid, s_cp, s_cb, s_cd, COMP_B, dh,
-                                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
-                                 BLOCK_H, BLOCK_N, SPLIT_D, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
+        m, l, acc = _attend_keys(comp_ptr, page, e % COMP_B, valid, s_cp, s_cb, s_cd, COMP_B,
+                                 q, q1, q2, q3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
 
     # window: positions max(0, p-w+1) .. p
     lo = tl.maximum(p_abs - W + 1, 0)
@@ -229,31 +203,28 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         inw = wp <= p_abs
         page = tl.load(swa_tab_ptr + sid * s_st + (wp // SWA_B) * s_stj, mask=inw, other=-1)
         valid = inw & (page >= 0)
-        m, l, acc = _attend_keys(swa_ptr, page, wp % SWA_B, valid, s_swp, s_swb, s_swd, SWA_B, dh,
-                                 q, q1, q2, q3, qb, qb1, qb2, qb3, m, l, acc, scale_log2,
-                                 BLOCK_H, BLOCK_N, SPLIT_D, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
+        m, l, acc = _attend_keys(swa_ptr, page, wp % SWA_B, valid, s_swp, s_swb, s_swd, SWA_B,
+                                 q, q1, q2, q3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ, NATIVE, INTERP)
 
     out = acc / l[:, None]
-    dv = dh * DV + tl.arange(0, DV)
-    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + dv[None, :] * s_od,
-             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (dv < 512)[None, :])
+    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od,
+             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (d < 512)[None, :])
 
 
 def pick_config(num_heads: int, device: torch.device, config: dict | None = None) -> dict:
-    """Tile configuration: a function of the head count only (never of T: batch invariance).
+    """Tile configuration: never a function of T (batch invariance). ``config`` entries override.
 
-    BLOCK_H covers up to 64 heads so each key is decoded once per token at H = 64 (the decode is
-    per key element; the MMA work is the same for any BLOCK_H). ``config`` entries override.
+    16 heads per program, 32 keys per block, 4 warps, 1 stage, for every head count: the fastest
+    tile of the H200 sweep at decode (T = 1: 80 µs vs 1,564 µs for the 64-head tile; T = 64 at 64K
+    context: 116 vs 778 µs) and at prefill (T = 2048: 3.5 vs 17.0 ms). A larger head block decodes
+    each key fewer times but its fp32 accumulator (BLOCK_H × 512) spills out of registers.
     """
-    bh = 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
-    cfg = dict(BLOCK_H=bh, BLOCK_N=32, SPLIT_D=1, num_warps=4 if bh == 16 else 8, num_stages=2)
+    cfg = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
     if config:
         cfg.update(config)
     if cfg["BLOCK_H"] < 16 or cfg["BLOCK_N"] < 16:
         raise ValueError(f"BLOCK_H and BLOCK_N must be ≥ 16 (tl.dot minimum), got {cfg}")
-    if cfg["SPLIT_D"] not in (1, 2):
-        raise ValueError(f"SPLIT_D must be 1 or 2 (programs per token and head block, each 512/SPLIT_D "
-                         f"output dims), got {cfg['SPLIT_D']}")
     return cfg
 
 
@@ -332,15 +303,14 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     cands = [first] if config else ([_WORKING[key]] if key in _WORKING else _fallbacks(first))
     for i, cfg in enumerate(cands):
         nhb = math.ceil(H / cfg["BLOCK_H"])
-        split = cfg.get("SPLIT_D", 1)
         native = cfg.get("native", native_fp8(q.device) and not fnuz and not dense)
         try:
-            _sparse_attn_kernel[(T * nhb * split,)](
+            _sparse_attn_kernel[(T * nhb,)](
                 q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, cidx, sink, out,
                 H, nhb, Lc, int(window), swa_b, int(entries_per_block), float(scale) * LOG2E,
                 *q.stride(), *_strides3(swa_pages), *swa_table.stride(), *_strides3(comp_pages),
                 *block_table.stride(), *cidx_strides, *out.stride(),
-                BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT_D=split, QP=_Q_PARTS[q.dtype],
+                BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], QP=_Q_PARTS[q.dtype],
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -354,9 +324,9 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
 
 
 # The first configuration that compiled for (H, q dtype, key dtype, page kind, device): a function
-# of the head count and dtypes only, so a token's result never depends on the batch. The H200 run
-# of bench/kernels_attention.py showed BLOCK_H=64 with 2 stages needs 254 KB of shared memory
-# (232 KB available) for bf16 q: the wrapper then steps down to fewer stages / fewer heads.
+# of the head count and dtypes only, so a token's result never depends on the batch. An earlier
+# H200 run showed BLOCK_H=64 with 2 stages needs 254 KB of shared memory (232 KB available) for
+# bf16 q: a requested-by-default tile that does not fit steps down to fewer stages / fewer heads.
 _WORKING: dict[tuple, dict] = {}
 
 
