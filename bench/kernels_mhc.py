@@ -177,6 +177,43 @@ def bench_dense(results, dev, shapes, bw, peak):
             torch.cuda.empty_cache()
 
 
+# hc_pre's mixes-GEMM tiles (each a constant for every T: it sets a token's summation order).
+# At decode the default (32 programs of 32 serial 16-column steps) is latency-bound.
+MIX_SWEEP = [dict(SPLIT=sp, MIX_BLOCK_T=bt, MIX_BLOCK_K=bk)
+             for sp, bt, bk in ((512, 64, 16), (256, 64, 16), (128, 64, 16), (512, 64, 32), (256, 32, 32),
+                                (128, 32, 32), (128, 16, 32), (64, 16, 32), (256, 16, 64))]
+
+
+def sweep_mix(results, dev, shapes):
+    """hc_pre per MIX_SWEEP config: CUDA-graph µs at each T, gates' max |Δ| vs the oracle, and
+    batch invariance (row 0 of the T-row launch == row 0 launched alone)."""
+    from dsv4.model import mhc as ref
+    from dsv4.ops.triton import mhc as tm
+
+    _, graph = _timers(dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    cases = [(t, _hc_inputs(t, shapes["hidden"], g, dev)) for t in shapes["tokens"]]
+    for cfg in MIX_SWEEP:
+        row = dict(op="hc_pre sweep", config=cfg)
+        for t, (s, fn, base, scale) in cases:
+            args = (s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+            try:
+                a = tm.hc_pre(*args, config=cfg)
+                o = ref.hc_pre(*args)
+                alone = tm.hc_pre(s[:1], fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=cfg)
+                d = max((a[1] - o[1]).abs().max().item(), (a[2] - o[2]).abs().max().item())
+                inv = all(torch.equal(x[0], y[0]) for x, y in zip(a, alone))
+                ms = graph(lambda: tm.hc_pre(*args, config=cfg))
+                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, gates_dmax=d, invariant=inv)
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report, go on
+                row[f"T={t}"] = dict(error=f"{type(e).__name__}: {str(e)[:100]}")
+        results.append(row)
+        print("sweep", cfg, " ".join(f"{k}: " + (f"{v['us']:.1f}us d{v['gates_dmax']:.1e}"
+                                               f"{'' if v['invariant'] else ' NOT-INVARIANT'}"
+                                               if "us" in v and v["us"] is not None else str(v))
+                                     for k, v in row.items() if k.startswith("T=")), flush=True)
+
+
 def run(device, results: list, small: bool = False) -> list:
     """Run every case on ``device`` (CUDA: full shapes; ``small``: interpreter-sized shapes)."""
     dev = torch.device(device)
@@ -197,6 +234,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--sweep-mix", action="store_true", help="time hc_pre's mixes tiles (MIX_SWEEP) instead")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -208,7 +246,11 @@ def main(argv=None):
     t0 = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  "
           f"{torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}")
-    results = run("cuda" if cuda else "cpu", [], small=args.small)
+    if args.sweep_mix:
+        results: list = []
+        sweep_mix(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
+    else:
+        results = run("cuda" if cuda else "cpu", [], small=args.small)
     fails = [r for r in results if str(r.get("check", "")).startswith("FAIL")]
     print(f"\n{len(results)} rows, {len(fails)} failed checks, {time.time() - t0:.0f} s")
     if args.out:
