@@ -44,9 +44,12 @@ __all__ = ["hc_pre", "hc_post", "CONFIG"]
 
 # Fixed for every T: these set the reduction order of a token's arithmetic.
 CONFIG = dict(
-    SPLIT=512,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
-    MIX_BLOCK_T=64,  # tokens per mixes program
-    MIX_BLOCK_K=16,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
+    # mixes tiles from the H200 sweep (bench/kernels_mhc.py --sweep-mix): 64 programs of 8 steps
+    # instead of 32 of 32 halve the latency-bound decode launch (T = 1: 26 vs 55 µs; T = 64: 29 vs
+    # 57 µs) for +3 % at T = 8192 (1.51 vs 1.47 ms)
+    SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
+    MIX_BLOCK_T=32,  # tokens per mixes program
+    MIX_BLOCK_K=32,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
     GATE_BLOCK_T=8,  # tokens per gate/collapse program
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
