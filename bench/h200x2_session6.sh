@@ -4,11 +4,7 @@
 # GPU 0, alone, timings: bench/kernels_attention.py (decode shapes + the prefill tile sweep, each
 # config checked against torch), then bench/e2e.py at batch 1 / 64 and an 8K prefill with the
 # per-kernel top list of each profile.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-T0=$(date +%s)
+source bench/device_env.sh
 ( export CUDA_VISIBLE_DEVICES=1
   timeout ${TRAIN_S:-470} python3 tools/train_canary.py --out /tmp/canary --device cuda --resume ${RESUME:-out/canary_r7} \
     --swiglu-limit ${LIMIT:-4} --budget-s ${BUDGET_S:-400} --save-every-s 100 --seqs 6 --seq-len 3072 --recall-per-seq 4 \

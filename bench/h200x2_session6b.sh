@@ -5,11 +5,7 @@
 # canary's training resumed from run 8 (out/canary_r8, carried) with far recall just beyond the
 # window (--far-distance 130 250). GPU 0, alone, timings: the MoE kernels (PTX vs portable decode,
 # then the tile sweep), then bench/e2e.py with the transformers peer and a 64K prompt.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-T0=$(date +%s)
+source bench/device_env.sh
 ( export CUDA_VISIBLE_DEVICES=1
   timeout ${TRAIN_S:-470} python3 tools/train_canary.py --out /tmp/canary --device cuda --resume ${RESUME:-out/canary_r8} \
     --swiglu-limit 4 --budget-s ${BUDGET_S:-400} --save-every-s 100 --seqs 6 --seq-len 3072 --recall-per-seq 4 \

@@ -5,11 +5,7 @@
 # first half (the indexer is taught by the KL term before it gates what attention sees). GPU 0,
 # alone, timings: bench/e2e.py with the transformers peer and a 64K prompt, then hc_pre's mixes
 # tile sweep.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-T0=$(date +%s)
+source bench/device_env.sh
 ( export CUDA_VISIBLE_DEVICES=1
   timeout ${TRAIN_S:-470} python3 tools/train_canary.py --out /tmp/canary --device cuda --resume ${RESUME:-out/canary_r9} \
     --swiglu-limit 4 --budget-s ${BUDGET_S:-400} --save-every-s 100 --seqs 6 --seq-len 3072 --recall-per-seq 4 \

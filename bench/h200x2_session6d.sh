@@ -2,11 +2,8 @@
 # One short nvidia-h200-x2 call (issue 8): after hc_pre's mixes tiles changed to the sweep's
 # choice (SPLIT 256, 32 tokens, 32 columns). GPU 1: the mHC kernel tests and tests/gpu
 # (invariance 1..64 with graphs, prefill invariance, GPU path vs torch path). GPU 0, alone:
-# bench/e2e.py decode and prefill (the transformers peer ran in the previous call).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-T0=$(date +%s)
+# bench/e2e.py decode and prefill (the transformers peer ran in the previous call). Carry .whl.
+source bench/device_env.sh
 ( export CUDA_VISIBLE_DEVICES=1
   timeout ${TEST_S:-230} python3 -m pytest -q -p no:cacheprovider -rf tests/ops/test_ops_mhc_triton.py tests/gpu \
     > "$OUT/tests.log" 2>&1
