@@ -81,6 +81,16 @@ def test_fp4_grouped_mode_configs_and_padding(fp4_layer, cfg):
     assert (y[valid].abs().sum(-1) > 0).all()
 
 
+def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
+    from dsv4.ops.triton._common import ptx_fp4
+
+    x = torch.zeros(2, H, device=DEV)  # fp32 activations: never the PTX decode
+    ids, w = _route(2, gen(7))
+    assert not ptx_fp4(torch.device(DEV), torch.float32)
+    with pytest.raises(ValueError, match="ptx_fp4=True needs bf16"):
+        tmoe.moe_experts(x, ids, w, *fp4_layer, config={"ptx_fp4": True})
+
+
 def test_all_padding_gives_zeros(fp4_layer):
     g = gen(5)
     x = randn((4, H), g)

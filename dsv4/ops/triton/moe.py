@@ -545,6 +545,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
     ptx = bool(cfg.get("ptx_fp4", ptx_fp4(dev, x.dtype))) and expert_dtype == "fp4"
+    if ptx and not ptx_fp4(dev, x.dtype):
+        raise ValueError(f"config ptx_fp4=True needs bf16 activations on a compiled CUDA sm_80+ device, got "
+                         f"{x.dtype} on {dev}{' (Triton interpreter)' if interpreting() else ''}")
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
                   PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
