@@ -129,12 +129,10 @@ PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first ma
 )
 
 
-TOP_KERNELS: list = []  # per profile_decode call with top > 0: its largest kernels
-
-
-def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> dict:
-    """Device time per decode step by op group (torch.profiler over ``steps`` engine steps, or
-    over one call of ``run``, with steps=1); the ``top`` largest kernels go to TOP_KERNELS."""
+def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> tuple[dict, list]:
+    """Device time per decode step by op group, with their "device total" (torch.profiler over
+    ``steps`` engine steps, or over one call of ``run``, with steps=1), and the ``top`` largest
+    kernels as printed rows [ms per step, launches per step, name]."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -157,21 +155,17 @@ def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> dict:
             if any(sub.lower() in key for sub in subs):
                 groups[name] += t / 1e3 / steps
                 break
-    if top:  # the largest device-time entries: (ms per step, launches per step, name)
-        TOP_KERNELS.append(sorted(kernels, reverse=True)[:top])
-    return {k: round(v, 3) for k, v in groups.items()}
-
-
-def _top_rows() -> list:
-    """The last profile's largest kernels as printable rows (and print them)."""
-    rows = [[round(ms, 4), round(n, 1), name] for ms, n, name in (TOP_KERNELS[-1] if TOP_KERNELS else [])]
+    rows = [[round(ms, 4), round(n, 1), name] for ms, n, name in sorted(kernels, reverse=True)[:top]]
     for ms, n, name in rows:
         print(f"   {ms:9.4f} ms {n:7.1f}x  {name}", flush=True)
-    return rows
+    groups = {k: round(v, 3) for k, v in groups.items()}
+    groups["device total"] = round(sum(groups.values()), 3)
+    return groups, rows
 
 
-def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tuple[float, dict | None]:
-    """ms per steady-state decode step of B requests (32-token prompts)."""
+def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tuple[float, tuple | None]:
+    """ms per steady-state decode step of B requests (32-token prompts), and ``profile_decode``'s
+    (groups, top kernels) when ``profile``."""
     from dsv4 import SamplingParams
 
     for i in range(B):
@@ -231,10 +225,9 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             ms, prof = decode_tok_s(eng, B, g, profile=(variant in ("eager", "graphs") and B in (1, max(batches))))
             res[f"decode_ms_b{B}" + ("" if variant == "graphs" else f"_{variant}")] = ms
             if prof:
-                prof["device total"] = round(sum(prof.values()), 3)
-                res[f"profile_b{B}" + ("_graphs" if variant == "graphs" else "")] = prof
-                res[f"top_kernels_b{B}" + ("_graphs" if variant == "graphs" else "")] = _top_rows()
-            print(variant, B, round(ms, 3), prof or "", flush=True)
+                suffix = "_graphs" if variant == "graphs" else ""
+                res[f"profile_b{B}{suffix}"], res[f"top_kernels_b{B}{suffix}"] = prof
+            print(variant, B, round(ms, 3), prof[0] if prof else "", flush=True)
         set_batch_invariant(True)
     if variants[-1] != "graphs":
         eng = engine()
@@ -256,10 +249,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
                 while eng.has_unfinished_requests():
                     eng.step()
 
-            prof = profile_decode(eng, steps=1, run=one_prefill)
-            prof["device total"] = round(sum(prof.values()), 3)
+            prof, res[f"top_kernels_prefill_{L}"] = profile_decode(eng, steps=1, run=one_prefill)
             res[f"profile_prefill_{L}"] = prof
-            res[f"top_kernels_prefill_{L}"] = _top_rows()
             print("prefill", L, round(dt * 1e3, 1), "ms", prof, flush=True)
     if long_context:  # one long prompt: chunked prefill, then 16 decode steps; peak memory
         chunk = 8192

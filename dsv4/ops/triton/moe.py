@@ -217,14 +217,14 @@ def _w_tile_fp4(w_base, s_base, rows, r_mask, k0, KH, stride_wn, stride_wk, stri
     gi = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     sb = tl.load(s_base + rows[:, None] * stride_sn + gi[None, :] * stride_sk,
                  mask=r_mask[:, None] & (gi < KH // 32)[None, :], other=127)
+    sc = ue8m0_to_f32(sb)
     if PTX:
-        sc = ue8m0_to_f32(sb).to(tl.bfloat16)  # exact: powers of two 2^-127..2^127 and NaN
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        sc = sc.to(tl.bfloat16)  # exact: powers of two 2^-127..2^127 and NaN
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    if PTX:
         lo, hi = e2m1_bytes_to_bf16_ptx(byte.to(tl.uint8), sc)
     else:
         byte = byte.to(tl.int32)
-        sc = ue8m0_to_f32(sb)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
         lo = cast(e2m1_to_f32(byte & 15) * sc, DTYPE, INTERP)
         hi = cast(e2m1_to_f32((byte >> 4) & 15) * sc, DTYPE, INTERP)
     return lo, hi
@@ -544,8 +544,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
     native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
-    ptx = bool(cfg.get("ptx_fp4", ptx_fp4(dev, x.dtype))) and expert_dtype == "fp4"
-    if ptx and not ptx_fp4(dev, x.dtype):
+    ptx_ok = ptx_fp4(dev, x.dtype)
+    ptx = bool(cfg.get("ptx_fp4", ptx_ok)) and expert_dtype == "fp4"
+    if ptx and not ptx_ok:
         raise ValueError(f"config ptx_fp4=True needs bf16 activations on a compiled CUDA sm_80+ device, got "
                          f"{x.dtype} on {dev}{' (Triton interpreter)' if interpreting() else ''}")
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
