@@ -53,7 +53,7 @@ from dsv4.canary.data import make_batch  # noqa: E402
 from dsv4.canary.eval import evaluate_reference  # noqa: E402
 from dsv4.canary.model import (TensorWeights, canary_config_dict, forward_tensors, init_params,  # noqa: E402
                                load_params, write_checkpoint)
-from dsv4.canary.tasks import heldout, make_recall  # noqa: E402
+from dsv4.canary.tasks import heldout, make_record_run  # noqa: E402
 from dsv4.canary.tokenizer import CharCodec  # noqa: E402
 from dsv4.config import LayerType, config_from_dict  # noqa: E402
 from dsv4.model.attention import Attention, Compressor, SeqChunk  # noqa: E402
@@ -281,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--far-distance", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="far recall questions ask records LO..HI tokens back (default: at least 150, as the "
                          "held-out set); e.g. 130 250 just beyond the 128-token window")
+    ap.add_argument("--record-runs", action="store_true",
+                    help="far recall over dense record runs (runs 1-10) instead of needle clusters in filler")
     ap.add_argument("--near-eval", type=int, default=16,
                     help="in-window recall examples for the end-of-run diagnostic (0: none)")
     ap.add_argument("--dense-until", type=float, default=0.35)
@@ -355,7 +357,7 @@ def main(argv=None) -> int:
         sparse, qat = frac >= a.dense_until, frac >= a.qat_from
         near = frac < a.far_from
         seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq, near,
-                          tuple(a.far_distance) if a.far_distance else None)
+                          tuple(a.far_distance) if a.far_distance else None, haystack=not a.record_runs)
         lr = lr_at(frac, step, a.lr, a.warmup, a.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -418,7 +420,7 @@ def main(argv=None) -> int:
     evaluate_into(a.out, info, [k for k in a.evals.split(",") if k], held, dev, log, fp32=fp32, cfg=cfg)
     if a.near_eval > 0:  # has the lookup itself been learnt? (the held-out recall is all beyond the window)
         near_rng = random.Random(f"{a.seed}:near")
-        near_set = [make_recall(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
+        near_set = [make_record_run(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
         res = evaluate_reference(ReferenceModel(TensorWeights(cfg, fp32, device=dev), kv_cache_dtype="auto"), near_set)
         info["diagnostics"] = {"recall_in_window_fp32": res["accuracy"]["recall"]}
         (Path(a.out) / "canary.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .tasks import FAR, RECORD_LEN, Example, make_add, make_copy, make_mul, make_recall
+from .tasks import FAR, FILLER, RECORD_LEN, Example, make_add, make_cluster, make_copy, make_mul, make_record_run
 from .tokenizer import CharCodec
 
 
@@ -44,7 +44,7 @@ def short_example(rng: random.Random) -> Example:
         return make_mul(rng)
     if r < 0.86:
         return make_copy(rng)
-    return make_recall(rng, length=rng.randint(20, 110), min_distance=0)  # in-window recall: the format
+    return make_record_run(rng, length=rng.randint(20, 110), min_distance=0)  # in-window recall: the format
 
 
 def packed_sequence(rng: random.Random, codec: CharCodec, length: int, p_no_bos=0.15, p_chat=0.15,
@@ -72,7 +72,7 @@ def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, quer
     sparse next to the short samples' answers. A far question (probability ``p_far``) asks a record
     that starts at least FAR tokens back, or, with ``far`` = (lo, hi), lo..hi tokens back."""
     d_lo, d_hi = far or (FAR, None)
-    ex = make_recall(rng, length=rng.randint(lo, hi), min_distance=0)
+    ex = make_record_run(rng, length=rng.randint(lo, hi), min_distance=0)
     text = ex.prompt[: ex.prompt.rindex("?")]
     records = dict(r.split(":") for r in text.split(";") if r)
     keys = list(records)
@@ -91,13 +91,39 @@ def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, quer
     return Sequence(ids, target)
 
 
+def haystack_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, queries: int = 8,
+                      p_far: float = 0.8, weight: float = 3.0, far: tuple[int, int] | None = None) -> Sequence:
+    """The held-out recall format (:func:`tasks.make_recall`) with several answered questions: about
+    lo..hi tokens of filler around one needle cluster, then up to ``queries`` questions about its
+    records. With probability ``p_far`` the filler after the cluster is ``far`` = (lo, hi) tokens
+    long (default FAR..hi), so every record starts more than lo tokens before any question;
+    otherwise the questions follow the cluster inside the window."""
+    keys, values = make_cluster(rng)
+    cluster = "".join(f"{k}:{v};" for k, v in zip(keys, values))
+    if rng.random() < p_far:
+        d_lo, d_hi = far or (FAR, max(FAR, hi - len(cluster)))
+        tail = rng.randint(d_lo, d_hi)
+    else:
+        tail = rng.randint(0, 16)
+    head = max(0, rng.randint(lo, hi) - len(cluster) - tail)
+    ids = [codec.bos] + codec.encode(FILLER * head + cluster + FILLER * tail)
+    target = [0.0] * len(ids)
+    for _ in range(rng.randint(1, queries)):
+        k = rng.randrange(len(keys))
+        q = codec.encode(f"?{keys[k]}=")
+        a = codec.encode(values[k]) + [codec.eos]
+        ids += q + a
+        target += [0.0] * len(q) + [weight] * len(a)
+    return Sequence(ids, target)
+
+
 NEAR_RUN = (20, 90)  # a near-phase record run: with NEAR_QUERIES questions it stays in the window
 NEAR_QUERIES = 4  # 1 + 90 + 4 × 8 tokens < 128
 
 
 def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len: tuple[int, int],
                    exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
-                   far: tuple[int, int] | None = None) -> Sequence:
+                   far: tuple[int, int] | None = None, haystack: bool = True) -> Sequence:
     """``n_recall`` recall runs (with their questions) and short samples, in random order, about
     ``length`` tokens.
 
@@ -106,6 +132,8 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
     compressed caches, whose questions give no usable signal until it is).
     ``far`` = (lo, hi): far questions ask records lo..hi tokens back (curriculum: just beyond the
     window first, where the ratio-4 entries are fine-grained and the indexer has few candidates).
+    ``haystack``: the far runs are needle clusters in filler (the held-out format); otherwise dense
+    record runs (the format of runs 1-10).
 
     Few long sequences rather than many short ones: the reference runs attention per sequence, so
     a training step's cost grows with the number of sequences far more than with their length.
@@ -113,7 +141,8 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
     if near:
         parts = [recall_sequence(rng, codec, *NEAR_RUN, queries=NEAR_QUERIES, p_far=0.0) for _ in range(n_recall)]
     else:
-        parts = [recall_sequence(rng, codec, *recall_len, far=far) for _ in range(n_recall)]
+        make = haystack_sequence if haystack else recall_sequence
+        parts = [make(rng, codec, *recall_len, far=far) for _ in range(n_recall)]
     used = sum(len(r.ids) for r in parts)
     parts.append(packed_sequence(rng, codec, max(length - used, 32), exclude=exclude))
     rng.shuffle(parts)
@@ -122,5 +151,6 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
 
 def make_batch(rng: random.Random, codec: CharCodec, n_seqs: int, length: int, recall_len: tuple[int, int],
                exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
-               far: tuple[int, int] | None = None) -> list[Sequence]:
-    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near, far) for _ in range(n_seqs)]
+               far: tuple[int, int] | None = None, haystack: bool = True) -> list[Sequence]:
+    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near, far, haystack)
+            for _ in range(n_seqs)]

@@ -158,3 +158,45 @@ def test_far_distance_questions_ask_records_in_the_given_range():
                     dists.append(i - text.rfind(text[i + 1: i + 3] + ":", 0, i))
         assert len(dists) >= 40 and all(lo <= d <= hi for d in dists), (far, min(dists), max(dists))
     assert max(dists) > 250  # the default reaches further back
+
+
+def _chars(codec, ids):
+    return "".join(codec.decode([t]) if len(codec.decode([t])) == 1 else "\0" for t in ids)
+
+
+def test_heldout_recall_is_a_dense_cluster_in_filler_asked_from_beyond_the_window():
+    """The held-out recall: 3-8 records back to back inside ``.`` filler, the asked one at least
+    FAR tokens before the question (only the compressed caches can carry it)."""
+    from dsv4.canary.tasks import CLUSTER, FAR, FILLER, RECORD_LEN, heldout
+
+    rec = [e for e in heldout(32, recall_per_task=24) if e.task == "recall"]
+    assert len(rec) == 24
+    for e in rec:
+        body, key = e.prompt[: e.prompt.rindex("?")], e.prompt[-3:-1]
+        cluster = body.strip(FILLER)
+        assert FILLER not in cluster and len(cluster) % RECORD_LEN == 0
+        assert CLUSTER[0] <= len(cluster) // RECORD_LEN <= CLUSTER[1]
+        assert body.count(key + ":") == 1 and f"{key}:{e.answer};" in cluster
+        assert len(body) - body.index(key + ":") >= FAR
+
+
+def test_haystack_questions_ask_records_beyond_the_given_distance():
+    """Training's far recall (``--far-distance LO HI``): every record of the cluster starts more
+    than LO tokens before every question; near sequences keep the questions in the window."""
+    import random
+
+    from dsv4.canary.data import haystack_sequence
+    from dsv4.canary.tokenizer import CharCodec
+
+    codec, rng = CharCodec(), random.Random(3)
+    for p_far, lo, hi in ((1.0, 130, 10 ** 9), (0.0, 0, 128)):
+        dists = []
+        for _ in range(20):
+            seq = haystack_sequence(rng, codec, 300, 700, queries=6, p_far=p_far, far=(130, 250))
+            text = _chars(codec, seq.ids)
+            for i, ch in enumerate(text):
+                if ch == "?" and text[i + 3] == "=":
+                    r = text.rfind(text[i + 1: i + 3] + ":", 0, i)
+                    dists.append(i - r)
+                    assert text[i + 4: i + 7] == text[r + 3: r + 6]  # the answer is the record's value
+        assert len(dists) >= 20 and all(lo < d < hi for d in dists), (p_far, min(dists), max(dists))
