@@ -8,6 +8,11 @@ so what is timed is the host side; cProfile splits it by function (ms per step, 
     python bench/host_overhead.py --ckpt /tmp/tiny --context 1024,8192
     python bench/host_overhead.py --ckpt /tmp/tiny --tables --context 1024,8192,65536
     python bench/host_overhead.py --ckpt /tmp/tiny --context 1024 --generated 4096   # output_kind
+    python bench/host_overhead.py --ckpt /tmp/tiny --logits-width 1024   # without the CPU greedy pick
+
+Each case prints the ms per step without the profiler first, then under cProfile. On the GPU the
+greedy pick is device work (an argmax over [batch, vocab]); on the CPU it is most of the step, so
+``--logits-width`` narrows the stand-in's logits rows to leave only the pick's host cost.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ WATCH = ("engine.py:", "runner.py:", "paged_attention.py:", "manager.py:", "sche
 class StandIn:
     """Advances the caches like a forward and returns constant logits (no device work)."""
 
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, width: int | None = None):
         self.cfg, self.device, self.dtype = cfg, device, torch.float32
-        self.row = torch.zeros(1, cfg.vocab_size, device=device)
+        self.row = torch.zeros(1, width or cfg.vocab_size, device=device)
 
     def forward(self, token_ids, chunks, logits_rows=None, paged=None, **kw):
         from dsv4.model.model import ForwardOutput
@@ -45,22 +50,26 @@ class StandIn:
 
 
 def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: int = 0,
-        output_kind: str = "cumulative") -> None:
+        output_kind: str = "cumulative", width: int | None = None) -> None:
     from dsv4 import SamplingParams
     from dsv4.config import load_config
     from dsv4.engine.engine import EngineConfig, LLMEngine
 
     cfg = load_config(ckpt)
-    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + generated + steps + 64,
+    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + generated + 2 * steps + 64,
                                  max_num_seqs=batch, max_num_batched_tokens=batch * context,
                                  kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu"),
-                    backend=StandIn(cfg, torch.device("cpu")))
+                    backend=StandIn(cfg, torch.device("cpu"), width))
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(temperature=0, max_tokens=generated + steps + 16, ignore_eos=True, output_kind=output_kind)
+    sp = SamplingParams(temperature=0, max_tokens=generated + 2 * steps + 16, ignore_eos=True, output_kind=output_kind)
     for _ in range(batch):
         eng.add_request(prompt_token_ids=torch.randint(3, 1000, (context,), generator=g).tolist(), params=sp)
     for _ in range(6 + generated):  # the prefill, then decode steps (``generated``: a long output so far)
         eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    plain = (time.perf_counter() - t0) / steps * 1e3
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -69,7 +78,7 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: in
     prof.disable()
     ms = (time.perf_counter() - t0) / steps * 1e3
     print(f"\nbatch {batch}, context {context}, {generated} tokens generated, output_kind {output_kind}: "
-          f"{ms:.2f} ms/step under cProfile (host only)")
+          f"{plain:.2f} ms/step, {ms:.2f} under cProfile (host only)")
     rows = []
     for (f, line, name), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
         key = f"{Path(f).name}:{line}({name})"
@@ -113,6 +122,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--tables", action="store_true", help="time PagedBatch.build alone (no profiler)")
     p.add_argument("--generated", type=int, default=0, help="decode this many tokens before timing")
+    p.add_argument("--logits-width", type=int, default=None,
+                   help="columns of the stand-in's logits (default: the vocabulary)")
     p.add_argument("--output-kind", default="cumulative,final_only",
                    help="comma-separated SamplingParams.output_kind values to time")
     a = p.parse_args()
@@ -126,7 +137,7 @@ def main() -> None:
         write_checkpoint(a.ckpt, preset="tiny", progress=False)
     for n in (int(x) for x in a.context.split(",")):
         for kind in a.output_kind.split(","):
-            run(a.ckpt, a.batch, n, a.steps, a.top, a.generated, kind)
+            run(a.ckpt, a.batch, n, a.steps, a.top, a.generated, kind, a.logits_width)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,17 @@ class KVCacheManager:
         # evicting a cached block also frees its retained SWA pages
         return nb <= self.blocks.num_available and ns <= self.swa.num_free + RETAINED_SWA * len(self.blocks.evictable)
 
+    def try_allocate(self, alloc: CacheAllocation, num_new: int) -> bool:
+        """``can_allocate`` then ``allocate``; a decode token inside its pages (most of a step's
+        requests) costs one check instead of two full passes."""
+        end = alloc.num_computed + num_new
+        if alloc.slot >= 0 and end <= len(alloc.swa) * SWA_PAGE and end <= len(alloc.blocks) * BLOCK:
+            return True  # no new page: what can_allocate and allocate would find, with nothing to take
+        if not self.can_allocate(alloc, num_new):
+            return False
+        self.allocate(alloc, num_new)
+        return True
+
     def allocate(self, alloc: CacheAllocation, num_new: int) -> None:
         """Give ``alloc`` the pages for ``num_new`` more tokens (caller checked can_allocate)."""
         if alloc.slot < 0:

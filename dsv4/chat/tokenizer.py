@@ -87,6 +87,7 @@ class Tokenizer:
 
     def __init__(self, backend: Any, *, path: Path | None = None, pad_token: str | None = None):
         self._tk = backend
+        self._one: dict[tuple[int, bool], str] = {}  # decode_one's texts (at most 2 per vocabulary id)
         self.path = path
         self.bos_token = BOS_TOKEN
         self.eos_token = EOS_TOKEN
@@ -157,6 +158,15 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def decode_one(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """``decode([token_id])``, remembered: the incremental detokenizer decodes the last emitted
+        token again with every new one (a third of its cost per generated token)."""
+        key = (token_id, skip_special_tokens)
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self.decode([token_id], skip_special_tokens)
+        return text
+
     def incremental_detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
@@ -194,6 +204,8 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            return self._tok.decode_one(ids[0], self._skip)
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def feed(self, token_id: int) -> str:

@@ -244,14 +244,15 @@ class LLMEngine:
         for row, (si, kind) in enumerate(batch.row_owner):
             if kind == "prompt":
                 prompt_rows.setdefault(si, []).append(row)
-        empty = torch.zeros(0, logits.shape[1])
         for si, sc in enumerate(schedule):
             req = sc.req
+            if req.params.prompt_logprobs is None:  # (prompt rows are only made for these requests)
+                continue
+            empty = torch.zeros(0, logits.shape[1])
             if si in prompt_rows:
                 prev = req.prompt_logits if req.prompt_logits is not None else empty
                 req.prompt_logits = torch.cat([prev, logits[prompt_rows[si]].float().cpu()])
-            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None \
-                    and req.num_computed >= len(req.prompt_token_ids):
+            if req.prompt_logprobs is None and req.num_computed >= len(req.prompt_token_ids):
                 # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
                 rows = req.prompt_logits if req.prompt_logits is not None else empty
                 req.prompt_logits = None

@@ -35,21 +35,57 @@ from ..model.attention import SeqChunk
 from ..model.linear import linear
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, cos_sin
+from .staging import upload
 
 ATTENTION_OPS = ("kv_insert", "sparse_attention", "indexer")
 
 
-def _table(rows: list, device) -> torch.Tensor:
-    """[len(rows), max length ≥ 1] int64 on ``device`` from int64 arrays, padded with -1."""
+def _pad_rows(rows: list) -> tuple[array.array, int]:
+    """Int64 arrays → one flat row-major array of [len(rows), max length ≥ 1], padded with -1."""
     width = max(1, max((len(r) for r in rows), default=1))
     flat = array.array("q")
     pad = array.array("q", [-1]) * width
     for r in rows:
         flat.extend(r)
         flat.extend(pad[:width - len(r)])
-    if not flat:  # no rows (frombuffer refuses an empty buffer)
-        return torch.empty((0, width), dtype=torch.long, device=device)
-    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width).to(device)
+    return flat, width
+
+
+def _table(rows: list, device) -> torch.Tensor:
+    """[len(rows), max length ≥ 1] int64 on ``device`` from int64 arrays, padded with -1."""
+    flat, width = _pad_rows(rows)
+    return upload([(flat, (len(rows), width))], device)[0]
+
+
+def host_tables(chunks: list[SeqChunk], allocs) -> list:
+    """A step's tables as host int64 parts (``staging.Part``), in the order of
+    :meth:`PagedBatch.from_parts`: positions, seq_ids, swa_page, swa_off [T], slots [S],
+    swa_table [S, n_swa], block_table [S, n_blocks]. Built with a few Python operations per
+    request (per window page of a long chunk), not per table entry."""
+    pos, sid, page, off = (array.array("q") for _ in range(4))
+    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
+    for i, (c, row) in enumerate(zip(chunks, swa_rows)):
+        s, n = c.start, c.length
+        if n == 1:  # a decode token
+            pos.append(s)
+            sid.append(i)
+            page.append(row[s // SWA_PAGE])
+            off.append(s % SWA_PAGE)
+            continue
+        pos.extend(range(s, s + n))
+        sid.extend(array.array("q", [i]) * n)
+        p = s
+        while p < s + n:  # one window page at a time
+            j = p // SWA_PAGE
+            e = min((j + 1) * SWA_PAGE, s + n)
+            page.extend(array.array("q", [row[j]]) * (e - p))
+            off.extend(range(p - j * SWA_PAGE, e - j * SWA_PAGE))
+            p = e
+    t, b = len(pos), len(allocs)
+    swa, n_swa = _pad_rows(swa_rows)
+    blocks, n_blk = _pad_rows([a.block_row.sync(a.blocks) for a in allocs])
+    return [(pos, (t,)), (sid, (t,)), (page, (t,)), (off, (t,)), (array.array("q", (a.slot for a in allocs)), (b,)),
+            (swa, (b, n_swa)), (blocks, (b, n_blk))]
 
 
 @dataclass
@@ -72,18 +108,15 @@ class PagedBatch:
 
     @classmethod
     def build(cls, kvc: PagedKVCache, chunks: list[SeqChunk], allocs, ops: dict) -> "PagedBatch":
-        dev = kvc.device
-        pos, sid = [], []
-        for i, c in enumerate(chunks):
-            pos.extend(range(c.start, c.start + c.length))
-            sid.extend([i] * c.length)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        seq_ids = torch.tensor(sid, dtype=torch.long, device=dev)
-        swa_table = _table([a.swa_row.sync(a.swa, a.swa_released) for a in allocs], dev)
-        block_table = _table([a.block_row.sync(a.blocks) for a in allocs], dev)
-        slots = torch.tensor([a.slot for a in allocs], dtype=torch.long, device=dev)
-        swa_page = swa_table[seq_ids, positions // SWA_PAGE]
-        return cls(kvc, chunks, positions, seq_ids, swa_table, block_table, slots, swa_page, positions % SWA_PAGE,
+        """The step's tables, moved to the device in one copy (the engine's runner stages them with
+        its other inputs instead: ``host_tables`` and ``from_parts``)."""
+        return cls.from_parts(kvc, chunks, upload(host_tables(chunks, allocs), kvc.device), ops)
+
+    @classmethod
+    def from_parts(cls, kvc: PagedKVCache, chunks: list[SeqChunk], parts: list[torch.Tensor], ops: dict) -> "PagedBatch":
+        """From the device tensors of ``host_tables``' parts."""
+        positions, seq_ids, swa_page, swa_off, slots, swa_table, block_table = parts
+        return cls(kvc, chunks, positions, seq_ids, swa_table, block_table, slots, swa_page, swa_off,
                    all(c.length == 1 for c in chunks), max(c.start + c.length for c in chunks), ops)
 
     @classmethod

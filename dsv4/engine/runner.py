@@ -7,6 +7,7 @@ interface, so a GPU backend replaces the torch reference without touching the sc
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import torch
 from ..cache.manager import KVCacheManager
 from ..model.attention import SeqChunk
 from .scheduler import ScheduledChunk
+from .staging import HostStaging
 
 
 class ModelBackend(Protocol):
@@ -41,30 +43,38 @@ class ModelRunner:
         self.device = backend.device
         self.attention_ops = attention_ops
         self.graphs = None  # DecodeGraphs, when the engine captured CUDA graphs of the decode forward
+        self.staging = HostStaging(self.device)
 
     def build(self, schedule: list[ScheduledChunk]) -> StepBatch:
-        ids, chunks, rows, owners = [], [], [], []
+        """The step's inputs: built on the host, then moved to the device in one copy (``staging``)."""
+        ids, rows = array.array("q"), array.array("q")
+        chunks, owners = [], []
         off = 0
+        view, dev = self.kv.view, self.device
         for si, sc in enumerate(schedule):
-            req, n, start = sc.req, sc.num_tokens, sc.req.num_computed
+            req, n = sc.req, sc.num_tokens
+            start = req.num_computed
             ids.extend(req.token_slice(start, start + n))
-            chunks.append(SeqChunk(self.kv.view(req.alloc), start, n, offset=off, device=self.device))
-            if req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
-                last = min(start + n, len(req.prompt_token_ids) - 1)
-                for r in range(start, last):
-                    rows.append(off + r - start)
-                    owners.append((si, "prompt"))
+            chunks.append(SeqChunk(view(req.alloc), start, n, offset=off, device=dev))
+            n_prompt = len(req.prompt_token_ids)
+            if req.params.prompt_logprobs is not None and start < n_prompt - 1:
+                last = min(start + n, n_prompt - 1)
+                rows.extend(range(off, off + last - start))
+                owners.extend([(si, "prompt")] * (last - start))
             if start + n == req.num_tokens:  # the chunk reaches the end: sample the next token
                 rows.append(off + n - 1)
                 owners.append((si, "sample"))
             off += n
-        paged = None
-        if self.attention_ops is not None:
-            from .paged_attention import PagedBatch
+        parts = [(ids, (len(ids),)), (rows, (len(rows),))]
+        if self.attention_ops is None:
+            token_ids, logits_rows = self.staging.upload(parts)
+            return StepBatch(token_ids, chunks, logits_rows, owners)
+        from .paged_attention import PagedBatch, host_tables
 
-            paged = PagedBatch.build(self.kv.kvc, chunks, [sc.req.alloc for sc in schedule], self.attention_ops)
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=self.device), chunks,
-                         torch.tensor(rows, dtype=torch.long, device=self.device), owners, paged)
+        token_ids, logits_rows, *tables = self.staging.upload(
+            parts + host_tables(chunks, [sc.req.alloc for sc in schedule]))
+        return StepBatch(token_ids, chunks, logits_rows, owners,
+                         PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops))
 
     @torch.no_grad()
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:

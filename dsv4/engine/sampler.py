@@ -75,7 +75,8 @@ def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, int]:
     `_first_argmax` does; rows with NaN/Inf are left out (the per-row path reports them)."""
     if not rows:
         return {}
-    x = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    # a decode step samples every row: no index copy to the device, no gather
+    x = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
     both = torch.stack([x.argmax(dim=-1), torch.isfinite(x).all(dim=-1).long()]).tolist()
     return {r: t for r, t, ok in zip(rows, both[0], both[1]) if ok}
 

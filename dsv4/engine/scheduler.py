@@ -63,7 +63,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.can_allocate(req.alloc, n):
+            while not self.kv.try_allocate(req.alloc, n):
                 victim = self.running[-1]
                 self.running.pop()
                 if id(victim) in scheduled:
@@ -72,7 +72,6 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self.kv.allocate(req.alloc, n)
                 out.append(ScheduledChunk(req, n))
                 scheduled.add(id(req))
                 budget -= n

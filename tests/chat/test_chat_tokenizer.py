@@ -138,3 +138,24 @@ def test_import_is_light():
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_decode_one_cache_keeps_every_delta(tok):
+    """The remembered single-token decode changes no delta of the incremental detokenizer: random
+    id streams (byte tokens that split characters, special tokens) against uncached decoding."""
+    import random
+
+    class Uncached(IncrementalDetokenizer):
+        def _decode(self, ids):
+            return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    rng = random.Random(0)
+    pool = tok.encode(CJK_EMOJI + "<think>x</think><｜end▁of▁sentence｜> plain words")
+    for skip in (False, True):
+        for _ in range(3):
+            ids = [rng.choice(pool) if rng.random() < 0.7 else rng.randrange(len(tok)) for _ in range(300)]
+            cached, plain = tok.incremental_detokenizer(skip), Uncached(tok, skip)
+            assert [cached.feed(i) for i in ids] == [plain.feed(i) for i in ids]
+            assert cached.flush() == plain.flush()
+        for i in pool + list(range(0, len(tok), 997)):
+            assert tok.decode_one(i, skip) == tok.decode([i], skip_special_tokens=skip)

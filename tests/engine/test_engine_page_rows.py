@@ -40,3 +40,77 @@ def test_tables_pad_with_minus_one():
     assert _table(rows, torch.device("cpu")).tolist() == [[3, 4, 5], [-1, -1, -1], [7, -1, -1]]
     assert _table([array.array("q")], torch.device("cpu")).tolist() == [[-1]]
     assert _table([], torch.device("cpu")).shape == (0, 1)
+
+
+def _rebuilt(chunks, allocs):
+    """The step's tables rebuilt from the page lists with plain tensor ops (the engine's former
+    ``PagedBatch.build``)."""
+    pos = [p for c in chunks for p in range(c.start, c.start + c.length)]
+    sid = [i for i, c in enumerate(chunks) for _ in range(c.length)]
+
+    def table(rows):
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([list(r) + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    positions, seq_ids = torch.tensor(pos, dtype=torch.long), torch.tensor(sid, dtype=torch.long)
+    swa_table = table([a.swa for a in allocs])
+    return {"positions": positions, "seq_ids": seq_ids, "swa_table": swa_table,
+            "block_table": table([a.blocks for a in allocs]),
+            "slots": torch.tensor([a.slot for a in allocs], dtype=torch.long),
+            "swa_page": swa_table[seq_ids, positions // 64], "swa_off": positions % 64}
+
+
+def test_step_tables_equal_the_rebuilt_ones():
+    """``host_tables`` (per request, per window page) and the one-copy staging give the tables
+    the plain rebuild gives: decode tokens, prefill chunks crossing pages, released windows."""
+    import types
+
+    from dsv4.engine.paged_attention import PagedBatch
+    from dsv4.model.attention import SeqChunk
+
+    rng = random.Random(1)
+    kvc = types.SimpleNamespace(device=torch.device("cpu"))
+    allocs = [CacheAllocation(slot=i) for i in range(6)]
+    done = [0] * 6
+    for step in range(60):
+        chunks, live = [], []
+        off = 0
+        for i, a in enumerate(allocs):
+            if rng.random() < 0.3:
+                continue
+            n = 1 if rng.random() < 0.6 else rng.randint(2, 300)
+            end = done[i] + n
+            while len(a.swa) < -(-end // 64):
+                a.swa.append(rng.randint(0, 10_000))
+            while len(a.blocks) < -(-end // 256):
+                a.blocks.append(rng.randint(0, 10_000))
+            chunks.append(SeqChunk(None, done[i], n, offset=off))
+            live.append(a)
+            off += n
+            done[i] = end
+            rel = min(max(0, (end - 1) // 64 - 2), len(a.swa))  # the window's pages stay
+            for j in range(a.swa_released, rel):
+                a.swa[j] = -1
+            a.swa_released = max(a.swa_released, rel)
+        if not chunks:
+            continue
+        got = PagedBatch.build(kvc, chunks, live, {})
+        for name, want in _rebuilt(chunks, live).items():
+            assert torch.equal(getattr(got, name), want), f"step {step}: {name}"
+        assert got.decode_only == all(c.length == 1 for c in chunks)
+        assert got.max_end == max(c.start + c.length for c in chunks)
+
+
+def test_staging_splits_parts_in_order():
+    from dsv4.engine.staging import HostStaging
+
+    parts = [(array.array("q", [1, 2, 3]), (3,)), (array.array("q"), (0,)),
+             (array.array("q", range(6)), (2, 3)), (array.array("q", [9]), (1,))]
+    a, b, c, d = HostStaging("cpu").upload(parts)
+    assert a.tolist() == [1, 2, 3] and b.shape == (0,) and c.tolist() == [[0, 1, 2], [3, 4, 5]] and d.tolist() == [9]
+    assert c.is_contiguous() and a.dtype == torch.long
+    staging = HostStaging("cpu")
+    first = staging.upload(parts[:1])[0]
+    staging.upload([(array.array("q", [7, 7, 7]), (3,))])
+    assert first.tolist() == [1, 2, 3]  # a later step never overwrites a kept tensor
+    assert HostStaging("cpu").upload([(array.array("q"), (0, 1))])[0].shape == (0, 1)

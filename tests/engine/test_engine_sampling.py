@@ -47,6 +47,8 @@ def test_greedy_picks_equal_the_per_row_first_argmax():
         assert all(tok == _first_argmax(x[r]) for r, tok in picks.items())
         assert picks[6] == 0
     assert greedy_picks(x, [5, 1]) == {5: _first_argmax(x[5]), 1: _first_argmax(x[1])}
+    every = greedy_picks(x, rows)  # all rows: picked without a gather; a prefix of them with one
+    assert greedy_picks(x, rows[:7]) == {r: t for r, t in every.items() if r < 7}
     assert greedy_picks(x, []) == {}
 
 
