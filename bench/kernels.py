@@ -235,7 +235,47 @@ def sweep(dev, only=("linear", "moe")):
         ok = sorted([r for r in res if r[0]], key=lambda r: r[0])
         out[f"moe_experts T={t}"] = [(r[0], str(r[1])) for r in res]
         print(f"sweep moe_experts T={t}: " + "; ".join(f"{r[0] * 1e3:.1f}us {r[1]}" for r in ok[:3]), flush=True)
+    if "moe_decode" in only:
+        out.update(sweep_moe_decode(dev, g, w13, s13, w2, s2))
     return out
+
+
+def sweep_moe_decode(dev, g, w13, s13, w2, s2):
+    """The batch-invariant decode tile of the grouped MoE kernels (``pick_moe_config``: one tile for
+    every T ≤ DECODE_MAX_ROWS, so a token's rows are computed the same way in any batch): each
+    candidate timed at T = 1, 8, 64 and checked against the current tile's output (bf16 rounding)."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    base = dict(direct=False, BLOCK_M=16)
+    cands = [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+             for bn in (32, 64, 128) for bk in (128, 256) for wp in (2, 4, 8) for st in (2, 3, 4, 5)]
+    cases = []
+    for t in (1, 8, 64):
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        ref = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dict(base, BLOCK_N=64, BLOCK_K=128,
+                                                                            num_warps=4, num_stages=3))
+        cases.append((t, x, ids, wts, ref))
+    rows = []
+    for c in cands:
+        times, check = [], "ok"
+        for t, x, ids, wts, ref in cases:
+            try:
+                y = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
+                r = check_close(y, ref)
+                check = r if r != "ok" else check
+                times.append(bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c), 30))
+            except Exception as e:  # noqa: BLE001
+                check = f"{type(e).__name__}"
+                break
+        if len(times) == len(cases):
+            rows.append((times, c, check))
+    rows.sort(key=lambda r: r[0][2])  # by T=64: the batch the decode throughput target is about
+    for times, c, check in rows[:12]:
+        print("sweep moe_decode " + " ".join(f"T={t}:{ms * 1e3:.1f}us" for (t, *_), ms in zip(cases, times))
+              + f" {c} {check}", flush=True)
+    return {"moe_decode": [([round(ms * 1e3, 1) for ms in times], str(c), check) for times, c, check in rows]}
 
 
 def main(argv=None):
@@ -245,7 +285,8 @@ def main(argv=None):
     ap.add_argument("--only", default="linear,route,moe,attention,indexer,mhc",
                     help="comma list of: linear, route, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
-    ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead")
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
+                    "(--only linear,moe,moe_decode)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
