@@ -235,12 +235,12 @@ def sweep(dev, only=("linear", "moe")):
         ok = sorted([r for r in res if r[0]], key=lambda r: r[0])
         out[f"moe_experts T={t}"] = [(r[0], str(r[1])) for r in res]
         print(f"sweep moe_experts T={t}: " + "; ".join(f"{r[0] * 1e3:.1f}us {r[1]}" for r in ok[:3]), flush=True)
-    if "moe_decode" in only:
-        out.update(sweep_moe_decode(dev, g, w13, s13, w2, s2))
+    if "moe_decode" in only or "moe_decode_narrow" in only:
+        out.update(sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow="moe_decode_narrow" in only))
     return out
 
 
-def sweep_moe_decode(dev, g, w13, s13, w2, s2):
+def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
     """The batch-invariant decode tile of the grouped MoE kernels (``pick_moe_config``: one tile for
     every T ≤ DECODE_MAX_ROWS, so a token's rows are computed the same way in any batch): each
     candidate timed at T = 1, 8, 64 and checked against the current tile's output (bf16 rounding)."""
@@ -250,6 +250,9 @@ def sweep_moe_decode(dev, g, w13, s13, w2, s2):
     base = dict(direct=False, BLOCK_M=16)
     cands = [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
              for bn in (32, 64, 128) for bk in (128, 256) for wp in (2, 4, 8) for st in (2, 3, 4, 5)]
+    if narrow:  # the second sweep, around the first one's winner (32 columns, 2 warps)
+        cands = [dict(base, BLOCK_N=bn, BLOCK_K=128, num_warps=wp, num_stages=st)
+                 for bn in (16, 32) for wp in (1, 2, 4) for st in (3, 4)]
     cases = []
     for t in (1, 8, 64):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
@@ -286,7 +289,7 @@ def main(argv=None):
                     help="comma list of: linear, route, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,moe,moe_decode)")
+                    "(--only linear,moe,moe_decode,moe_decode_narrow)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
