@@ -74,6 +74,19 @@ def test_moe_token_is_independent_of_batch():
         assert torch.equal(tmoe.moe_experts(x[:m], ids[:m], wts[:m], *layer), full[:m])
 
 
+def test_moe_decode_tile_rounds_like_the_prefill_tiles():
+    """A prompt's chunk of ≤ DECODE_MAX_ROWS tokens takes the decode tile, a longer one the prefill
+    tiles: both must reduce K the same way. Same K step, and warps in multiples of 4 (Hopper's
+    wgmma; a 2-warp decode tile fell back to mma.sync and moved a 10-token prompt's logits by
+    0.03 on the H200)."""
+    E, K = 256, 6
+    dec = tmoe.pick_moe_config(1, K, E, "fp4")
+    for t in (65, 300, 1024, 8192):
+        pre = tmoe.pick_moe_config(t, K, E, "fp4")
+        assert not pre["direct"] and pre["BLOCK_K"] == dec["BLOCK_K"], (t, pre, dec)
+        assert pre["num_warps"] % 4 == 0 and dec["num_warps"] % 4 == 0, (t, pre, dec)
+
+
 @pytest.mark.parametrize("x_bytes", [2, 4])
 def test_fp8_linear_tiles_fit_shared_memory(x_bytes):
     """Every automatic tile fits the H200's shared memory at bf16 and at fp32 activations (fp32

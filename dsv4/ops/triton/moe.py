@@ -463,10 +463,13 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
-        # expert rows are computed the same way whatever else is in the batch. H200 sweep
-        # (bench/kernels.py --sweep --only moe_decode, docs/perf.md): 32 columns and 2 warps give
-        # T=1/8/64 in 146/464/1736 us per layer against 159/490/1854 for 64 columns and 4 warps
-        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=3)
+        # expert rows are computed the same way whatever else is in the batch. It must also round
+        # like the prefill tiles below (a short prompt's chunk takes this path, a long one those):
+        # on Hopper they run wgmma, which needs a multiple of 4 warps. The H200 sweep's fastest
+        # decode tile, 32 columns × 2 warps (T=1/8/64 in 146/464/1736 us per layer against
+        # 159/490/1854), falls back to mma.sync and changed a 10-token prompt's logits by 0.03
+        # between a prompt alone and in a larger chunk (docs/perf.md, session 7)
+        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
         # 94 us vs 137 us for 64 x 128)
