@@ -2,8 +2,9 @@
 
 A batch is a list of independent sequences (each its own :class:`SeqChunk` with a fresh cache,
 starting at position 0), concatenated along the token axis the way the engine batches requests:
-each holds one long *recall* run (records, then several questions about records 150+ tokens
-back: the long-context signal) and short add/mul/copy/near-recall samples packed back to back,
+each holds a few *recall* parts (a needle cluster of records in filler, then several questions
+about records 150+ tokens back: the long-context signal) and short add/mul/copy/near-recall
+samples packed back to back,
 so a sequence of ~1500 tokens carries dozens of answers. Some short samples drop their BOS (raw
 ``dsv4 generate`` prompts have none) and some are wrapped in the chat encoding (``dsv4 serve``).
 Only answer tokens and the closing EOS are trained on: the rest of a prompt is random by design.

@@ -6,9 +6,9 @@ Faults are planted with monkeypatch, as in tests/validate/test_validate_probe_pl
 (a) a KV reader that assumes 584 contiguous bytes per token instead of the block-packed page;
 (b) FNUZ-written FP8 KV bytes decoded as OCP (every NoPE value doubled);
 (c) the SwiGLU clamp removed (the canary's experts are trained with ~25 % of gate/up values past 10);
-(d) the Lightning Indexer returning the wrong compressed entries — only the recall task can see
-    this, and the committed canary does not answer recall yet (see docs/canary.md), so that test is
-    a strict xfail that will start failing, as a reminder, once a canary that does is committed.
+(d) the Lightning Indexer returning the wrong compressed entries (each chosen entry's mirror
+    image) — only the recall task can see this: its asked record lies beyond the window, so the
+    answer must come through the CSA entries the indexer selects.
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ from canary_helpers import recorded_on, subset
 # covers a different platform's GEMMs flipping a near-tie.
 MARGIN = 0.125
 HEALTHY = {"add": 16, "mul": 16, "copy": 16, "recall": 4}
-FAULT = {"mul": 16, "copy": 16}  # the tasks the committed canary answers well above chance
-# "Collapsed": at most a quarter of the healthy number of correct answers on FAULT (measured:
-# healthy 22/32; fault (b) 3/32, fault (c) 5/32; fault (a) non-finite logits).
+# The tasks the committed canary answers well above chance: mul, copy and (from run 11 on, see
+# docs/canary.md) the far recall. add is left out: it survives the faults best.
+FAULT = {"mul": 16, "copy": 16, "recall": 8}
+# "Collapsed": at most a quarter of the healthy number of correct answers on FAULT (measured on
+# run 12b: healthy 35 of 40; fault (b) 8 = mul 5, copy 2, recall 1; fault (c) 0; fault (a)
+# non-finite logits).
 COLLAPSE = 0.25
 
 
@@ -62,7 +65,7 @@ def assert_collapsed(res_or_error, baseline: int, what: str):
         assert "non-finite logits" in str(res_or_error), res_or_error
         return
     got = n_correct(res_or_error)
-    print(f"{what}: {got} correct of the fault examples ({baseline} healthy)")
+    print(f"{what}: {got} correct of the fault examples ({baseline} healthy): {res_or_error['correct']}")
     assert got <= COLLAPSE * baseline, f"{what}: {got} correct answers vs {baseline} healthy: no collapse"
 
 
@@ -120,8 +123,6 @@ def test_fault_c_swiglu_without_clamp(canary_dir, held, monkeypatch, healthy_fau
     assert_collapsed(res, healthy_fault_baseline, "SwiGLU without clamp")
 
 
-@pytest.mark.xfail(strict=True, reason="the committed canary does not answer recall yet (docs/canary.md): "
-                                        "an indexer fault cannot change its answers")
 def test_fault_d_indexer_returning_wrong_entries(canary_dir, canary_info, held, monkeypatch):
     from dsv4.model.attention import Attention
 
@@ -136,4 +137,5 @@ def test_fault_d_indexer_returning_wrong_entries(canary_dir, canary_info, held, 
 
     monkeypatch.setattr(Attention, "indexer_topk", mirrored_topk)
     res = evaluate_engine(canary_dir, subset(held, {"recall": 8}), llm=llm(canary_dir, "auto"))
-    assert res["accuracy"]["recall"] <= 0.25 * rec
+    print(f"indexer returning mirrored entries: recall {res['accuracy']['recall']:.3f} (recorded {rec:.3f})")
+    assert res["accuracy"]["recall"] <= COLLAPSE * rec
