@@ -51,12 +51,6 @@ def _pad_rows(rows: list) -> tuple[array.array, int]:
     return flat, width
 
 
-def _table(rows: list, device) -> torch.Tensor:
-    """[len(rows), max length ≥ 1] int64 on ``device`` from int64 arrays, padded with -1."""
-    flat, width = _pad_rows(rows)
-    return upload([(flat, (len(rows), width))], device)[0]
-
-
 def host_tables(chunks: list[SeqChunk], allocs) -> list:
     """A step's tables as host int64 parts (``staging.Part``), in the order of
     :meth:`PagedBatch.from_parts`: positions, seq_ids, swa_page, swa_off [T], slots [S],

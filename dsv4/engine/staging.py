@@ -56,9 +56,9 @@ class HostStaging:
         self._copied = None  # torch.cuda.Event after the last copy out of the pinned buffer
 
     def upload(self, parts: list[Part]) -> list[torch.Tensor]:
-        flat = pack(parts)
         if self.device.type != "cuda":
-            return split(flat.to(self.device), parts)
+            return upload(parts, self.device)
+        flat = pack(parts)
         n = flat.numel()
         if self._pinned is None or self._pinned.numel() < n:
             # the old buffer may still be read by its copy: the caching host allocator keeps it

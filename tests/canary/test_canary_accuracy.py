@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dsv4.cache.paged as paged
 import dsv4.model.moe as moe
 from dsv4.canary.eval import evaluate_engine
-from dsv4.formats import FNUZ, OCP, dequantize_kv, get_fp8_format
-from dsv4.model.linear import linear
+from dsv4.formats import dequantize_kv
 
-from canary_helpers import recorded_on, subset
+from canary_helpers import fnuz_read_as_ocp, llm, recorded_on, subset, swiglu_without_clamp
 
 # Engine vs recorded accuracy, on identical examples. On CPU the engine is bitwise the reference
 # that recorded canary.json's checkpoint/* numbers, so the measured gap is 0; the margin (2 of 16)
@@ -37,14 +35,6 @@ FAULT = {"mul": 16, "copy": 16, "recall": 8}
 # run 12b: healthy 35 of 40; fault (b) 8 = mul 5, copy 2, recall 1; fault (c) 0; fault (a)
 # non-finite logits).
 COLLAPSE = 0.25
-
-
-def llm(canary_dir, kv_cache_dtype: str, fp8_format: str = "ocp"):
-    from dsv4.llm import LLM
-
-    return LLM(canary_dir, backend="torch", dtype="float32", kv_cache_dtype=kv_cache_dtype, fp8_format=fp8_format,
-               kv_cache_memory=256 << 20, max_model_len=1024, max_num_seqs=32,
-               max_num_batched_tokens=2048, enable_prefix_caching=False)
 
 
 def n_correct(res: dict) -> int:
@@ -97,27 +87,13 @@ def test_fault_a_kv_reader_assuming_contiguous_records(canary_dir, held, monkeyp
 
 
 def test_fault_b_fnuz_bytes_read_as_ocp(canary_dir, held, monkeypatch, healthy_fault_baseline):
-    true_read = paged.read_kv
-
-    def other_format(pages, block_ids, offsets, fmt, block_size):
-        wrong = OCP if get_fp8_format(fmt).name == "fnuz" else FNUZ
-        return true_read(pages, block_ids, offsets, wrong, block_size)
-
-    monkeypatch.setattr(paged, "read_kv", other_format)
+    monkeypatch.setattr(paged, "read_kv", fnuz_read_as_ocp(paged.read_kv))
     assert_collapsed(run_faulty(canary_dir, held, "fp8_ds_mla", "fnuz"), healthy_fault_baseline, "FNUZ read as OCP")
 
 
 def test_fault_c_swiglu_without_clamp(canary_dir, held, monkeypatch, healthy_fault_baseline):
     seen = {"n": 0, "over": 0}
-
-    def swiglu_without_clamp(x, w1, w3, w2, limit, act_quant=False):
-        gate = linear(x, w1, act_quant).float()
-        up = linear(x, w3, act_quant).float()
-        seen["n"] += 2 * gate.numel()
-        seen["over"] += int((gate > limit).sum()) + int((up.abs() > limit).sum())
-        return linear((F.silu(gate.double()) * up.double()).to(x.dtype), w2, act_quant)
-
-    monkeypatch.setattr(moe, "swiglu", swiglu_without_clamp)
+    monkeypatch.setattr(moe, "swiglu", swiglu_without_clamp(seen))
     res = run_faulty(canary_dir, held, "auto")
     assert seen["over"] > 0.05 * seen["n"]  # the clamp engages for a real share of activations
     assert_collapsed(res, healthy_fault_baseline, "SwiGLU without clamp")

@@ -7,7 +7,8 @@ import random
 import torch
 
 from dsv4.cache.paged import CacheAllocation, PageRow
-from dsv4.engine.paged_attention import _table
+from dsv4.engine.paged_attention import _pad_rows
+from dsv4.engine.staging import upload
 
 
 def test_page_row_follows_appends_releases_and_replacements():
@@ -33,6 +34,12 @@ def test_page_row_follows_appends_releases_and_replacements():
             alloc.swa, alloc.swa_released = [], 0
         got = row.sync(alloc.swa, alloc.swa_released)
         assert got.tolist() == alloc.swa, f"step {step}"
+
+
+def _table(rows: list, device) -> torch.Tensor:
+    """A page table as the step builds it: rows padded with -1 (``_pad_rows``), then uploaded."""
+    flat, width = _pad_rows(rows)
+    return upload([(flat, (len(rows), width))], device)[0]
 
 
 def test_tables_pad_with_minus_one():
