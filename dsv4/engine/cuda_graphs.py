@@ -8,7 +8,8 @@ cache tensor has past its last real one — so whatever they compute and write n
 request's pages. Inside the graph every shape is fixed: the compressed-entry lists have the width
 ``max_model_len`` implies and the ops bound their loops by each token's own counts. After the
 replay the caches' host bookkeeping (``advance``: token counts, boundary rows of closed blocks)
-runs eagerly.
+runs eagerly. A bucket's static int64 inputs (token ids, positions, tables) live in one buffer,
+so the runner stages a step's inputs straight into them with its one host→device copy.
 
 Batch invariance makes the spare lanes harmless for the real ones: every op computes a row
 without looking at the others (``dsv4.ops.invariance``).
@@ -17,12 +18,14 @@ without looking at the others (``dsv4.ops.invariance``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
 from ..model.attention import SeqChunk
 from .paged_attention import PagedBatch
+from .staging import split
 
 log = logging.getLogger("dsv4.engine")
 
@@ -44,6 +47,7 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_num_seqs)
         self.graphs: dict[int, tuple] = {}
         self._keep: dict[int, tuple] = {}  # the graphs' other inputs, kept alive
+        self.inputs: dict[int, torch.Tensor] = {}  # bucket → its static int64 inputs, one buffer
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
@@ -56,10 +60,18 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
 
+    def shapes(self, b: int) -> list[tuple[int, ...]]:
+        """The static int64 inputs of bucket ``b`` as laid out in its one buffer: the token ids,
+        then ``paged_attention.decode_tables``' parts."""
+        return [(b,)] * 6 + [(b, self.n_swa), (b, self.n_blk)]
+
     def _capture(self, b: int, pool):
         kvc, dev = self.kvc, self.kvc.device
-        static = PagedBatch.spare(kvc, b, self.n_swa, self.n_blk, self.ops, self.max_model_len)
-        ids = torch.zeros(b, dtype=torch.long, device=dev)
+        shapes = self.shapes(b)
+        flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.long, device=dev)
+        ids, *tables = split(flat, [(range(math.prod(s)), s) for s in shapes])
+        static = PagedBatch.spare(kvc, tables, self.ops, self.max_model_len)
+        self.inputs[b] = flat
         rows = torch.arange(b, device=dev)
         chunks = [SeqChunk(None, 0, 1) for _ in range(b)]
         if dev.type != "cuda":  # emulation (tests on CPU): the same static inputs, run eagerly at replay
@@ -84,6 +96,15 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def staging_target(self, n: int, max_end: int):
+        """(bucket, its static input buffer, table widths) for a decode step of ``n`` requests
+        whose tokens end by ``max_end``, or None if no graph takes it: the runner then stages the
+        step's inputs straight into the graph's tensors (``paged_attention.decode_tables``)."""
+        b = self.bucket(n)
+        if b is None or max_end > self.max_model_len or b not in self.inputs:
+            return None
+        return b, self.inputs[b], self.n_swa, self.n_blk
+
     def release(self) -> None:
         """Reset every captured graph now. Graphs holding NCCL launches keep the communicator busy:
         destroying the process group while one lives hangs in ncclCommDestroy (pytorch#115388)."""
@@ -92,6 +113,7 @@ class DecodeGraphs:
                 graph.reset()
         self.graphs.clear()
         self._keep.clear()
+        self.inputs.clear()
         self.buckets = []
 
     def can_run(self, batch) -> bool:
@@ -103,9 +125,10 @@ class DecodeGraphs:
     def run(self, batch) -> torch.Tensor:
         n = len(batch.chunks)
         graph, static, ids, logits = self.graphs[self.bucket(n)]
-        static.load(batch.paged)
-        ids.zero_()
-        ids[:n].copy_(batch.token_ids)
+        if not getattr(batch, "graph_staged", False):  # else the step's copy already put them there
+            static.load(batch.paged)
+            ids.zero_()
+            ids[:n].copy_(batch.token_ids)
         if graph is None:
             chunks, rows = logits
             logits = self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False).logits

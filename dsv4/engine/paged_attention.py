@@ -82,6 +82,40 @@ def host_tables(chunks: list[SeqChunk], allocs) -> list:
             (swa, (b, n_swa)), (blocks, (b, n_blk))]
 
 
+def decode_tables(chunks: list[SeqChunk], allocs, lanes: int, n_swa: int, n_blocks: int, kvc: PagedKVCache):
+    """``host_tables`` of a decode step laid out as a CUDA graph's static inputs: ``lanes`` rows
+    (the lanes past the step spare: position 0, the spare page, block and slot) and tables of the
+    graph's full widths, so the one staged copy lands in the graph's own tensors (nothing to
+    ``load``). None if a request's page list is wider than the graph's tables."""
+    n = len(chunks)
+    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
+    blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
+    if any(len(r) > n_swa for r in swa_rows) or any(len(r) > n_blocks for r in blk_rows):
+        return None
+    spare = lanes - n
+    zeros = array.array("q", [0]) * spare
+    pos = array.array("q", (c.start for c in chunks))
+    page = array.array("q", (row[c.start // SWA_PAGE] for c, row in zip(chunks, swa_rows)))
+    off = array.array("q", (c.start % SWA_PAGE for c in chunks))
+    slots = array.array("q", (a.slot for a in allocs))
+    pos.extend(zeros)
+    off.extend(zeros)
+    page.extend(array.array("q", [kvc.spare_swa_page]) * spare)
+    slots.extend(array.array("q", [kvc.spare_slot]) * spare)
+
+    def table(rows, width, spare_id):  # a real row is −1 past its pages (never read), a spare lane spare
+        flat, pad = array.array("q"), array.array("q", [-1]) * width
+        for r in rows:
+            flat.extend(r)
+            flat.extend(pad[:width - len(r)])
+        flat.extend(array.array("q", [spare_id]) * (spare * width))
+        return flat
+
+    return [(pos, (lanes,)), (array.array("q", range(lanes)), (lanes,)), (page, (lanes,)), (off, (lanes,)),
+            (slots, (lanes,)), (table(swa_rows, n_swa, kvc.spare_swa_page), (lanes, n_swa)),
+            (table(blk_rows, n_blocks, kvc.spare_block), (lanes, n_blocks))]
+
+
 @dataclass
 class PagedBatch:
     """Per-step tables for the batched attention (host-built, device-resident)."""
@@ -114,33 +148,34 @@ class PagedBatch:
                    all(c.length == 1 for c in chunks), max(c.start + c.length for c in chunks), ops)
 
     @classmethod
-    def spare(cls, kvc: PagedKVCache, lanes: int, n_swa: int, n_blocks: int, ops: dict, max_end: int) -> "PagedBatch":
-        """Static decode tables of ``lanes`` spare lanes (a CUDA graph's inputs; see ``load``)."""
-        dev = kvc.device
+    def spare(cls, kvc: PagedKVCache, tables: list[torch.Tensor], ops: dict, max_end: int) -> "PagedBatch":
+        """Static decode tables (a CUDA graph's inputs: ``tables`` are the device tensors of
+        ``decode_tables``' parts), filled as spare lanes; a step either lands its tables in them
+        with the staged copy (``decode_tables``) or copies them in (``load``)."""
+        positions, seq_ids, swa_page, swa_off, slots, swa_table, block_table = tables
+        b = cls(kvc, [], positions, seq_ids, swa_table, block_table, slots, swa_page, swa_off, True, max_end, ops)
+        seq_ids.copy_(torch.arange(positions.shape[0]))
+        b.load(None)
+        return b
 
-        def full(shape, value):
-            return torch.full(shape, value, dtype=torch.long, device=dev)
-
-        return cls(kvc, [], full((lanes,), 0), torch.arange(lanes, device=dev), full((lanes, n_swa), kvc.spare_swa_page),
-                   full((lanes, n_blocks), kvc.spare_block), full((lanes,), kvc.spare_slot),
-                   full((lanes,), kvc.spare_swa_page), full((lanes,), 0), True, max_end, ops)
-
-    def load(self, step: "PagedBatch") -> None:
+    def load(self, step: "PagedBatch | None") -> None:
         """Copy a decode step's tables into these static ones; the lanes past it become spare."""
-        n = step.positions.shape[0]
+        n = 0 if step is None else step.positions.shape[0]
         kvc = self.kvc
         self.positions.zero_()
-        self.positions[:n].copy_(step.positions)
-        for mine, theirs, spare in ((self.swa_table, step.swa_table, kvc.spare_swa_page),
-                                    (self.block_table, step.block_table, kvc.spare_block)):
+        for mine, spare in ((self.swa_table, kvc.spare_swa_page), (self.block_table, kvc.spare_block)):
             mine.fill_(spare)
+        self.slots.fill_(kvc.spare_slot)
+        self.swa_page.fill_(kvc.spare_swa_page)
+        self.swa_off.zero_()
+        if step is None:
+            return
+        self.positions[:n].copy_(step.positions)
+        for mine, theirs in ((self.swa_table, step.swa_table), (self.block_table, step.block_table)):
             w = min(mine.shape[1], theirs.shape[1])
             mine[:n, :w].copy_(theirs[:, :w])
-        self.slots.fill_(kvc.spare_slot)
         self.slots[:n].copy_(step.slots)
-        self.swa_page.fill_(kvc.spare_swa_page)
         self.swa_page[:n].copy_(step.swa_page)
-        self.swa_off.zero_()
         self.swa_off[:n].copy_(step.swa_off)
 
     # ---- the attention of one layer ------------------------------------------------------

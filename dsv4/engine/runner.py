@@ -33,6 +33,7 @@ class StepBatch:
     logits_rows: torch.Tensor  # rows of the batch whose logits are needed
     row_owner: list[tuple[int, str]]  # (index into schedule, "sample" | "prompt")
     paged: object | None = None  # PagedBatch: the step's page tables for the batched attention
+    graph_staged: bool = False  # the inputs were copied straight into a decode graph's static tensors
 
 
 class ModelRunner:
@@ -71,10 +72,37 @@ class ModelRunner:
             return StepBatch(token_ids, chunks, logits_rows, owners)
         from .paged_attention import PagedBatch, host_tables
 
-        token_ids, logits_rows, *tables = self.staging.upload(
-            parts + host_tables(chunks, [sc.req.alloc for sc in schedule]))
+        allocs = [sc.req.alloc for sc in schedule]
+        staged = self._stage_for_graph(chunks, allocs, ids, len(rows), off)
+        if staged is not None:
+            token_ids, tables = staged
+            n = len(chunks)
+            return StepBatch(token_ids[:n], chunks, torch.arange(n, device=dev), owners,
+                             PagedBatch.from_parts(self.kv.kvc, chunks, [t[:n] for t in tables], self.attention_ops),
+                             graph_staged=True)
+        token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
         return StepBatch(token_ids, chunks, logits_rows, owners,
                          PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops))
+
+    def _stage_for_graph(self, chunks, allocs, ids, n_rows: int, n_tokens: int):
+        """A decode step that a captured graph will run: its token ids and tables, padded to the
+        graph's bucket, copied straight into the graph's static buffer ((ids, tables) views of it);
+        else None."""
+        target = getattr(self.graphs, "staging_target", None)
+        if target is None or n_tokens != len(chunks) or n_rows != len(chunks):
+            return None  # not a decode step of one sampled row per request
+        found = target(len(chunks), max(c.start + 1 for c in chunks))
+        if found is None:
+            return None
+        from .paged_attention import decode_tables
+
+        b, buf, n_swa, n_blk = found
+        tables = decode_tables(chunks, allocs, b, n_swa, n_blk, self.kv.kvc)
+        if tables is None:
+            return None
+        ids = ids + array.array("q", [0]) * (b - len(chunks))
+        token_ids, *tables = self.staging.upload([(ids, (b,))] + tables, into=buf)
+        return token_ids, tables
 
     @torch.no_grad()
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:

@@ -34,11 +34,23 @@ def split(flat: torch.Tensor, parts: list[Part]) -> list[torch.Tensor]:
     return out
 
 
-def upload(parts: list[Part], device) -> list[torch.Tensor]:
+def upload(parts: list[Part], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The parts as tensors on ``device`` with one copy (from pageable memory: for occasional
-    callers; the engine's runner keeps a :class:`HostStaging`)."""
+    callers; the engine's runner keeps a :class:`HostStaging`). ``into``: a device int64 buffer
+    (a CUDA graph's static inputs) that receives the copy; the tensors are views of it."""
     flat = pack(parts)
-    return split(flat.to(device), parts)
+    if into is None:
+        return split(flat.to(device), parts)
+    dest = _dest(into, flat.numel())
+    dest.copy_(flat)
+    return split(dest, parts)
+
+
+def _dest(into: torch.Tensor, n: int) -> torch.Tensor:
+    if into.dtype != torch.long or into.dim() != 1 or into.numel() < n:
+        raise ValueError(f"staging target must be a 1-D int64 tensor of at least {n} values, got "
+                         f"{into.dtype} {tuple(into.shape)}")
+    return into[:n]
 
 
 class HostStaging:
@@ -55,9 +67,10 @@ class HostStaging:
         self._pinned: torch.Tensor | None = None
         self._copied = None  # torch.cuda.Event after the last copy out of the pinned buffer
 
-    def upload(self, parts: list[Part]) -> list[torch.Tensor]:
+    def upload(self, parts: list[Part], into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """As :func:`upload`; ``into`` must stay allocated (a graph's static buffer)."""
         if self.device.type != "cuda":
-            return upload(parts, self.device)
+            return upload(parts, self.device, into)
         flat = pack(parts)
         n = flat.numel()
         if self._pinned is None or self._pinned.numel() < n:
@@ -68,7 +81,11 @@ class HostStaging:
         elif self._copied is not None:
             self._copied.synchronize()
         self._pinned[:n].copy_(flat)
-        dev = self._pinned[:n].to(self.device, non_blocking=True)
+        if into is None:
+            dev = self._pinned[:n].to(self.device, non_blocking=True)
+        else:
+            dev = _dest(into, n)
+            dev.copy_(self._pinned[:n], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         return split(dev, parts)

@@ -72,13 +72,23 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
     graphs.capture()
     assert graphs.buckets == [1, 2, 4, 8]
-    used = []
+    used, staged = [], []
     run = graphs.run
-    graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or run(batch)
+    graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or staged.append(batch.graph_staged) \
+        or run(batch)
     eng.runner.graphs = graphs
     got = [signature(o) for o in padded.generate(prompts, params)]
     assert 4 in used, f"no padded decode step ran (buckets used: {used})"
+    assert all(staged), "a decode step's inputs were not staged straight into the graph's tensors"
     assert got == want
+    # the copy-in path (a TP worker's replay: tables built elsewhere, then ``load``ed) gives the same
+    unstaged = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_seqs=8)
+    eng = unstaged.engine
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
+    graphs.capture()
+    eng.runner.graphs = graphs
+    eng.runner._stage_for_graph = lambda *a: None
+    assert [signature(o) for o in unstaged.generate(prompts, params)] == want
 
 
 def test_batched_prefill_with_prefix_cache_hit_equals_reference(tiny_ckpt):
