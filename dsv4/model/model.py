@@ -22,6 +22,7 @@ from .cache import CacheNumerics, DenseSequenceCache
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norms import rms_norm
+from .rope import shared_tables
 from .weights import ModelWeights
 
 
@@ -130,7 +131,7 @@ class ReferenceModel:
 
     def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
                 hook=None, paged=None, advance: bool = True) -> ForwardOutput:
-        with kernels.active(self.kernel_ops):
+        with kernels.active(self.kernel_ops), shared_tables():
             streams = self.hidden(token_ids, chunks, hook, paged, advance)
             rows = streams if logits_rows is None else streams[logits_rows]
             if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
@@ -154,7 +155,7 @@ class ReferenceModel:
         e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
         h = rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
         s = linear(h, self.w[f"{p}.h_proj.weight"]) + linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
-        with kernels.active(self.kernel_ops):
+        with kernels.active(self.kernel_ops), shared_tables():
             s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
             hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
             return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])

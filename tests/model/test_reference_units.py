@@ -446,3 +446,24 @@ def test_mtp_forward_from_target_streams(tiny_model_auto):
     a = model.mtp_forward(ids[1:101], out.streams[:100], [SeqChunk(cache, 0, 100)])
     b = model.mtp_forward(ids[101:], out.streams[100:], [SeqChunk(cache, 100, T - 100)])
     assert torch.equal(torch.cat([a, b]), logits)
+
+
+def test_rope_tables_shared_within_a_forward_only_for_the_same_positions():
+    """``shared_tables``: one table per (rope parameters, positions tensor) inside a forward, equal
+    to the uncached one; a positions tensor changed in place, or another tensor, gets its own."""
+    from dsv4.config import RopeParams
+    from dsv4.model.rope import cos_sin, shared_tables
+
+    params = RopeParams(dim=64, theta=10000.0)
+    pos = torch.tensor([0, 5, 300, 70000])
+    want = cos_sin(params, pos)
+    with shared_tables():
+        first = cos_sin(params, pos)
+        assert cos_sin(params, pos)[0] is first[0]  # computed once
+        assert all(torch.equal(a, b) for a, b in zip(first, want))
+        other = cos_sin(params, pos.clone())
+        assert other[0] is not first[0] and torch.equal(other[0], want[0])
+        pos[0] = 9  # in place: a new version of the tensor
+        again = cos_sin(params, pos)
+        assert again[0] is not first[0] and torch.equal(again[0], cos_sin(params, torch.tensor([9, 5, 300, 70000]))[0])
+    assert cos_sin(params, pos)[0] is not cos_sin(params, pos)[0]  # no caching outside a forward
