@@ -51,14 +51,27 @@ def act_format(act_fmt=None):
 # ---------------------------------------------------------------------------------------------
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
-               act_quant: bool = False, act_fmt=None) -> torch.Tensor:
+               act_quant: bool = False, act_fmt=None, groups: int = 1) -> torch.Tensor:
     """y = x · dequant(weight, scale)ᵀ; weight FP8 [N, K] (OCP, FNUZ or uint8 = OCP bytes),
     scale [ceil(N/128), ceil(K/128)] UE8M0 (uint8 / float8_e8m0fnu) or float32.
 
     ``act_quant`` first rounds x to FP8 per 128 K-elements with power-of-two scales (the
     release's FP8 activations; K must be a multiple of 128); ``act_fmt`` picks OCP (max 448) or
-    FNUZ (224), default the platform's format.
+    FNUZ (224), default the platform's format. ``groups`` > 1: a block-diagonal weight (the
+    attention's grouped output projection): x [..., groups·K], group g's N/groups rows (whole
+    128-row scale blocks) times x's g-th K columns, concatenated.
     """
+    if groups != 1:
+        n, k = weight.shape
+        if groups < 1 or n % groups or (n // groups) % 128:
+            raise ValueError(f"groups={groups} must split the weight's {n} rows into whole 128-row blocks")
+        if x.shape[-1] != groups * k:
+            raise ValueError(f"x has K={x.shape[-1]} but the weight is {(n, k)} in {groups} groups: "
+                             f"expected {groups * k}")
+        r = n // groups
+        return torch.cat([fp8_linear(x[..., i * k:(i + 1) * k], weight[i * r:(i + 1) * r],
+                                     scale[i * r // 128:(i + 1) * r // 128], out_dtype, act_quant, act_fmt)
+                          for i in range(groups)], dim=-1)
     out_dtype = out_dtype or x.dtype
     if act_quant:
         x = fake_quant_fp8_pow2(x.float(), 128, act_format(act_fmt)).to(x.dtype)

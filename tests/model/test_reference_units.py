@@ -467,3 +467,20 @@ def test_rope_tables_shared_within_a_forward_only_for_the_same_positions():
         again = cos_sin(params, pos)
         assert again[0] is not first[0] and torch.equal(again[0], cos_sin(params, torch.tensor([9, 5, 300, 70000]))[0])
     assert cos_sin(params, pos)[0] is not cos_sin(params, pos)[0]  # no caching outside a forward
+
+
+def test_op_path_with_torch_backends_equals_the_dequantized_model(tiny_ckpt):
+    """The fast path's structure on CPU: weights kept in their checkpoint formats and consumed by
+    the registered ops (their torch backends here; on the GPU the Triton ones), including the
+    grouped output projection in one ``fp8_linear(groups=g)`` call, gives the dequantized oracle's
+    logits up to fp32 summation order (the experts are stacked and summed in another order)."""
+    from dsv4.model.kernels import KERNEL_OPS
+    from dsv4.model.model import ReferenceModel
+    from dsv4.ops.registry import OPS, resolve
+
+    ops = {op: resolve(op, force={op: "torch"})[1] for op in OPS if op not in KERNEL_OPS}
+    fast, oracle = ReferenceModel(tiny_ckpt, ops=ops), ReferenceModel(tiny_ckpt)
+    assert fast.cfg.o_groups > 1 and not isinstance(fast.blocks[0].attn.wo_a, torch.Tensor)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(5))
+    got, want = fast.prefill(ids)[0], oracle.prefill(ids)[0]
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

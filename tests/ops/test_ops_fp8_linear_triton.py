@@ -199,3 +199,28 @@ def test_registry_resolves_to_this_kernel():
     detect_platform.cache_clear()
     name, fn = resolve("fp8_linear")
     assert name == "triton" and fn is tfl.fp8_linear
+
+
+@pytest.mark.parametrize("m,groups", [(1, 4), (5, 2), (70, 4)])
+def test_grouped_block_diagonal(m, groups):
+    """``groups``: the attention's grouped output projection in one launch equals the per-group
+    products concatenated (the torch op's definition), and a group's rows see only its own K
+    columns; a decode row's bits do not depend on the other rows (batch invariance)."""
+    g = gen(300 + m)
+    r, k = 128, 200
+    wq, s = _weights(groups * r, k, g)
+    x = randn((m, groups * k), g)
+    y = tfl.fp8_linear(x, wq, s, groups=groups)
+    ref = torch_ops.fp8_linear(x, wq, s, groups=groups)
+    assert y.shape == (m, groups * r)
+    per = torch.cat([torch_ops.fp8_linear(x[:, i * k:(i + 1) * k], wq[i * r:(i + 1) * r], s[i:i + 1])
+                     for i in range(groups)], dim=-1)
+    assert torch.equal(ref, per)
+    ap = torch.cat([_absprod(x[:, i * k:(i + 1) * k], wq[i * r:(i + 1) * r], s[i:i + 1]) for i in range(groups)], -1)
+    assert_fp32_accum_close(y, ref, ap)
+    if m > 1:
+        assert torch.equal(tfl.fp8_linear(x[:1], wq, s, groups=groups), y[:1])
+    with pytest.raises(ValueError, match="group"):
+        tfl.fp8_linear(x[:, :k], wq, s, groups=groups)  # x too narrow for the groups
+    with pytest.raises(ValueError, match="groups"):
+        torch_ops.fp8_linear(x, wq[:r + 64], s[:2], groups=2)  # groups of 96 rows: not whole scale blocks

@@ -49,7 +49,7 @@ BLOCK = 128
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, CHUNK, CHUNKS_PER_PROGRAM,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUNKS_PER_PROGRAM,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
                        stride_ys, stride_ym, stride_yn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -66,6 +66,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, CHUNK, CHUNKS_PER_PR
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_dtype = x_ptr.dtype.element_ty
+    # grouped (block-diagonal) weights: output rows [g·GROUP_N, (g+1)·GROUP_N) read x's columns
+    # [g·K, (g+1)·K); GROUP_N is a multiple of BLOCK_N (N when not grouped: group 0)
+    x_ptr += ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * K * stride_xk
 
     # K is cut into chunks of CHUNK columns; this program adds chunks [c_lo, c_hi) in order, each
     # accumulated from 0 apart: total = ((0 + P_lo) + P_lo+1) + ... (split mode: one chunk each,
@@ -181,15 +184,20 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
-               act_quant: bool = False, act_fmt=None, *, config: dict | None = None) -> torch.Tensor:
-    """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., K] bf16/fp16/fp32)."""
+               act_quant: bool = False, act_fmt=None, groups: int = 1, *, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., groups·K] bf16/fp16/fp32; with
+    ``groups`` > 1 one launch computes the block-diagonal product of the attention's grouped
+    output projection: group g's N/groups weight rows times x's g-th K columns)."""
     out_dtype = out_dtype or x.dtype
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     wb, fnuz = fp8_weight_bytes(weight)
     n, k = wb.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)}")
+    if groups < 1 or (groups > 1 and (n % groups or (n // groups) % BLOCK)):
+        raise ValueError(f"groups={groups} must split the weight's {n} rows into whole {BLOCK}-row blocks")
+    if x.shape[-1] != groups * k:
+        raise ValueError(f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)} in {groups} group(s): "
+                         f"expected {groups * k}")
     sc, ue8m0 = scale_kind(scale)
     if tuple(sc.shape) != (math.ceil(n / BLOCK), math.ceil(k / BLOCK)):
         raise ValueError(f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "
@@ -206,11 +214,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         q_mant = int(round((mant * 2 - 1) * (1 << 23)))
         min_e = 1 - (8 if fmt.name == "fnuz" else 7)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, groups * k)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
     cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
+    if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
+        raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N "
+                         f"{cfg['BLOCK_N']}")
     native = cfg.get("native", native_fp8(x.device) and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
     s = cfg["split_k"]
@@ -222,7 +233,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         ys = (0, *y.stride())
     grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
     _fp8_linear_kernel[grid](
-        x2, wb, sc, y, m, n, k, cfg["chunk"], cfg["chunks_per_program"],
+        x2, wb, sc, y, m, n, k, n // groups, cfg["chunk"], cfg["chunks_per_program"],
         x2.stride(0), x2.stride(1), wb.stride(0), wb.stride(1), sc.stride(0), sc.stride(1),
         ys[0], ys[1], ys[2],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
