@@ -17,6 +17,14 @@ they are the same compiled and in the interpreter:
 * rope dims 448..511 as bf16 (RNE) little-endian; scale row = 7 exponent bytes + one zero byte.
 
 (NaN inputs are not bit-matched in the scale byte: the compiled max ignores NaN, torch's amax keeps it.)
+
+``kv_norm_rope_insert`` fuses the window KV's RMSNorm and RoPE in front of the same stores: from the
+raw wkv projection it writes the bytes of Triton ``rms_norm`` → ``apply_rope`` → ``kv_insert``, bit for
+bit — the norm's statistic is ``dense.rms_factor`` with ``dense.norm_launch``'s launch (the same
+reduction as ``_rms_norm_kernel``), each value is rounded to the compute dtype where the unfused path
+stores a tensor, and the kernel is compiled without FMA contraction so that the rope's products are
+rounded on their own, as torch's elementwise ops round them. (The torch ``rms_norm`` sums Σx² in
+another order: in fp32 its last bits can differ.)
 """
 
 from __future__ import annotations
