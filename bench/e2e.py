@@ -119,7 +119,7 @@ def decode_step_bytes(ckpt_dir: str, batch: int) -> int:
 PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first match wins)
     ("sparse attention (paged, in-kernel FP8 decode)", ("_sparse_attn", "sparse_attention", "_attn_")),
     ("Lightning Indexer (scores + top-k)", ("_indexer", "sort", "topk", "radix")),
-    ("KV insert (window + compressed)", ("_kv_insert", "index_put", "scatter")),
+    ("KV insert (window + compressed)", ("_kv_insert", "_kv_norm_rope_insert", "index_put", "scatter")),
     ("FP8 linear", ("_fp8_linear",)),
     ("MoE (routing + grouped experts)", ("_moe", "_route")),
     ("mHC pre/post", ("_mix_kernel", "_gate_kernel", "_post_kernel")),

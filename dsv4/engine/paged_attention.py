@@ -4,7 +4,9 @@ The reference attention (``dsv4.model.attention``) runs the sequence-dependent p
 through a :class:`~dsv4.cache.paged.PagedSequenceView` — exact, but a Python loop per request and
 host synchronisations in the codecs. This path does the same work for the whole step at once:
 
-- every token's window KV is inserted by one op (``kv_insert``) at its (page, offset);
+- every token's window KV is normalized, roped and inserted at its (page, offset) by one op
+  (``kv_norm_rope_insert``, from the raw wkv projection; with validation hooks installed the
+  attention hands over the finished KV and ``kv_insert`` stores it);
 - the compressors run once for all tokens of the step. Decode tokens' state rows go straight into
   the per-request rings (a CUDA graph's input); in a step with prefill chunks each chunk's rows
   are held by its view until the step ends (the ring keeps only the newest rows, and the prefix
@@ -37,7 +39,7 @@ from ..model.norms import rms_norm
 from ..model.rope import apply_rope, cos_sin
 from .staging import upload
 
-ATTENTION_OPS = ("kv_insert", "sparse_attention", "indexer")
+ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "sparse_attention", "indexer")
 
 
 def _pad_rows(rows: list) -> tuple[array.array, int]:
@@ -179,13 +181,22 @@ class PagedBatch:
         self.swa_off[:n].copy_(step.swa_off)
 
     # ---- the attention of one layer ------------------------------------------------------
-    def attend(self, attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Everything ``Attention._attend`` does per chunk, for all tokens of the step at once."""
+    def attend(self, attn, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor | None,
+               kv_raw: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+               sin: torch.Tensor | None = None) -> torch.Tensor:
+        """Everything ``Attention._attend`` does per chunk, for all tokens of the step at once.
+
+        ``kv``: the window KV (normed and roped), or None: then ``kv_raw`` (the wkv projection) and the
+        main rope's ``cos``/``sin`` go to ``kv_norm_rope_insert``, which computes and stores it in one op."""
         kvc, cfg, layer = self.kvc, attn.cfg, attn.layer
         numerics = kvc.numerics
         fmt = numerics.fmt if numerics.quantized else None
-        self._insert(kvc.swa[layer], self.swa_page, self.swa_off, kv, SWA_PAGE, "kv", round_bf16=False)
-        attn._check("k_window", kv)
+        if kv is None:
+            self.ops["kv_norm_rope_insert"](kvc.swa[layer], self.swa_page, self.swa_off, kv_raw, attn.kv_norm,
+                                            cfg.rms_norm_eps, cos, sin, fmt, SWA_PAGE)
+        else:
+            self._insert(kvc.swa[layer], self.swa_page, self.swa_off, kv, SWA_PAGE, "kv", round_bf16=False)
+            attn._check("k_window", kv)
         comp_pages, per = None, 1
         comp_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
         if attn.compressor is not None:

@@ -2,8 +2,11 @@
 
 Token-parallel parts (projections, norms, RoPE, output projection) run over the whole batch;
 the sequence-dependent parts (window, compressor, indexer, the sparse softmax) run per sequence
-chunk against its :class:`~dsv4.model.cache.SequenceCache`. The window and the selected
-compressed entries form **one** softmax, with the per-head sink as an extra zero-valued key.
+chunk against its :class:`~dsv4.model.cache.SequenceCache` — or, given the engine's ``PagedBatch``,
+for all tokens at once over the pages, where the window KV's RMSNorm, RoPE and cache insert are one
+op (``kv_norm_rope_insert``; unfused while validation hooks are installed, as they check the KV).
+The window and the selected compressed entries form **one** softmax, with the per-head sink as an
+extra zero-valued key.
 """
 
 from __future__ import annotations
@@ -156,11 +159,14 @@ class Attention:
         qr = rms_norm(linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
         q = linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
         q = apply_rope(unit_rms_norm(q, cfg.rms_norm_eps), cos, sin)
-        kv = rms_norm(linear(x, self.wkv, self.act_quant), self.kv_norm, cfg.rms_norm_eps)
-        kv = apply_rope(kv, cos, sin)
+        kv_raw = linear(x, self.wkv, self.act_quant)
+        if paged is not None and self.hooks is None:
+            kv = None  # the engine's batched path normalizes, ropes and inserts it in one op (kv_norm_rope_insert)
+        else:
+            kv = apply_rope(rms_norm(kv_raw, self.kv_norm, cfg.rms_norm_eps), cos, sin)
         self._check("q", q)
         if paged is not None:
-            out = paged.attend(self, x, qr, q, kv)
+            out = paged.attend(self, x, qr, q, kv, kv_raw=kv_raw, cos=cos, sin=sin)
         else:
             out = torch.empty_like(q)
             for c in chunks:

@@ -24,11 +24,17 @@ register("moe_experts", "torch", torch_ops.moe_experts, lambda p: True, TORCH_PR
 register("kv_insert", "torch", "dsv4.ops.torch_attention:kv_insert", lambda p: True, TORCH_PRIORITY)
 register("sparse_attention", "torch", "dsv4.ops.torch_attention:paged_sparse_attention", lambda p: True,
          TORCH_PRIORITY)
+# the window KV: (pages, page_ids, offsets, kv_raw, norm_weight, eps, cos, sin, fmt, block_size) -> None,
+# RMSNorm + RoPE + kv_insert (fused in one launch by the Triton backend)
+register("kv_norm_rope_insert", "torch", "dsv4.ops.torch_attention:kv_norm_rope_insert", lambda p: True,
+         TORCH_PRIORITY)
 
 register("fp8_linear", "triton", "dsv4.ops.triton.fp8_linear:fp8_linear", _triton_ok, TRITON_PRIORITY)
 register("moe_route", "triton", "dsv4.ops.triton.moe:moe_route", _triton_ok, TRITON_PRIORITY)
 register("moe_experts", "triton", "dsv4.ops.triton.moe:moe_experts", _triton_ok, TRITON_PRIORITY)
 register("kv_insert", "triton", "dsv4.ops.triton.kv_insert:kv_insert", _triton_ok, TRITON_PRIORITY)
+register("kv_norm_rope_insert", "triton", "dsv4.ops.triton.kv_insert:kv_norm_rope_insert", _triton_ok,
+         TRITON_PRIORITY)
 register("sparse_attention", "triton", "dsv4.ops.triton.sparse_attention:paged_sparse_attention", _triton_ok,
          TRITON_PRIORITY)
 

@@ -3,6 +3,9 @@
 * ``kv_insert``: ``dsv4.formats.write_kv`` on uint8 (``fp8_ds_mla``) pages, index assignment on
   dense ('auto') pages. Padding tokens (page id or offset < 0) are dropped with boolean indexing,
   which syncs with the host: fine for the reference, not capturable (the Triton op is).
+* ``kv_norm_rope_insert``: the window KV's RMSNorm, RoPE and insert — exactly the oracle's
+  ``apply_rope(rms_norm(kv_raw, w, eps), cos, sin)`` then ``kv_insert``, so the pages get the bytes the
+  unfused path writes (the Triton op does the three in one launch).
 * ``paged_sparse_attention``: every query's keys (its listed compressed entries, then its window
   positions max(0, p-w+1)..p) are read through ``read_kv`` / dense indexing into one table and the
   oracle's ``dsv4.model.attention.sparse_attention`` is called on it, so the keys, their order and
@@ -15,8 +18,10 @@ import torch
 
 from ..formats import RECORD_BYTES, get_fp8_format, read_kv, write_kv
 from ..model.attention import left_align, sparse_attention
+from ..model.norms import rms_norm
+from ..model.rope import apply_rope
 
-__all__ = ["kv_insert", "paged_sparse_attention", "gather_attention_keys", "swa_block_size"]
+__all__ = ["kv_insert", "kv_norm_rope_insert", "paged_sparse_attention", "gather_attention_keys", "swa_block_size"]
 
 QUERY_BLOCK = 64  # queries gathered at a time (each gets its own copy of its keys)
 
@@ -41,6 +46,16 @@ def kv_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor
     if bool((keep & (offsets >= pages.shape[1])).any()):
         raise IndexError(f"kv_insert: slot offset out of range for {pages.shape[1]} tokens per page")
     pages[page_ids[keep].long(), offsets[keep].long()] = x[keep].to(pages.dtype)
+
+
+def kv_norm_rope_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, kv_raw: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, fmt=None,
+                        block_size: int | None = None) -> None:
+    """Store ``apply_rope(rms_norm(kv_raw, norm_weight, eps), cos, sin)`` at (page_ids[t], offsets[t])
+    with ``kv_insert`` (negative slots skipped). kv_raw [T, 512]: the wkv projection in the compute
+    dtype; cos/sin [T, 32] fp32 (``dsv4.model.rope.cos_sin``). ``rms_norm`` is the oracle's (the
+    kernel standing in for it inside a fast forward, if any)."""
+    kv_insert(pages, page_ids, offsets, apply_rope(rms_norm(kv_raw, norm_weight, eps), cos, sin), fmt, block_size)
 
 
 def swa_block_size(pages: torch.Tensor) -> int:

@@ -106,3 +106,20 @@ def test_batched_prefill_with_prefix_cache_hit_equals_reference(tiny_ckpt):
     got = [signature(fast.generate([p], params)[0]) for p in prompts]  # the second hits the first's block
     assert fast.engine.kv.hits >= 256
     assert got == want
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_batched_with_hooks_equals_fused(tiny_ckpt, kv_dtype):
+    """With validation hooks installed the batched path computes the window KV unfused (the hooks see
+    it) and stores it with kv_insert; without them kv_norm_rope_insert does all three: same tokens."""
+    prompts = rand_prompts(31, [30, 129])
+    params = greedy(3)
+    plain = make_llm(tiny_ckpt, kv_dtype, attention="batched", backend="torch")
+    want = [signature(o) for o in plain.generate(prompts, params)]
+    hooked = make_llm(tiny_ckpt, kv_dtype, attention="batched", backend="torch")
+    seen = set()
+    hooked.engine.model.set_hooks(lambda name, t: seen.add(name) if name.endswith("k_window") else None)
+    got = [signature(o) for o in hooked.generate(prompts, params)]
+    n_layers = len(hooked.engine.model.blocks)
+    assert {f"layers.{i}.attn.k_window" for i in range(n_layers)} <= seen
+    assert got == want

@@ -38,7 +38,8 @@ import triton.language as tl
 
 from ._common import cast, grouped_tile, interpreting, sum_in_order
 
-__all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS"]
+__all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS", "rms_factor",
+           "norm_launch"]
 
 # One tile configuration per weight dtype for every M (changing an entry changes the bits of the
 # results). bf16/fp16: wgmma tiles, 8 warps (two fp32 accumulators of 128×64 without spills);
@@ -186,18 +187,34 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, d_f, eps, stride_x, stride_y,
-                     HAS_W: tl.constexpr, UNIT: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def rms_factor(xr, D, d_f, eps, BLOCK_D: tl.constexpr):
+    """1/sqrt(Σx²/D + eps) of the unit-stride row at ``xr`` as a [1] fp32 tensor: Σx² accumulated per
+    lane over BLOCK_D column blocks, then tree-summed. Shared with the fused KV insert
+    (``kv_insert.kv_norm_rope_insert``), which must get the same bits: launch it with ``norm_launch``."""
     offs = tl.arange(0, BLOCK_D)
-    xr = x_ptr + row * stride_x
     sq = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         x = tl.load(xr + d0 + offs, mask=d0 + offs < D, other=0.0).to(tl.float32)
         sq += x * x
     zero = tl.zeros((1,), tl.float32)  # div_rn/sqrt_rn need operands of one shape
     ms = tl.div_rn(tl.sum(sq, axis=0) + zero, tl.cast(d_f, tl.float32) + zero)
-    r = tl.div_rn(zero + 1.0, tl.sqrt_rn(ms + tl.cast(eps, tl.float32)))
+    return tl.div_rn(zero + 1.0, tl.sqrt_rn(ms + tl.cast(eps, tl.float32)))
+
+
+def norm_launch(d: int) -> tuple[int, int]:
+    """(BLOCK_D, num_warps) of the RMSNorm of a row of ``d``: a function of D only (the reduction
+    order of ``rms_factor`` depends on both)."""
+    block = min(triton.next_power_of_2(d), 2048)
+    return block, 4 if block >= 512 else 1
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, d_f, eps, stride_x, stride_y,
+                     HAS_W: tl.constexpr, UNIT: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    xr = x_ptr + row * stride_x
+    r = rms_factor(xr, D, d_f, eps, BLOCK_D)
     dt = y_ptr.dtype.element_ty
     if UNIT:  # x * rsqrt(...).to(x.dtype): the factor is rounded, the product is in x's dtype
         r = cast(r, dt, INTERP).to(tl.float32)
@@ -223,10 +240,10 @@ def _norm(x: torch.Tensor, weight, eps: float, unit: bool) -> torch.Tensor:
     if rows == 0 or d == 0:
         return y.reshape(x.shape)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when there is no weight
-    block = min(triton.next_power_of_2(d), 2048)  # a function of D only
+    block, warps = norm_launch(d)
     _rms_norm_kernel[(rows,)](x2, w, y, d, float(d), float(eps), x2.stride(0), y.stride(0),
                               HAS_W=weight is not None, UNIT=unit, BLOCK_D=block, INTERP=interpreting(),
-                              num_warps=4 if block >= 512 else 1)
+                              num_warps=warps)
     return y.reshape(x.shape)
 
 

@@ -17,6 +17,14 @@ they are the same compiled and in the interpreter:
 * rope dims 448..511 as bf16 (RNE) little-endian; scale row = 7 exponent bytes + one zero byte.
 
 (NaN inputs are not bit-matched in the scale byte: the compiled max ignores NaN, torch's amax keeps it.)
+
+``kv_norm_rope_insert`` fuses the window KV's RMSNorm and RoPE in front of the same stores: from the
+raw wkv projection it writes the bytes of Triton ``rms_norm`` → ``apply_rope`` → ``kv_insert``, bit for
+bit — the norm's statistic is ``dense.rms_factor`` with ``dense.norm_launch``'s launch (the same
+reduction as ``_rms_norm_kernel``), each value is rounded to the compute dtype where the unfused path
+stores a tensor, and the kernel is compiled without FMA contraction so that the rope's products are
+rounded on their own, as torch's elementwise ops round them. (The torch ``rms_norm`` sums Σx² in
+another order: in fp32 its last bits can differ.)
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ import triton.language as tl
 from ...formats.fp8 import get_fp8_format
 from ...formats.kv_record import DATA_BYTES, KV_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM, SCALE_BYTES, TILE
 from ._common import cast, interpreting, ue8m0_to_f32
+from .dense import norm_launch, rms_factor
 
-__all__ = ["kv_insert", "kv_insert_dense"]
+__all__ = ["kv_insert", "kv_insert_dense", "kv_norm_rope_insert"]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -84,6 +93,31 @@ def _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE):
 
 
 @triton.jit
+def _store_nope(base, off, x, tile, d, nope, ok, BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
+                FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr):
+    """Quantize the NoPE values x [8, 64] (7 tiles of 64 at columns d, row 7 masked off by ``nope``)
+    into the record at ``off`` of the page at ``base``: e4m3 codes and the 8-byte scale row."""
+    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), FLT_MAX)
+    ab = amax.to(tl.int32, bitcast=True)
+    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
+    eb = tl.minimum(tl.maximum(e + 127, 0), 254)
+    inv = ue8m0_to_f32(254 - eb)  # 2^-(eb-127) exactly (eb = 254 -> the subnormal 2^-127)
+    codes = encode_e4m3(x * inv[:, None], FMT_MAX, BIAS, FNUZ)
+    # masks are where(ok, m, False): the interpreter rejects `scalar & vector` as a store mask
+    tl.store(base + off * 576 + d, codes.to(tl.uint8), mask=tl.where(ok, nope, False))
+    tl.store(base + BLOCK_SIZE * 576 + off * 8 + tile, tl.where(tile < 7, eb, 0).to(tl.uint8),
+             mask=tl.where(ok, tile < 8, False))
+
+
+@triton.jit
+def _store_bf16_bytes(ptr, v, mask):
+    """v (fp32) rounded to bf16 (RNE), stored little-endian at ptr, ptr + 1."""
+    h = rne_bf16(v).to(tl.int32, bitcast=True) >> 16
+    tl.store(ptr, (h & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptr + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, stride_xt, stride_xd,
                       BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, FMT_MAX: tl.constexpr,
                       BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
@@ -100,24 +134,67 @@ def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, 
     x = tl.load(xrow + d * stride_xd, mask=nope, other=0.0).to(tl.float32)
     if ROUND_BF16:
         x = rne_bf16(x)
-    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), FLT_MAX)
-    ab = amax.to(tl.int32, bitcast=True)
-    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
-    eb = tl.minimum(tl.maximum(e + 127, 0), 254)
-    inv = ue8m0_to_f32(254 - eb)  # 2^-(eb-127) exactly (eb = 254 -> the subnormal 2^-127)
-    codes = encode_e4m3(x * inv[:, None], FMT_MAX, BIAS, FNUZ)
-    # masks are where(ok, m, False): the interpreter rejects `scalar & vector` as a store mask
-    tl.store(base + off * 576 + d, codes.to(tl.uint8), mask=tl.where(ok, nope, False))
-    tl.store(base + BLOCK_SIZE * 576 + off * 8 + tile, tl.where(tile < 7, eb, 0).to(tl.uint8),
-             mask=tl.where(ok, tile < 8, False))
+    _store_nope(base, off, x, tile, d, nope, ok, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ)
 
     # rope: 64 bf16 values, little-endian byte pairs
     j = tl.arange(0, 64)
     r = tl.load(xrow + (448 + j) * stride_xd).to(tl.float32)
-    h = rne_bf16(r).to(tl.int32, bitcast=True) >> 16
-    rbase = base + off * 576 + 448 + 2 * j
-    tl.store(rbase, (h & 0xFF).to(tl.uint8), mask=tl.where(ok, j < 64, False))
-    tl.store(rbase + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=tl.where(ok, j < 64, False))
+    _store_bf16_bytes(base + off * 576 + 448 + 2 * j, r, tl.where(ok, j < 64, False))
+
+
+@triton.jit
+def _normed(xrow, w_ptr, d, mask, r, KV_DT: tl.constexpr, INTERP: tl.constexpr):
+    """The RMSNorm output at columns d, as ``_rms_norm_kernel`` writes it (w · (x · r) rounded to the
+    compute dtype KV_DT), held as fp32."""
+    x = tl.load(xrow + d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * (x * r)
+    return cast(y, KV_DT, INTERP).to(tl.float32)
+
+
+@triton.jit
+def _kv_norm_rope_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr,
+                                D, d_f, eps, stride_xt, stride_ct, stride_cd, stride_st, stride_sd,
+                                BLOCK_SIZE, stride_p, stride_b, stride_d,
+                                BLOCK_D: tl.constexpr, DENSE: tl.constexpr, Q_MANT: tl.constexpr,
+                                Q_EXP: tl.constexpr, FMT_MAX: tl.constexpr, BIAS: tl.constexpr,
+                                FNUZ: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    page, off, ok = _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE)
+    xrow = x_ptr + t * stride_xt
+    kv_dt = x_ptr.dtype.element_ty
+    r = rms_factor(xrow, D, d_f, eps, BLOCK_D)  # [1]: rms_norm's statistic, bit for bit
+
+    # NoPE: 7 tiles of 64 as rows of an [8, 64] block (row 7 masked off)
+    tile = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    nope = (tile < 7)[:, None] & (col < 64)[None, :]
+    d = tile[:, None] * 64 + col[None, :]
+    y = _normed(xrow, w_ptr, d, nope, r[:, None], kv_dt, INTERP)
+
+    # rope pairs (448 + 2i, 449 + 2i): apply_rope's fp32 math (products rounded on their own: the
+    # kernel is compiled without FMA contraction), rounded to the compute dtype
+    i = tl.arange(0, 32)
+    ev = 448 + 2 * i
+    even = _normed(xrow, w_ptr, ev, i < 32, r, kv_dt, INTERP)
+    odd = _normed(xrow, w_ptr, ev + 1, i < 32, r, kv_dt, INTERP)
+    c = tl.load(cos_ptr + t * stride_ct + i * stride_cd)
+    s = tl.load(sin_ptr + t * stride_st + i * stride_sd)
+    re = cast(even * c - odd * s, kv_dt, INTERP).to(tl.float32)
+    ro = cast(odd * c + even * s, kv_dt, INTERP).to(tl.float32)
+
+    rmask = tl.where(ok, i < 32, False)
+    if DENSE:  # 'auto' pages [P, B, D]: the values cast to the pages' dtype
+        pdt = pages_ptr.dtype.element_ty
+        dst = pages_ptr + page * stride_p + off * stride_b
+        tl.store(dst + d * stride_d, cast(y, pdt, INTERP), mask=tl.where(ok, nope, False))
+        tl.store(dst + ev * stride_d, cast(re, pdt, INTERP), mask=rmask)
+        tl.store(dst + (ev + 1) * stride_d, cast(ro, pdt, INTERP), mask=rmask)
+    else:  # fp8_ds_mla records
+        base = pages_ptr + page * stride_p
+        _store_nope(base, off, y, tile, d, nope, ok, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ)
+        rope = base + off * 576 + 448 + 4 * i  # bf16 pair i: bytes 448 + 4i .. 448 + 4i + 3
+        _store_bf16_bytes(rope, re, rmask)
+        _store_bf16_bytes(rope + 2, ro, rmask)
 
 
 @triton.jit
@@ -199,3 +276,81 @@ def kv_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor
         Q_MANT=q_mant, Q_EXP=q_exp, FMT_MAX=fmax, BIAS=bias, FNUZ=fnuz, ROUND_BF16=bool(round_bf16),
         num_warps=4)
 
+
+
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_norm_rope(pages, page_ids, offsets, kv_raw, norm_weight, cos, sin) -> None:
+    what = "kv_norm_rope_insert"
+    if not isinstance(kv_raw, torch.Tensor) or kv_raw.dim() != 2 or kv_raw.shape[1] != KV_DIM:
+        raise ValueError(f"{what}: kv_raw must be [T, {KV_DIM}], got {tuple(getattr(kv_raw, 'shape', ()))}")
+    if kv_raw.dtype not in _KV_DTYPES:
+        raise TypeError(f"{what}: kv_raw must be bf16, fp16 or fp32 (the compute dtype), got {kv_raw.dtype}")
+    _check_slots(page_ids, offsets, kv_raw, KV_DIM, what)
+    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (KV_DIM,):
+        raise ValueError(f"{what}: norm_weight must be [{KV_DIM}], got {tuple(getattr(norm_weight, 'shape', ()))}")
+    if not norm_weight.is_floating_point():
+        raise TypeError(f"{what}: norm_weight must be a float tensor, got {norm_weight.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (kv_raw.shape[0], ROPE_DIM // 2):
+            raise ValueError(f"{what}: {name} must be [T={kv_raw.shape[0]}, {ROPE_DIM // 2}], got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{what}: {name} must be float32 (dsv4.model.rope.cos_sin), got {t.dtype}")
+    for name, t in (("pages", pages), ("page_ids", page_ids), ("offsets", offsets), ("norm_weight", norm_weight),
+                    ("cos", cos), ("sin", sin)):
+        if t.device != kv_raw.device:
+            raise ValueError(f"{what}: {name} is on {t.device}, kv_raw on {kv_raw.device}")
+
+
+def kv_norm_rope_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, kv_raw: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, fmt=None,
+                        block_size: int | None = None) -> None:
+    """RMSNorm + RoPE + KV insert in one launch: writes what
+    ``kv_insert(pages, page_ids, offsets, apply_rope(rms_norm(kv_raw, norm_weight, eps), cos, sin), fmt, block_size)``
+    writes with the Triton ``rms_norm`` (``dense.py``), bit for bit; page id < 0 (or an offset outside
+    the page) skipped.
+
+    kv_raw [T, 512]: the wkv projection in the compute dtype (bf16, fp16 or fp32); norm_weight [512];
+    cos/sin [T, 32] fp32 (``dsv4.model.rope.cos_sin``: the rope turns the interleaved pairs of the last
+    64 dims). uint8 pages [P, ≥ block_size·584] get 584-byte ``fp8_ds_mla`` records in format ``fmt``;
+    float pages [P, B, 512] (the 'auto' cache) the normed and roped values cast to their dtype (``fmt``
+    and ``block_size`` are then ignored). Nothing is returned: callers that need the KV itself (the
+    validation hooks) compute it unfused.
+    """
+    _check_norm_rope(pages, page_ids, offsets, kv_raw, norm_weight, cos, sin)
+    dense = pages.dtype != torch.uint8
+    if dense:
+        if pages.dim() != 3 or not pages.is_floating_point() or pages.shape[2] != KV_DIM:
+            raise ValueError(f"kv_norm_rope_insert: float pages must be [P, B, {KV_DIM}], got {pages.dtype} "
+                             f"{tuple(pages.shape)}")
+        block_size = pages.shape[1]
+        q_mant, q_exp, fmax, bias, fnuz = 0, 0, 0.0, 0, False
+        strides = pages.stride()
+    else:
+        if fmt is None:
+            raise ValueError("kv_norm_rope_insert: uint8 (fp8_ds_mla) pages need an FP8 format, got fmt=None")
+        fmt = get_fp8_format(fmt)
+        if pages.dim() != 2 or pages.stride(1) != 1:
+            raise ValueError(f"kv_norm_rope_insert: pages must be a 2-D uint8 tensor with unit inner stride, got "
+                             f"shape {tuple(pages.shape)} stride {pages.stride()}")
+        if block_size is None:
+            block_size = pages.shape[1] // RECORD_BYTES
+        if block_size <= 0 or pages.shape[1] < block_size * RECORD_BYTES:
+            raise ValueError(f"kv_norm_rope_insert: page row has {pages.shape[1]} bytes, block_size {block_size} "
+                             f"needs {block_size * RECORD_BYTES}")
+        q_mant, q_exp, fmax, bias, fnuz = _quant_consts(fmt)
+        strides = (pages.stride(0), 0, 1)
+    if kv_raw.shape[0] == 0:
+        return
+    if kv_raw.stride(1) != 1:
+        kv_raw = kv_raw.contiguous()  # rms_norm reads unit-stride rows (as _norm does)
+    block, warps = norm_launch(KV_DIM)
+    page_ids, offsets = page_ids.contiguous(), offsets.contiguous()
+    _kv_norm_rope_insert_kernel[(kv_raw.shape[0],)](
+        pages, page_ids, offsets, kv_raw, norm_weight.contiguous(), cos, sin, KV_DIM, float(KV_DIM), float(eps),
+        kv_raw.stride(0), *cos.stride(), *sin.stride(), block_size, *strides,
+        BLOCK_D=block, DENSE=dense, Q_MANT=q_mant, Q_EXP=q_exp, FMT_MAX=fmax, BIAS=bias, FNUZ=fnuz,
+        INTERP=interpreting(), num_warps=warps,
+        enable_fp_fusion=False)  # apply_rope rounds each product: no a·b - c·d contracted into an FMA
