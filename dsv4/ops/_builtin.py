@@ -24,12 +24,18 @@ register("moe_experts", "torch", torch_ops.moe_experts, lambda p: True, TORCH_PR
 register("kv_insert", "torch", "dsv4.ops.torch_attention:kv_insert", lambda p: True, TORCH_PRIORITY)
 register("sparse_attention", "torch", "dsv4.ops.torch_attention:paged_sparse_attention", lambda p: True,
          TORCH_PRIORITY)
+# the batched compressor's ring store + pooling + RMSNorm + RoPE + compressed-page insert (signature in
+# dsv4.ops.torch_compressor)
+register("compressor_pool_insert", "torch", "dsv4.ops.torch_compressor:compressor_pool_insert", lambda p: True,
+         TORCH_PRIORITY)
 
 register("fp8_linear", "triton", "dsv4.ops.triton.fp8_linear:fp8_linear", _triton_ok, TRITON_PRIORITY)
 register("moe_route", "triton", "dsv4.ops.triton.moe:moe_route", _triton_ok, TRITON_PRIORITY)
 register("moe_experts", "triton", "dsv4.ops.triton.moe:moe_experts", _triton_ok, TRITON_PRIORITY)
 register("kv_insert", "triton", "dsv4.ops.triton.kv_insert:kv_insert", _triton_ok, TRITON_PRIORITY)
 register("sparse_attention", "triton", "dsv4.ops.triton.sparse_attention:paged_sparse_attention", _triton_ok,
+         TRITON_PRIORITY)
+register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compressor_pool_insert", _triton_ok,
          TRITON_PRIORITY)
 
 # Lightning Indexer over the paged indexer keys: (q, weights, seq_ids, n_visible, pages, block_table,
