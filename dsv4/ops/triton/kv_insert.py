@@ -31,7 +31,7 @@ from ...formats.fp8 import get_fp8_format
 from ...formats.kv_record import DATA_BYTES, KV_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM, SCALE_BYTES, TILE
 from ._common import cast, interpreting, ue8m0_to_f32
 
-__all__ = ["kv_insert", "kv_insert_dense"]
+__all__ = ["kv_insert", "kv_insert_dense", "store_kv_record", "scale_byte", "encode_e4m3", "rne_bf16"]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -84,40 +84,52 @@ def _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE):
 
 
 @triton.jit
+def scale_byte(amax, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr):
+    """UE8M0 byte of a block's power-of-two scale: amax floored at 1e-4 (and capped at FLT_MAX),
+    e = ceil(log2(amax / quant_max)) from the exponent/mantissa fields, byte = clamp(e + 127, 0, 254)."""
+    amax = tl.minimum(tl.maximum(amax, 1e-4), FLT_MAX)
+    ab = amax.to(tl.int32, bitcast=True)
+    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
+    return tl.minimum(tl.maximum(e + 127, 0), 254)
+
+
+@triton.jit
+def store_kv_record(base, off, ok, x, BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
+                    FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Write the 584-byte record of one token at slot ``off`` of the page at ``base`` (nothing where
+    ``ok`` is False). ``x``: its 512 fp32 values as [8, 64] (rows 0..6 the NoPE tiles, row 7 rope)."""
+    tile = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    nope = (tile < 7)[:, None] & (col < 64)[None, :]
+    rope = (tile == 7)[:, None] & (col < 64)[None, :]
+    d = tile[:, None] * 64 + col[None, :]
+    xn = tl.where(nope, x, 0.0)
+    if ROUND_BF16:
+        xn = rne_bf16(xn)
+    eb = scale_byte(tl.max(tl.abs(xn), axis=1), Q_MANT, Q_EXP)
+    inv = ue8m0_to_f32(254 - eb)  # 2^-(eb-127) exactly (eb = 254 -> the subnormal 2^-127)
+    codes = encode_e4m3(xn * inv[:, None], FMT_MAX, BIAS, FNUZ)
+    # masks are where(ok, m, False): the interpreter rejects `scalar & vector` as a store mask
+    tl.store(base + off * 576 + d, codes.to(tl.uint8), mask=tl.where(ok, nope, False))
+    tl.store(base + BLOCK_SIZE * 576 + off * 8 + tile, tl.where(tile < 7, eb, 0).to(tl.uint8),
+             mask=tl.where(ok, tile < 8, False))
+    # rope: 64 bf16 values, little-endian byte pairs
+    h = rne_bf16(x).to(tl.int32, bitcast=True) >> 16
+    rbase = base + off * 576 + 448 + 2 * col[None, :] + 0 * tile[:, None]  # [8, 64]: only row 7 is stored
+    tl.store(rbase, (h & 0xFF).to(tl.uint8), mask=tl.where(ok, rope, False))
+    tl.store(rbase + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=tl.where(ok, rope, False))
+
+
+@triton.jit
 def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, stride_xt, stride_xd,
                       BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, FMT_MAX: tl.constexpr,
                       BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     page, off, ok = _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE)
-    base = pages_ptr + page * stride_page
-    xrow = x_ptr + t * stride_xt
-
-    # NoPE: 7 tiles of 64 as rows of an [8, 64] block (row 7 masked off)
-    tile = tl.arange(0, 8)
-    col = tl.arange(0, 64)
-    nope = (tile < 7)[:, None] & (col < 64)[None, :]
-    d = tile[:, None] * 64 + col[None, :]
-    x = tl.load(xrow + d * stride_xd, mask=nope, other=0.0).to(tl.float32)
-    if ROUND_BF16:
-        x = rne_bf16(x)
-    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), FLT_MAX)
-    ab = amax.to(tl.int32, bitcast=True)
-    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
-    eb = tl.minimum(tl.maximum(e + 127, 0), 254)
-    inv = ue8m0_to_f32(254 - eb)  # 2^-(eb-127) exactly (eb = 254 -> the subnormal 2^-127)
-    codes = encode_e4m3(x * inv[:, None], FMT_MAX, BIAS, FNUZ)
-    # masks are where(ok, m, False): the interpreter rejects `scalar & vector` as a store mask
-    tl.store(base + off * 576 + d, codes.to(tl.uint8), mask=tl.where(ok, nope, False))
-    tl.store(base + BLOCK_SIZE * 576 + off * 8 + tile, tl.where(tile < 7, eb, 0).to(tl.uint8),
-             mask=tl.where(ok, tile < 8, False))
-
-    # rope: 64 bf16 values, little-endian byte pairs
-    j = tl.arange(0, 64)
-    r = tl.load(xrow + (448 + j) * stride_xd).to(tl.float32)
-    h = rne_bf16(r).to(tl.int32, bitcast=True) >> 16
-    rbase = base + off * 576 + 448 + 2 * j
-    tl.store(rbase, (h & 0xFF).to(tl.uint8), mask=tl.where(ok, j < 64, False))
-    tl.store(rbase + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=tl.where(ok, j < 64, False))
+    d = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = tl.load(x_ptr + t * stride_xt + d * stride_xd).to(tl.float32)
+    store_kv_record(pages_ptr + page * stride_page, off, ok, x, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ,
+                    ROUND_BF16)
 
 
 @triton.jit
