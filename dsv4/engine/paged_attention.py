@@ -9,8 +9,11 @@ host synchronisations in the codecs. This path does the same work for the whole 
   the per-request rings (a CUDA graph's input); in a step with prefill chunks each chunk's rows
   are held by its view until the step ends (the ring keeps only the newest rows, and the prefix
   cache snapshots block boundaries from them). The entries of blocks that close are pooled from
-  those rows and the ring and inserted for all requests together; invalid writes go to a spare
-  page, so there is no data-dependent branch and no host synchronisation;
+  those rows and the ring and inserted for all requests together by one op
+  (``compressor_pool_insert``: ring store, pooling, RMSNorm, RoPE, insert — the same op and
+  arithmetic for decode and chunk steps, so an entry never depends on the chunking); invalid
+  writes are skipped or go to a spare page, so there is no data-dependent branch and no host
+  synchronisation;
 - the Lightning Indexer scores every query against its own request's paged indexer keys
   (``indexer`` op) and the sparse attention reads the window and the selected compressed
   entries from the pages in-kernel (``sparse_attention`` op).
