@@ -1,12 +1,14 @@
-"""Where a decode step's small kernels come from: device time and launches per step, grouped by the
-dsv4 source line whose torch call launched them (eager steps, torch.profiler with stacks).
+"""Where a decode step's small kernels come from: the torch ops one engine step launches, counted
+by the dsv4 source line that called them (a TorchDispatchMode over one eager step).
 
-The CUDA-graph profile (bench/e2e.py) names kernels but not their callers; ~400 launches of a
-batch-1 step are torch elementwise/copy/index kernels. This runs the same engine with
-``enforce_eager`` and attributes every kernel to the innermost ``dsv4/`` frame of the CPU op that
-launched it, so the fusion candidates are named by file:line.
+The CUDA-graph profile (bench/e2e.py) names kernels but not their callers, and ~400 launches of a
+batch-1 step on the H200 are torch elementwise/copy/index kernels. This runs the engine eagerly
+on the fast path (``backend=triton``: on a CPU under TRITON_INTERPRET=1, where the Triton kernels
+run in the interpreter and launch no torch ops) and counts every torch op that computes (views
+and allocations excluded) by its innermost ``dsv4/`` frame — the fusion candidates, by file:line.
 
-    python bench/decode_sources.py --ckpt /tmp/fw4 --batch 1 --top 50 --out sources.json
+    TRITON_INTERPRET=1 python bench/decode_sources.py --ckpt /tmp/tiny --batch 1
+    python bench/decode_sources.py --ckpt /tmp/fw4 --batch 64 --out sources.json   # on the GPU
 """
 
 from __future__ import annotations
@@ -14,67 +16,71 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
+import traceback
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# ops that only make views, metadata or uninitialised memory: no kernel on the device
+FREE = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "_reshape_alias", "reshape", "detach",
+        "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "alias", "split",
+        "split_with_sizes", "unbind", "lift_fresh", "_to_copy_noop", "unfold", "diagonal", "chunk", "narrow",
+        "view_as_real", "view_as_complex", "_local_scalar_dense", "is_pinned", "set_", "resize_", "size", "stride",
+        "sym_size", "sym_stride", "sym_numel", "numel", "dim", "record_stream", "_pin_memory", "pin_memory"}
 
 
-def frame_of(stack: list[str]) -> str:
-    """The innermost dsv4 frame of a CPU op's stack ('file.py(line): fn')."""
-    for fr in stack:
-        if "/dsv4/" in fr:
-            return fr.split("/dsv4/", 1)[1]
-    return stack[0] if stack else "?"
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.by: dict = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in FREE:
+            where = "?"
+            for fr in reversed(traceback.extract_stack(limit=40)):
+                if "/dsv4/" in fr.filename and "/triton/" not in fr.filename.split("/dsv4/", 1)[1][:10]:
+                    where = f"{fr.filename.split('/dsv4/', 1)[1]}:{fr.lineno} {fr.name}"
+                    break
+            self.by[where][name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--top", type=int, default=50)
+    ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     from dsv4 import LLM, SamplingParams
 
-    llm = LLM(a.ckpt, dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", max_model_len=1024, max_num_seqs=max(a.batch, 1),
-              max_num_batched_tokens=4096, kv_cache_memory=4 << 30, enable_prefix_caching=False, enforce_eager=True)
+    gpu = torch.cuda.is_available()
+    llm = LLM(a.ckpt, dtype="bfloat16" if gpu else "float32", kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
+              max_num_seqs=max(a.batch, 1), max_num_batched_tokens=4096, kv_cache_memory=(4 << 30) if gpu else None,
+              enable_prefix_caching=False, enforce_eager=True, backend="triton")
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for _ in range(a.batch):
-        eng.add_request(prompt_token_ids=torch.randint(3, 1000, (300,), generator=g).tolist(),
-                        params=SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
-    for _ in range(4):  # the prefill and warm-up decode steps (every kernel compiled)
+        eng.add_request(prompt_token_ids=torch.randint(3, 500, (300,), generator=g).tolist(),
+                        params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(2):  # the prefill and one decode step
         eng.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(a.steps):
-            eng.step()
-        torch.cuda.synchronize()
-    # device time of the kernels each CPU op launched, by the op's innermost dsv4 frame
-    by: dict = defaultdict(lambda: [0.0, 0, set()])
-    total = 0.0
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CPU or not ev.kernels:
-            continue
-        where = frame_of(ev.stack or [])
-        for k in ev.kernels:
-            by[where][0] += k.duration / 1e3 / a.steps
-            by[where][1] += 1 / a.steps
-            by[where][2].add(ev.name)
-            total += k.duration / 1e3 / a.steps
-    rows = sorted(([round(v[0], 4), round(v[1], 1), w, sorted(v[2])[:4]] for w, v in by.items()), reverse=True)
-    print(f"batch {a.batch}: {total:.3f} ms of kernels per eager step, {sum(r[1] for r in rows):.0f} launches")
-    for ms, n, w, ops in rows[:a.top]:
-        print(f"{ms:8.4f} ms {n:6.1f}x  {w[:80]:80s} {','.join(ops)[:70]}")
+    mode = Count()
+    with mode:
+        eng.step()
+    rows = sorted(((sum(c.values()), w, dict(c.most_common(5))) for w, c in mode.by.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"batch {a.batch}: {total} computing torch ops in one eager decode step (Triton launches not counted)")
+    for n, w, ops in rows[:a.top]:
+        print(f"{n:5d}  {w[:78]:78s} {' '.join(f'{k}:{v}' for k, v in ops.items())[:90]}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"batch": a.batch, "total_ms": total, "rows": rows}, indent=1, default=list))
+        Path(a.out).write_text(json.dumps({"batch": a.batch, "total": total, "rows": rows}, indent=1))
     return 0
 
 

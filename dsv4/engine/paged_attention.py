@@ -11,8 +11,11 @@ host synchronisations in the codecs. This path does the same work for the whole 
   the per-request rings (a CUDA graph's input); in a step with prefill chunks each chunk's rows
   are held by its view until the step ends (the ring keeps only the newest rows, and the prefix
   cache snapshots block boundaries from them). The entries of blocks that close are pooled from
-  those rows and the ring and inserted for all requests together; invalid writes go to a spare
-  page, so there is no data-dependent branch and no host synchronisation;
+  those rows and the ring and inserted for all requests together by one op
+  (``compressor_pool_insert``: ring store, pooling, RMSNorm, RoPE, insert — the same op and
+  arithmetic for decode and chunk steps, so an entry never depends on the chunking); invalid
+  writes are skipped or go to a spare page, so there is no data-dependent branch and no host
+  synchronisation;
 - the Lightning Indexer scores every query against its own request's paged indexer keys
   (``indexer`` op) and the sparse attention reads the window and the selected compressed
   entries from the pages in-kernel (``sparse_attention`` op).
@@ -30,16 +33,14 @@ import torch
 
 from ..cache.paged import SWA_PAGE, PagedKVCache
 from ..config import LayerType
-from ..formats import fake_quant_fp8_pow2, quantize_indexer_k
-from ..formats import _paging
-from ..formats.indexer_record import INDEXER_VALUE_BYTES, _scale_start as _idx_scale_start
+from ..formats import fake_quant_fp8_pow2
 from ..model.attention import SeqChunk
 from ..model.linear import linear
-from ..model.norms import rms_norm
 from ..model.rope import apply_rope, cos_sin
+from ..ops.torch_compressor import insert_dense
 from .staging import upload
 
-ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "sparse_attention", "indexer")
+ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer")
 
 
 def _pad_rows(rows: list) -> tuple[array.array, int]:
@@ -191,11 +192,14 @@ class PagedBatch:
         kvc, cfg, layer = self.kvc, attn.cfg, attn.layer
         numerics = kvc.numerics
         fmt = numerics.fmt if numerics.quantized else None
-        if kv is None:
+        if kv is None:  # the window KV of every token: norm, rope and insert in one op (page −1 skipped)
             self.ops["kv_norm_rope_insert"](kvc.swa[layer], self.swa_page, self.swa_off, kv_raw, attn.kv_norm,
                                             cfg.rms_norm_eps, cos, sin, fmt, SWA_PAGE)
-        else:
-            self._insert(kvc.swa[layer], self.swa_page, self.swa_off, kv, SWA_PAGE, "kv", round_bf16=False)
+        else:  # validation hooks: the unfused KV, which the hook sees
+            if fmt is not None:
+                self.ops["kv_insert"](kvc.swa[layer], self.swa_page, self.swa_off, kv.float(), fmt, SWA_PAGE, False)
+            else:
+                insert_dense(kvc.swa[layer], self.swa_page, self.swa_off, kv)
             attn._check("k_window", kv)
         comp_pages, per = None, 1
         comp_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
@@ -216,62 +220,36 @@ class PagedBatch:
                                             comp_pages, self.block_table, per, comp_idx, attn.sink,
                                             cfg.head_dim ** -0.5, cfg.sliding_window, fmt)
 
-    def _insert(self, pages, page_ids, offsets, rows, block_size: int, kind: str, round_bf16: bool) -> None:
-        """Write rows at (page, offset); page −1 is skipped by the op (no host sync)."""
-        numerics = self.kvc.numerics
-        if kind == "kv" and numerics.quantized:
-            self.ops["kv_insert"](pages, page_ids, offsets, rows.float(), numerics.fmt, block_size, round_bf16)
-        elif kind == "index" and numerics.quantized:
-            _insert_indexer_keys(pages, page_ids, offsets, rows.float(), numerics.fmt, block_size)
-        else:
-            _insert_dense(pages, page_ids, offsets, rows)
-
     # ---- compressor ----------------------------------------------------------------------
     def _compress(self, comp, x: torch.Tensor) -> None:
-        """What ``Compressor.run`` does per chunk, for every token of the step at once."""
+        """What ``Compressor.run`` does per chunk, for every token of the step at once: a decode-only
+        step stores its rows straight into the state rings and pools the closing entries from them
+        (``compressor_pool_insert``'s decode form); a step with prefill chunks goes to
+        ``_compress_chunks``."""
         if not self.decode_only:
             return self._compress_chunks(comp, x)
-        kvc = self.kvc
-        key = (comp.layer, comp.kind)
-        ring = kvc.ring[key]
-        size = ring.shape[1]
-        pos = self.positions
-        slot = self.slots[self.seq_ids]
-        ring[slot, pos % size] = comp.state_rows(x, pos)  # a decode row never overwrites a row still needed
-        r = comp.ratio
-        emits = (pos + 1) % r == 0
-        e = ((pos + 1) // r - 1).clamp(min=0)  # the entry this token closes (valid where emits)
-        rows_pos = e[:, None] * r + torch.arange(r, device=x.device)[None, :]  # [T, r]
-        cur = ring[slot[:, None], rows_pos % size]  # [T, r, 2·width]
-        prev = ring[slot[:, None], (rows_pos - r) % size] if comp.overlap else None
-        per = kvc.per_block(key)
-        page = torch.where(emits, self.block_table[self.seq_ids, e // per], -1)
-        self._insert(kvc.comp[key], page, e % per, self._pool(comp, cur, prev, e), per, comp.kind, round_bf16=True)
+        self._pool_insert(comp, comp.state_rows(x, self.positions), None)
 
     def _compress_chunks(self, comp, x: torch.Tensor) -> None:
         """A step with prefill chunks: state rows of all tokens in one pass, held by each chunk's
         view until the step ends; every entry closing in the step pooled from the step's rows
-        (positions ≥ its chunk's start) and the ring (earlier positions)."""
-        kvc = self.kvc
-        key = (comp.layer, comp.kind)
+        (positions ≥ its chunk's start) and the ring (earlier positions), by the same op as a
+        decode step (``compressor_pool_insert``'s chunk form)."""
         rows = comp.state_rows(x, self.positions)  # [T, 2·width] fp32
         for c in self.chunks:
             c.cache.hold_state(comp.layer, comp.kind, c.start, rows[c.offset: c.offset + c.length])
         plan = self._closing(comp.ratio)
-        if plan is None:
-            return
-        tok, c_start, c_off, seq = plan
-        r = comp.ratio
-        e = (self.positions[tok] + 1) // r - 1
-        back = r if comp.overlap else 0  # the overlap also pools the previous block's rows
-        need = e[:, None] * r + torch.arange(-back, r, device=x.device)[None, :]  # [E, back + r] positions
-        step_rows = rows[(c_off[:, None] + need - c_start[:, None]).clamp(0, rows.shape[0] - 1)]
-        ring = kvc.ring[key]
-        ring_rows = ring[self.slots[seq][:, None], need % ring.shape[1]]
-        got = torch.where((need >= c_start[:, None])[..., None], step_rows, ring_rows)
-        per = kvc.per_block(key)
-        entries = self._pool(comp, got[:, back:], got[:, :back] if comp.overlap else None, e)
-        self._insert(kvc.comp[key], self.block_table[seq, e // per], e % per, entries, per, comp.kind, round_bf16=True)
+        if plan is not None:
+            self._pool_insert(comp, rows, plan)
+
+    def _pool_insert(self, comp, rows: torch.Tensor, closing) -> None:
+        kvc = self.kvc
+        key = (comp.layer, comp.kind)
+        numerics = kvc.numerics
+        self.ops["compressor_pool_insert"](
+            kvc.comp[key], kvc.ring[key], rows, self.positions, self.seq_ids, self.slots, self.block_table, closing,
+            comp.norm, comp.cfg.rms_norm_eps, comp.cfg.rope_compress, comp.ratio, comp.overlap, comp.kind,
+            numerics.fmt if numerics.quantized else None, kvc.per_block(key))
 
     def _closing(self, r: int):
         """[4, E] device tensor (token index, its chunk's start, chunk offset, request row) of the
@@ -289,28 +267,6 @@ class PagedBatch:
                 t = t.pin_memory().to(self.kvc.device, non_blocking=True)
             self._emitting[r] = t if t.shape[1] else None
         return self._emitting[r]
-
-    @staticmethod
-    def _pool(comp, cur: torch.Tensor, prev: torch.Tensor | None, e: torch.Tensor) -> torch.Tensor:
-        """Entries e from their block's state rows ``cur`` [N, r, 2·width] (and, for the ratio-4
-        overlap, the previous block's ``prev``): the arithmetic of ``Compressor.run``."""
-        d, width = comp.dim, comp.wkv.shape[0]
-        kv, score = cur[..., :width], cur[..., width:]
-        if prev is not None:
-            has_prev = (e > 0)[:, None, None]
-            prev_kv = torch.where(has_prev, prev[..., :d], 0.0)
-            prev_sc = torch.where(has_prev, prev[..., width: width + d], float("-inf"))
-            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
-            score = torch.cat([prev_sc, score[..., d:]], dim=1)
-        if score.is_cuda:  # the rows contiguous: the softmax over dim 1 of [N, r, d] ran as a strided
-            # kernel with d threads looping over r (35-55 µs a call on the H200, r = 128 for HCA)
-            weights = torch.softmax(score.double().transpose(1, 2), dim=-1).transpose(1, 2).float()
-        else:
-            weights = torch.softmax(score.double(), dim=1).float()
-        pooled = (kv * weights).sum(dim=1)
-        normed = rms_norm(pooled, comp.norm, comp.cfg.rms_norm_eps)
-        cos, sin = cos_sin(comp.cfg.rope_compress, e * comp.ratio)
-        return apply_rope(normed, cos, sin)
 
     # ---- Lightning Indexer ---------------------------------------------------------------
     def _indexer(self, attn, x, qr, visible, n_max: int) -> torch.Tensor:
@@ -332,21 +288,3 @@ class PagedBatch:
                                   kvc.per_block(key), n_cols, k, fmt)
         order = torch.sort(torch.where(sel >= 0, sel, n_cols), dim=1).values
         return torch.where(order >= n_cols, -1, order)
-
-
-# ---- sync-free writers for the cache kinds that have no kernel of their own -------------------
-def _spare(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-    """Page ids with −1 sent to the spare page every cache tensor has past its last real page."""
-    return torch.where(page_ids >= 0, page_ids, pages.shape[0] - 1)
-
-
-def _insert_dense(pages, page_ids, offsets, rows) -> None:
-    pages[_spare(pages, page_ids), offsets] = rows.to(pages.dtype)
-
-
-def _insert_indexer_keys(pages, page_ids, offsets, rows, fmt, block_size: int) -> None:
-    codes, scale = quantize_indexer_k(rows, fmt)  # indexer keys are not bf16-rounded (as the view)
-    ids = _spare(pages, page_ids)
-    _paging.write_rows(pages, ids, offsets.long() * INDEXER_VALUE_BYTES, codes)
-    _paging.write_rows(pages, ids, _idx_scale_start(offsets, block_size),
-                       scale.float().unsqueeze(-1).contiguous().view(torch.uint8))

@@ -28,6 +28,10 @@ register("sparse_attention", "torch", "dsv4.ops.torch_attention:paged_sparse_att
 # RMSNorm + RoPE + kv_insert (fused in one launch by the Triton backend)
 register("kv_norm_rope_insert", "torch", "dsv4.ops.torch_attention:kv_norm_rope_insert", lambda p: True,
          TORCH_PRIORITY)
+# the batched compressor's ring store + pooling + RMSNorm + RoPE + compressed-page insert (signature in
+# dsv4.ops.torch_compressor)
+register("compressor_pool_insert", "torch", "dsv4.ops.torch_compressor:compressor_pool_insert", lambda p: True,
+         TORCH_PRIORITY)
 
 register("fp8_linear", "triton", "dsv4.ops.triton.fp8_linear:fp8_linear", _triton_ok, TRITON_PRIORITY)
 register("moe_route", "triton", "dsv4.ops.triton.moe:moe_route", _triton_ok, TRITON_PRIORITY)
@@ -36,6 +40,8 @@ register("kv_insert", "triton", "dsv4.ops.triton.kv_insert:kv_insert", _triton_o
 register("kv_norm_rope_insert", "triton", "dsv4.ops.triton.kv_insert:kv_norm_rope_insert", _triton_ok,
          TRITON_PRIORITY)
 register("sparse_attention", "triton", "dsv4.ops.triton.sparse_attention:paged_sparse_attention", _triton_ok,
+         TRITON_PRIORITY)
+register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compressor_pool_insert", _triton_ok,
          TRITON_PRIORITY)
 
 # Lightning Indexer over the paged indexer keys: (q, weights, seq_ids, n_visible, pages, block_table,

@@ -40,7 +40,8 @@ from ...formats.kv_record import DATA_BYTES, KV_DIM, NOPE_DIM, RECORD_BYTES, ROP
 from ._common import cast, interpreting, ue8m0_to_f32
 from .dense import norm_launch, rms_factor
 
-__all__ = ["kv_insert", "kv_insert_dense", "kv_norm_rope_insert"]
+__all__ = ["kv_insert", "kv_insert_dense", "kv_norm_rope_insert", "store_kv_record", "scale_byte", "encode_e4m3",
+           "rne_bf16"]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -97,10 +98,7 @@ def _store_nope(base, off, x, tile, d, nope, ok, BLOCK_SIZE, Q_MANT: tl.constexp
                 FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr):
     """Quantize the NoPE values x [8, 64] (7 tiles of 64 at columns d, row 7 masked off by ``nope``)
     into the record at ``off`` of the page at ``base``: e4m3 codes and the 8-byte scale row."""
-    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), FLT_MAX)
-    ab = amax.to(tl.int32, bitcast=True)
-    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
-    eb = tl.minimum(tl.maximum(e + 127, 0), 254)
+    eb = scale_byte(tl.max(tl.abs(x), axis=1), Q_MANT, Q_EXP)
     inv = ue8m0_to_f32(254 - eb)  # 2^-(eb-127) exactly (eb = 254 -> the subnormal 2^-127)
     codes = encode_e4m3(x * inv[:, None], FMT_MAX, BIAS, FNUZ)
     # masks are where(ok, m, False): the interpreter rejects `scalar & vector` as a store mask
@@ -115,6 +113,34 @@ def _store_bf16_bytes(ptr, v, mask):
     h = rne_bf16(v).to(tl.int32, bitcast=True) >> 16
     tl.store(ptr, (h & 0xFF).to(tl.uint8), mask=mask)
     tl.store(ptr + 1, ((h >> 8) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def scale_byte(amax, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr):
+    """UE8M0 byte of a block's power-of-two scale: amax floored at 1e-4 (and capped at FLT_MAX),
+    e = ceil(log2(amax / quant_max)) from the exponent/mantissa fields, byte = clamp(e + 127, 0, 254)."""
+    amax = tl.minimum(tl.maximum(amax, 1e-4), FLT_MAX)
+    ab = amax.to(tl.int32, bitcast=True)
+    e = ((ab >> 23) & 0xFF) - 126 - Q_EXP + ((ab & 0x7FFFFF) > Q_MANT).to(tl.int32)  # ceil(log2(amax/qmax))
+    return tl.minimum(tl.maximum(e + 127, 0), 254)
+
+
+@triton.jit
+def store_kv_record(base, off, ok, x, BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
+                    FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Write the 584-byte record of one token at slot ``off`` of the page at ``base`` (nothing where
+    ``ok`` is False). ``x``: its 512 fp32 values as [8, 64] (rows 0..6 the NoPE tiles, row 7 rope)."""
+    tile = tl.arange(0, 8)
+    col = tl.arange(0, 64)
+    nope = (tile < 7)[:, None] & (col < 64)[None, :]
+    rope = (tile == 7)[:, None] & (col < 64)[None, :]
+    d = tile[:, None] * 64 + col[None, :]
+    xn = tl.where(nope, x, 0.0)
+    if ROUND_BF16:
+        xn = rne_bf16(xn)
+    _store_nope(base, off, xn, tile, d, nope, ok, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ)
+    rbase = base + off * 576 + 448 + 2 * col[None, :] + 0 * tile[:, None]  # [8, 64]: only row 7 is stored
+    _store_bf16_bytes(rbase, x, tl.where(ok, rope, False))
 
 
 @triton.jit
