@@ -153,3 +153,35 @@ def test_registry_and_model_function():
         pair = ref.hc_post_then_pre(*args, *tail)
     assert calls == [1]
     _assert_same(got, pair, "fast path")
+
+
+def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny_ckpt):
+    """ReferenceModel on the mHC kernels (tiny, bf16): with mhc_post_pre the logits, the streams, the
+    per-layer hook's streams and the MTP logits are bitwise those of mhc_post + mhc_pre; the fused
+    op runs for every post but each stack's last (2·layers − 1 in the decoder, 1 in an MTP block)."""
+    from dsv4.model.attention import SeqChunk
+    from dsv4.model.model import ReferenceModel
+
+    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
+    ids = torch.randint(2, model.cfg.vocab_size, (6,), generator=gen(1)).to(DEV)
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return tm.mhc_post_pre(*a)
+
+    runs = {}
+    for name, ops in (("pair", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post}),
+                      ("fused", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post, "mhc_post_pre": spy})):
+        model.kernel_ops = ops
+        seen = []
+        with torch.no_grad():
+            out = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))],
+                                hook=lambda n, t: seen.append((n, t.clone())))
+            mtp = model.mtp_forward(ids[1:], out.streams[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+        runs[name] = (out.logits, out.streams, seen, mtp)
+    assert len(calls) == 2 * model.cfg.num_hidden_layers - 1 + 1
+    (la, sa, ha, ma), (lb, sb, hb, mb) = runs["pair"], runs["fused"]
+    assert torch.equal(la, lb) and torch.equal(sa, sb) and torch.equal(ma, mb)
+    assert [n for n, _ in ha] == [n for n, _ in hb] == [f"layers.{i}" for i in range(model.cfg.num_hidden_layers)]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ha, hb))
