@@ -53,12 +53,12 @@ def instrument(engine, rec: Recorder) -> None:
     import dsv4.model.model as model_mod
 
     model = engine.model
-    for fn_name in ("hc_pre", "hc_post", "rms_norm"):
+    for fn_name in ("hc_pre", "hc_post", "hc_post_pre", "rms_norm"):
         setattr(model_mod, fn_name, rec.wrap(fn_name, getattr(model_mod, fn_name)))
     for b in model.blocks:
         b.attn.forward = rec.wrap(f"L{b.layer}.attn", b.attn.forward)
         b.moe.forward = rec.wrap(f"L{b.layer}.moe", b.moe.forward)
-        b.forward = rec.wrap(f"L{b.layer}.block", b.forward)
+        b.run = rec.wrap(f"L{b.layer}.block", b.run)  # ReferenceModel.hidden calls run, not forward
     seen = set()
     for d in (model.w.ops, model.kernel_ops, engine.runner.attention_ops or {}):
         if id(d) in seen:

@@ -6,6 +6,10 @@ comb = Sinkhorn(softmax(mix·s2 + b) + eps) mixes the residual streams (20 itera
 Mixes come from a float32 GEMM; the gates and Sinkhorn run in float64 and are rounded to float32,
 so vectorised and scalar code paths (which differ by an ulp) cannot make a token's result depend on
 the batch it is in. Streams keep the model dtype.
+
+``hc_post_pre`` is a sub-layer's post followed by the next sub-layer's pre: the oracle runs the two
+functions; on the fast path one kernel (``mhc_post_pre``) writes the new streams and the next pre's
+mixes partials in one pass, with bitwise the results of the two fast kernels.
 """
 
 from __future__ import annotations
@@ -52,6 +56,27 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
         return fast(streams, out, post, comb)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
+def hc_post_then_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                     rms_eps: float):
+    """hc_post, then hc_pre of its result (the torch backend of ``mhc_post_pre``)."""
+    new = hc_post(streams, out, post, comb)
+    return (new, *hc_pre(new, fn, base, scale, iters, hc_eps, rms_eps))
+
+
+def hc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                rms_eps: float):
+    """(new streams [T, n, H], collapsed [T, H], post' [T, n], comb' [T, n, n]): ``hc_post`` of
+    (streams, out, post, comb), then ``hc_pre`` of the new streams with (fn, base, scale).
+
+    The fused kernel stands in only while the two kernels it reproduces (mhc_post, mhc_pre) do."""
+    fast = kernel("mhc_post_pre")
+    if fast is not None and kernel("mhc_post") is not None and kernel("mhc_pre") is not None:
+        return fast(streams, out, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
+    return hc_post_then_pre(streams, out, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

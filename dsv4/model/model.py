@@ -1,7 +1,10 @@
 """The reference DeepSeek-V4 forward (the oracle every fast path is checked against).
 
 embed → 4 mHC streams → per layer [mHC-pre → attention → mHC-post → mHC-pre → MoE → mHC-post]
-→ hc_head → norm → head. The MTP block predicts one token further from the pre-hc_head streams.
+→ hc_head → norm → head. Each post but the last is computed together with the pre that follows it
+(``hc_post_pre``: attention post + MoE pre, MoE post + the next layer's attention pre), which the
+fast path runs as one fused kernel; the oracle runs the two functions as before. The MTP block
+predicts one token further from the pre-hc_head streams.
 A batch is a list of sequence chunks (:class:`SeqChunk`) concatenated along the token axis;
 each chunk carries its own cache, so prefill, decode and chunked prefill are the same call.
 """
@@ -19,7 +22,7 @@ from .attention import Attention, SeqChunk
 from .kernels import KERNEL_OPS
 from .linear import linear
 from .cache import CacheNumerics, DenseSequenceCache
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import hc_head, hc_post, hc_post_pre, hc_pre
 from .moe import MoE
 from .norms import rms_norm
 from .rope import shared_tables
@@ -37,14 +40,32 @@ class Block:
         self.attn = Attention(w, layer, cfg, prefix=f"{prefix}.attn", act_quant=act_quant)
         self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant)
 
-    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None) -> torch.Tensor:
+    def attn_pre(self, streams: torch.Tensor):
+        """The attention's mHC pre: (collapsed, post, comb) of ``streams``."""
         c = self.cfg
-        x, post, comb = hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def run(self, streams: torch.Tensor, pre, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None,
+            next_block: "Block | None" = None):
+        """The block on ``streams`` whose attention pre ``pre`` (= ``attn_pre(streams)``) is known.
+
+        Returns (new streams, ``next_block.attn_pre(new streams)`` or None): with a next block the
+        MoE's post is fused with that block's attention pre, as the attention's post is with the
+        MoE's pre."""
+        c = self.cfg
+        hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        x, post, comb = pre
         a = self.attn.forward(rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, paged)
-        streams = hc_post(streams, a, post, comb)
-        x, post, comb = hc_pre(streams, *self.hc_ffn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        streams, x, post, comb = hc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
         f = self.moe.forward(rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
-        return hc_post(streams, f, post, comb)
+        if next_block is None:
+            return hc_post(streams, f, post, comb), None
+        streams, x, post, comb = hc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc)
+        return streams, (x, post, comb)
+
+    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None) -> torch.Tensor:
+        """The whole block (its own attention pre, a plain final post): streams → new streams."""
+        return self.run(streams, self.attn_pre(streams), chunks, token_ids, paged)[0]
 
 
 @dataclass
@@ -105,8 +126,10 @@ class ReferenceModel:
             raise ValueError(f"chunks cover {off} tokens but {token_ids.shape[0]} token ids were given")
         x = self._embed(token_ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        for b in self.blocks:
-            streams = b.forward(streams, chunks, token_ids, paged)
+        pre = self.blocks[0].attn_pre(streams) if self.blocks else None
+        for i, b in enumerate(self.blocks):  # each block's last post fused with the next one's pre
+            nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+            streams, pre = b.run(streams, pre, chunks, token_ids, paged, nxt)
             if hook is not None:
                 hook(f"layers.{b.layer}", streams)
         if advance:

@@ -25,6 +25,15 @@ position. n need not be a power of two (padded to NP with masked lanes); n = 4 i
 hc_post, program = (BLOCK_T tokens, BLOCK_H columns): R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out
 with the oracle's roundings in the stream dtype dt: post and comb rounded to dt, post·out rounded
 to dt, the sum over i in fp32 (i in order) rounded to dt, and the final add rounded to dt.
+
+mhc_post_pre = hc_post followed by the next hc_pre, in two launches instead of three:
+``_post_mix_kernel``, program = (MIX_BLOCK_T tokens, one SPLIT-column slice of the flattened new
+streams y [T, n·H]), computes y for its slice with ``_post_kernel``'s arithmetic and roundings,
+stores it, and in the same MIX_BLOCK_K steps accumulates the slice's partial mixes and Σy² exactly
+as ``_mix_kernel`` would after reading y back (same tile, same steps, same ``dot_acc``), into the
+same ``part``; ``_gate_kernel`` then finishes the pre. Each step lies in one stream j when H and
+SPLIT are multiples of MIX_BLOCK_K (j = k0 // H); otherwise the op runs hc_post then hc_pre. Every
+result is bitwise that of hc_post + hc_pre, so it is batch-invariant for the same reasons.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import triton.language as tl
 from ._common import cast, interpreting
 from .dense import dot_acc
 
-__all__ = ["hc_pre", "hc_post", "CONFIG"]
+__all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
 
 # Fixed for every T: these set the reduction order of a token's arithmetic.
 CONFIG = dict(
@@ -192,6 +201,48 @@ def _check_streams(streams: torch.Tensor, name: str = "streams") -> torch.Tensor
     return streams
 
 
+def _check_pre_weights(n: int, H: int, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, shape):
+    nmix, k = 2 * n + n * n, n * H
+    if tuple(fn.shape) != (nmix, k):
+        raise ValueError(f"fn must be [2n+n², n·H] = {(nmix, k)} for streams {tuple(shape)}, "
+                         f"got {tuple(fn.shape)}")
+    if base.numel() != nmix or scale.numel() != 3:
+        raise ValueError(f"base must have {nmix} values and scale 3, got {base.numel()} and {scale.numel()}")
+
+
+def _part(T: int, n: int, H: int, cfg: dict, dev):
+    """(part [S, T, NMIX_P] fp32 for the mixes partials, NMIX_P, S)."""
+    nmix_p = triton.next_power_of_2(2 * n + n * n + 1)  # + the Σx² column
+    S = math.ceil(n * H / cfg["SPLIT"])
+    return torch.empty((S, T, nmix_p), dtype=torch.float32, device=dev), nmix_p, S
+
+
+def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           iters: int, hc_eps: float, rms_eps: float, cfg: dict):
+    """``_gate_kernel`` over the summed partials: (collapsed, post, comb) of ``streams``."""
+    T, n, H = streams.shape
+    dev = streams.device
+    collapsed = torch.empty((T, H), dtype=streams.dtype, device=dev)
+    post = torch.empty((T, n), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, n, n), dtype=torch.float32, device=dev)
+    base32 = base.float().reshape(-1).contiguous()
+    scale32 = scale.float().reshape(-1).contiguous()
+    e_hi, e_mid, e_lo = _f64_parts(float(hc_eps))
+    _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]))](
+        part, streams, base32, scale32, collapsed, post, comb,
+        T, H, part.shape[0], float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
+        part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
+        post.stride(0), comb.stride(0),
+        N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=cfg["GATE_BLOCK_T"],
+        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=4)
+    return collapsed, post, comb
+
+
+def _empty_pre(T: int, n: int, H: int, dtype, dev):
+    return (torch.empty((T, H), dtype=dtype, device=dev), torch.empty((T, n), dtype=torch.float32, device=dev),
+            torch.empty((T, n, n), dtype=torch.float32, device=dev))
+
+
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            iters: int, hc_eps: float, rms_eps: float, *, config: dict | None = None):
     """Same contract as ``dsv4.model.mhc.hc_pre``: streams [T, n, H] → (collapsed [T, H] in the
@@ -199,38 +250,17 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     streams = _check_streams(streams)
     T, n, H = streams.shape
     nmix, k = 2 * n + n * n, n * H
-    if tuple(fn.shape) != (nmix, k):
-        raise ValueError(f"fn must be [2n+n², n·H] = {(nmix, k)} for streams {tuple(streams.shape)}, "
-                         f"got {tuple(fn.shape)}")
-    if base.numel() != nmix or scale.numel() != 3:
-        raise ValueError(f"base must have {nmix} values and scale 3, got {base.numel()} and {scale.numel()}")
+    _check_pre_weights(n, H, fn, base, scale, streams.shape)
     cfg = dict(CONFIG, **(config or {}))
-    dev = streams.device
-    collapsed = torch.empty((T, H), dtype=streams.dtype, device=dev)
-    post = torch.empty((T, n), dtype=torch.float32, device=dev)
-    comb = torch.empty((T, n, n), dtype=torch.float32, device=dev)
     if T == 0:
-        return collapsed, post, comb
+        return _empty_pre(T, n, H, streams.dtype, streams.device)
     fn32 = fn.float().contiguous()  # no-op for the checkpoint's fp32 fn
-    base32 = base.float().reshape(-1).contiguous()
-    scale32 = scale.float().reshape(-1).contiguous()
-    nmix_p = triton.next_power_of_2(nmix + 1)  # + the Σx² column
-    np_ = triton.next_power_of_2(n)
-    S = math.ceil(k / cfg["SPLIT"])
-    part = torch.empty((S, T, nmix_p), dtype=torch.float32, device=dev)
+    part, nmix_p, S = _part(T, n, H, cfg, streams.device)
     _mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
         streams, fn32, part, T, k, streams.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"], BLOCK_K=cfg["MIX_BLOCK_K"],
         INTERP=interpreting(), num_warps=4)
-    e_hi, e_mid, e_lo = _f64_parts(float(hc_eps))
-    _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]))](
-        part, streams, base32, scale32, collapsed, post, comb,
-        T, H, S, float(k), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
-        part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
-        post.stride(0), comb.stride(0),
-        N=n, NP=np_, NMIX=nmix, BLOCK_T=cfg["GATE_BLOCK_T"], H_SLICE=cfg["H_SLICE"],
-        BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=4)
-    return collapsed, post, comb
+    return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
 
 
 @triton.jit
@@ -261,10 +291,7 @@ def _post_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, T, H,
              mask=tj[:, :, None] & th[:, None, :])
 
 
-def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            *, config: dict | None = None) -> torch.Tensor:
-    """Same contract as ``dsv4.model.mhc.hc_post``: R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out,
-    in the stream dtype (streams [T, n, H], out [T, H], post [T, n], comb [T, n, n])."""
+def _check_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
     if streams.dim() != 3:
         raise ValueError(f"streams must be [T, n, H], got shape {tuple(streams.shape)}")
     T, n, H = streams.shape
@@ -281,6 +308,15 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
         out = out.contiguous()
     post = post if post.stride(1) == 1 else post.contiguous()
     comb = comb if comb.stride(2) == 1 else comb.contiguous()
+    return streams, out, post, comb
+
+
+def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            *, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``dsv4.model.mhc.hc_post``: R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out,
+    in the stream dtype (streams [T, n, H], out [T, H], post [T, n], comb [T, n, n])."""
+    streams, out, post, comb = _check_post(streams, out, post, comb)
+    T, n, H = streams.shape
     cfg = dict(CONFIG, **(config or {}))
     y = torch.empty((T, n, H), dtype=streams.dtype, device=streams.device)
     if T == 0 or H == 0:
@@ -292,3 +328,87 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
         y.stride(0), y.stride(1),
         N=n, NP=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_H=bh, INTERP=interpreting(), num_warps=4)
     return y
+
+
+@triton.jit
+def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, H, K,
+                     stride_st, stride_sn, stride_ot, stride_pot, stride_ct, stride_ci, stride_yt,
+                     stride_fn, stride_ps, stride_pt,
+                     N: tl.constexpr, NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """hc_post for one SPLIT slice of y [T, n·H] (``_post_kernel``'s arithmetic), then that slice's
+    partial mixes and Σy² (``_mix_kernel``'s arithmetic, on the values it would read back)."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, NMIX_P)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_mask = offs_t < T
+    c_mask = offs_c < NMIX
+    rows = offs_t.to(tl.int64)
+    dt = y_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_T, NMIX_P), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    k_begin = pid_s * SPLIT
+    k_end = tl.minimum(k_begin + SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        m = t_mask[:, None] & k_mask[None, :]
+        j = k0 // H  # the whole step lies in stream j (H and SPLIT are multiples of BLOCK_K)
+        hh = (k0 - j * H) + offs_k
+        # post: y[:, j, hh] = post_j·out + Σ_i comb[i, j]·R[i], rounded as in _post_kernel
+        p = cast(tl.load(post_ptr + rows * stride_pot + j, mask=t_mask, other=0.0), dt, INTERP)
+        o = tl.load(o_ptr + rows[:, None] * stride_ot + hh[None, :], mask=m, other=0.0)
+        spread = cast(p.to(tl.float32)[:, None] * o.to(tl.float32), dt, INTERP)  # post·out in dt
+        pacc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for i in tl.static_range(N):  # Σ_i comb[i, j]·R[i] in fp32, i in order
+            c = cast(tl.load(comb_ptr + rows * stride_ct + i * stride_ci + j, mask=t_mask, other=0.0), dt, INTERP)
+            r = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=m, other=0.0)
+            pacc += c.to(tl.float32)[:, None] * r.to(tl.float32)
+        y = cast(spread.to(tl.float32) + cast(pacc, dt, INTERP).to(tl.float32), dt, INTERP)
+        tl.store(y_ptr + rows[:, None] * stride_yt + kk[None, :], y, mask=m)
+        # mixes: as _mix_kernel on the stored y
+        x = y.to(tl.float32)
+        f = tl.load(fn_ptr + offs_c[None, :] * stride_fn + kk[:, None],
+                    mask=c_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
+        sq += x * x
+        acc = dot_acc(x, f, acc, True, INTERP)
+    ss = tl.sum(sq, axis=1)
+    acc = tl.where(offs_c[None, :] == NMIX, ss[:, None], acc)
+    tl.store(part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + offs_c[None, :], acc,
+             mask=t_mask[:, None])
+
+
+def fusable(H: int, config: dict | None = None) -> bool:
+    """Whether ``mhc_post_pre`` runs fused for hidden size H (else it runs hc_post, then hc_pre)."""
+    cfg = dict(CONFIG, **(config or {}))
+    return H > 0 and H % cfg["MIX_BLOCK_K"] == 0 and cfg["SPLIT"] % cfg["MIX_BLOCK_K"] == 0
+
+
+def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                 rms_eps: float, *, config: dict | None = None):
+    """``hc_post(streams, out, post, comb)`` then ``hc_pre`` of the result with (fn, base, scale):
+    → (new streams [T, n, H], collapsed [T, H], post [T, n], comb [T, n, n]), bitwise those of the
+    two ops (same contract as ``dsv4.model.mhc.hc_post_pre``)."""
+    streams, out, post, comb = _check_post(streams, out, post, comb)
+    T, n, H = streams.shape
+    _check_pre_weights(n, H, fn, base, scale, streams.shape)
+    cfg = dict(CONFIG, **(config or {}))
+    if not fusable(H, cfg):
+        y = hc_post(streams, out, post, comb, config=config)
+        return (y, *hc_pre(y, fn, base, scale, iters, hc_eps, rms_eps, config=config))
+    dev = streams.device
+    y = torch.empty((T, n, H), dtype=streams.dtype, device=dev)
+    if T == 0:
+        return (y, *_empty_pre(T, n, H, streams.dtype, dev))
+    fn32 = fn.float().contiguous()
+    part, nmix_p, S = _part(T, n, H, cfg, dev)
+    _post_mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
+        streams, out, post, comb, y, fn32, part, T, H, n * H,
+        streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
+        y.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
+        N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"],
+        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(), num_warps=4)
+    return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))

@@ -1,0 +1,187 @@
+"""Triton ``mhc_post_pre`` (hc_post fused with the next hc_pre) vs the two Triton kernels it fuses.
+
+The fused op must give bitwise the results of ``hc_post`` followed by ``hc_pre`` on the fast path
+(new streams, collapsed, post, comb), for bf16 and fp32 streams, at T = 1 … 80, for H whose SPLIT
+slices lie in one stream (H % SPLIT == 0) or span two (H % MIX_BLOCK_K == 0 only), and — through
+its fallback — for H that is not a multiple of MIX_BLOCK_K. Being bitwise the unfused pair, it is
+batch-invariant; that is checked directly too. The torch backend is the oracle's hc_post + hc_pre.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
+
+from ops_kernel_helpers import DEV, gen  # noqa: E402
+
+from dsv4.model import kernels  # noqa: E402
+from dsv4.model import mhc as ref  # noqa: E402
+from dsv4.ops.registry import resolve  # noqa: E402
+from dsv4.ops.triton import mhc as tm  # noqa: E402
+
+ITERS, HC_EPS, RMS_EPS = 20, 1e-6, 1e-6
+
+
+def _inputs(T, n, H, seed, dtype):
+    """Streams, sub-layer output, the previous pre's post/comb, and the next pre's hc_* tensors
+    (synthetic checkpoint scales: fn ~ N(0, 1/(n·H)), base ~ N(0, 0.5²), scale ~ U(0.5, 1))."""
+    g = gen(seed)
+    nmix = 2 * n + n * n
+    s = (torch.randn(T, n, H, generator=g) * 3.0).to(dtype)
+    out = (torch.randn(T, H, generator=g) * 2.0).to(dtype)
+    post = 2.0 * torch.sigmoid(torch.randn(T, n, generator=g))
+    comb = ref.sinkhorn(torch.softmax(torch.randn(T, n, n, generator=g), -1) + HC_EPS, ITERS, HC_EPS).float()
+    fn = torch.randn(nmix, n * H, generator=g) / math.sqrt(n * H)
+    base = torch.randn(nmix, generator=g) * 0.5
+    scale = torch.rand(3, generator=g) * 0.5 + 0.5
+    return tuple(t.to(DEV) for t in (s, out, post, comb, fn, base, scale))
+
+
+def _pair(s, out, post, comb, fn, base, scale, config=None):
+    y = tm.hc_post(s, out, post, comb, config=config)
+    return (y, *tm.hc_pre(y, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=config))
+
+
+def _fused(s, out, post, comb, fn, base, scale, config=None):
+    return tm.mhc_post_pre(s, out, post, comb, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=config)
+
+
+def _assert_same(got, want, what):
+    assert len(got) == len(want) == 4
+    for name, a, b in zip(("streams", "collapsed", "post", "comb"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
+        assert torch.equal(a, b), (what, name, (a.double() - b.double()).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H", [256, 96])  # slices within one stream / slices across two streams
+def test_post_pre_bitwise_equals_post_then_pre(dtype, H):
+    assert tm.fusable(H)
+    for T in (1, 3, 37, 70):
+        args = _inputs(T, 4, H, 100 + T + H, dtype)
+        _assert_same(_fused(*args), _pair(*args), (dtype, H, T))
+
+
+def test_post_pre_wide_h_and_other_tiles():
+    """H = 512 (S = 8 slices), and a non-default tile set (the fused op follows the config)."""
+    args = _inputs(5, 4, 512, 7, torch.bfloat16)
+    _assert_same(_fused(*args), _pair(*args), "H=512")
+    cfg = dict(SPLIT=128, MIX_BLOCK_T=16, MIX_BLOCK_K=16)
+    args = _inputs(19, 4, 80, 8, torch.float32)
+    assert tm.fusable(80, cfg) and not tm.fusable(80)
+    _assert_same(_fused(*args, config=cfg), _pair(*args, config=cfg), "config")
+
+
+def test_post_pre_fallback_when_h_not_a_multiple_of_block_k(monkeypatch):
+    """H = 100: no fused launch; the op runs hc_post then hc_pre (bitwise the pair)."""
+    assert not tm.fusable(100)
+    calls = []
+    real = tm._post_mix_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tm, "_post_mix_kernel", Spy())
+    for dtype in (torch.bfloat16, torch.float32):
+        args = _inputs(6, 4, 100, 9, dtype)
+        _assert_same(_fused(*args), _pair(*args), ("fallback", dtype))
+    assert not calls
+    args = _inputs(3, 4, 64, 10, torch.bfloat16)
+    _fused(*args)
+    assert len(calls) == 1  # the spy sees the fused launch where H allows it
+
+
+def test_post_pre_batch_invariant():
+    """A row's four results are the same alone and at any position of batches of 3, 37 and 80."""
+    pool, n, H = 80, 4, 256
+    args = _inputs(pool, n, H, 21, torch.bfloat16)
+    probe = [0, 5, 41, 79]
+    alone = [_fused(*(t[r:r + 1] if t.dim() >= 2 and t.shape[0] == pool else t for t in args)) for r in probe]
+    g = gen(3)
+    for m in (3, 37, 80):
+        others = [r for r in torch.randperm(pool, generator=g).tolist() if r not in probe]
+        rows = torch.tensor((probe[: min(m, 4)] + others)[:m])
+        rows = rows[torch.randperm(m, generator=g)]
+        idx = rows.to(DEV)
+        got = _fused(*(t[idx] if t.dim() >= 2 and t.shape[0] == pool else t for t in args))
+        for k, r in enumerate(probe[: min(m, 4)]):
+            pos = int((rows == r).nonzero())
+            for a, b in zip(got, alone[k]):
+                assert torch.equal(a[pos], b[0]), (m, r, pos)
+
+
+def test_post_pre_noncontiguous_and_empty():
+    s, out, post, comb, fn, base, scale = _inputs(9, 4, 64, 11, torch.float32)
+    s_nc = s.transpose(0, 1).contiguous().transpose(0, 1)  # [T, n, H] with stride(1) != H
+    out_nc = torch.stack([out, out], -1)[..., 0]  # stride(1) == 2
+    args = (s_nc, out_nc, post, comb, fn, base, scale)
+    _assert_same(_fused(*args), _pair(s, out.contiguous(), post, comb, fn, base, scale), "noncontiguous")
+    empty = _fused(s[:0], out[:0], post[:0], comb[:0], fn, base, scale)
+    assert [tuple(t.shape) for t in empty] == [(0, 4, 64), (0, 64), (0, 4), (0, 4, 4)]
+    with pytest.raises(ValueError, match="fn must be"):
+        _fused(s, out, post, comb, fn[:, :-1], base, scale)
+    with pytest.raises(TypeError, match="out dtype"):
+        _fused(s, out.to(torch.bfloat16), post, comb, fn, base, scale)
+
+
+def test_registry_and_model_function():
+    """Registry backends; dsv4.model.mhc.hc_post_pre uses the kernel only while mhc_post and mhc_pre
+    kernels stand in too, and is otherwise the oracle's hc_post + hc_pre."""
+    assert resolve("mhc_post_pre", force="mhc=torch")[1] is ref.hc_post_then_pre
+    assert resolve("mhc_post_pre", force={"mhc_post_pre": "triton"})[1] is tm.mhc_post_pre
+    args = _inputs(5, 4, 64, 12, torch.float32)
+    tail = (ITERS, HC_EPS, RMS_EPS)
+    y = ref.hc_post(*args[:4])
+    want = (y, *ref.hc_pre(y, *args[4:], *tail))
+    _assert_same(ref.hc_post_pre(*args, *tail), want, "oracle")
+    _assert_same(ref.hc_post_then_pre(*args, *tail), want, "torch backend")
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return tm.mhc_post_pre(*a)
+
+    with kernels.active({"mhc_post_pre": spy}):  # the pair it reproduces is not active: oracle
+        _assert_same(ref.hc_post_pre(*args, *tail), want, "partial kernels")
+    assert not calls
+    with kernels.active({"mhc_post_pre": spy, "mhc_post": tm.hc_post, "mhc_pre": tm.hc_pre}):
+        got = ref.hc_post_pre(*args, *tail)
+        pair = ref.hc_post_then_pre(*args, *tail)
+    assert calls == [1]
+    _assert_same(got, pair, "fast path")
+
+
+def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny_ckpt):
+    """ReferenceModel on the mHC kernels (tiny, bf16): with mhc_post_pre the logits, the streams, the
+    per-layer hook's streams and the MTP logits are bitwise those of mhc_post + mhc_pre; the fused
+    op runs for every post but each stack's last (2·layers − 1 in the decoder, 1 in an MTP block)."""
+    from dsv4.model.attention import SeqChunk
+    from dsv4.model.model import ReferenceModel
+
+    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
+    ids = torch.randint(2, model.cfg.vocab_size, (6,), generator=gen(1)).to(DEV)
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return tm.mhc_post_pre(*a)
+
+    runs = {}
+    for name, ops in (("pair", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post}),
+                      ("fused", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post, "mhc_post_pre": spy})):
+        model.kernel_ops = ops
+        seen = []
+        with torch.no_grad():
+            out = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))],
+                                hook=lambda n, t: seen.append((n, t.clone())))
+            mtp = model.mtp_forward(ids[1:], out.streams[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+        runs[name] = (out.logits, out.streams, seen, mtp)
+    assert len(calls) == 2 * model.cfg.num_hidden_layers - 1 + 1
+    (la, sa, ha, ma), (lb, sb, hb, mb) = runs["pair"], runs["fused"]
+    assert torch.equal(la, lb) and torch.equal(sa, sb) and torch.equal(ma, mb)
+    assert [n for n, _ in ha] == [n for n, _ in hb] == [f"layers.{i}" for i in range(model.cfg.num_hidden_layers)]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ha, hb))
