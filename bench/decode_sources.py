@@ -62,14 +62,15 @@ def main() -> int:
 
     gpu = torch.cuda.is_available()
     llm = LLM(a.ckpt, dtype="bfloat16" if gpu else "float32", kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
-              max_num_seqs=max(a.batch, 1), max_num_batched_tokens=4096, kv_cache_memory=(4 << 30) if gpu else None,
-              enable_prefix_caching=False, enforce_eager=True, backend="triton")
+              max_num_seqs=max(a.batch, 1), max_num_batched_tokens=max(4096, 300 * a.batch),
+              kv_cache_memory=(4 << 30) if gpu else None, enable_prefix_caching=False, enforce_eager=True,
+              backend="triton")
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for _ in range(a.batch):
         eng.add_request(prompt_token_ids=torch.randint(3, 500, (300,), generator=g).tolist(),
                         params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for _ in range(2):  # the prefill and one decode step
+    for _ in range(2):  # the prefill (every prompt in one step) and one decode step
         eng.step()
     mode = Count()
     with mode:

@@ -263,6 +263,23 @@ def kv_insert_dense(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.
         BLOCK_D=triton.next_power_of_2(D), INTERP=interpreting(), num_warps=4)
 
 
+def _record_pages(pages: torch.Tensor, fmt, block_size: int | None, what: str):
+    """(FP8 format, records per page) of uint8 ``fp8_ds_mla`` pages [P, ≥ block_size·584]; errors
+    name the op (``what``) and what is wrong."""
+    if fmt is None:
+        raise ValueError(f"{what}: uint8 (fp8_ds_mla) pages need an FP8 format, got fmt=None")
+    fmt = get_fp8_format(fmt)
+    if pages.dim() != 2 or pages.stride(1) != 1:
+        raise ValueError(f"{what}: pages must be a 2-D uint8 tensor with unit inner stride, got shape "
+                         f"{tuple(pages.shape)} stride {pages.stride()}")
+    if block_size is None:
+        block_size = pages.shape[1] // RECORD_BYTES
+    if block_size <= 0 or pages.shape[1] < block_size * RECORD_BYTES:
+        raise ValueError(f"{what}: page row has {pages.shape[1]} bytes, block_size {block_size} needs "
+                         f"{block_size * RECORD_BYTES}")
+    return fmt, block_size
+
+
 def _quant_consts(fmt):
     """(Q_MANT, Q_EXP, max, bias, fnuz) of an FP8 format: quant_max = (1 + Q_MANT/2^23)/2 · 2^Q_EXP."""
     mant, ex = math.frexp(fmt.quant_max)
@@ -280,17 +297,7 @@ def kv_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor
     """
     if pages.dtype != torch.uint8:
         return kv_insert_dense(pages, page_ids, offsets, x)
-    if fmt is None:
-        raise ValueError("kv_insert: uint8 (fp8_ds_mla) pages need an FP8 format, got fmt=None")
-    fmt = get_fp8_format(fmt)
-    if pages.dim() != 2 or pages.stride(1) != 1:
-        raise ValueError(f"kv_insert: pages must be a 2-D uint8 tensor with unit inner stride, got shape "
-                         f"{tuple(pages.shape)} stride {pages.stride()}")
-    if block_size is None:
-        block_size = pages.shape[1] // RECORD_BYTES
-    if block_size <= 0 or pages.shape[1] < block_size * RECORD_BYTES:
-        raise ValueError(f"kv_insert: page row has {pages.shape[1]} bytes, block_size {block_size} needs "
-                         f"{block_size * RECORD_BYTES}")
+    fmt, block_size = _record_pages(pages, fmt, block_size, "kv_insert")
     _check_slots(page_ids, offsets, x, KV_DIM, "kv_insert")
     if x.shape[0] == 0:
         return
@@ -355,17 +362,7 @@ def kv_norm_rope_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: to
         q_mant, q_exp, fmax, bias, fnuz = 0, 0, 0.0, 0, False
         strides = pages.stride()
     else:
-        if fmt is None:
-            raise ValueError("kv_norm_rope_insert: uint8 (fp8_ds_mla) pages need an FP8 format, got fmt=None")
-        fmt = get_fp8_format(fmt)
-        if pages.dim() != 2 or pages.stride(1) != 1:
-            raise ValueError(f"kv_norm_rope_insert: pages must be a 2-D uint8 tensor with unit inner stride, got "
-                             f"shape {tuple(pages.shape)} stride {pages.stride()}")
-        if block_size is None:
-            block_size = pages.shape[1] // RECORD_BYTES
-        if block_size <= 0 or pages.shape[1] < block_size * RECORD_BYTES:
-            raise ValueError(f"kv_norm_rope_insert: page row has {pages.shape[1]} bytes, block_size {block_size} "
-                             f"needs {block_size * RECORD_BYTES}")
+        fmt, block_size = _record_pages(pages, fmt, block_size, "kv_norm_rope_insert")
         q_mant, q_exp, fmax, bias, fnuz = _quant_consts(fmt)
         strides = (pages.stride(0), 0, 1)
     if kv_raw.shape[0] == 0:
