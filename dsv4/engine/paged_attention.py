@@ -43,9 +43,11 @@ from .staging import upload
 ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer")
 
 
-def _pad_rows(rows: list) -> tuple[array.array, int]:
-    """Int64 arrays → one flat row-major array of [len(rows), max length ≥ 1], padded with -1."""
-    width = max(1, max((len(r) for r in rows), default=1))
+def _pad_rows(rows: list, width: int | None = None) -> tuple[array.array, int]:
+    """Int64 arrays → one flat row-major array of [len(rows), width], padded with -1; ``width``
+    defaults to the longest row (≥ 1)."""
+    if width is None:
+        width = max(1, max((len(r) for r in rows), default=1))
     flat = array.array("q")
     pad = array.array("q", [-1]) * width
     for r in rows:
@@ -107,10 +109,7 @@ def decode_tables(chunks: list[SeqChunk], allocs, lanes: int, n_swa: int, n_bloc
     slots.extend(array.array("q", [kvc.spare_slot]) * spare)
 
     def table(rows, width, spare_id):  # a real row is −1 past its pages (never read), a spare lane spare
-        flat, pad = array.array("q"), array.array("q", [-1]) * width
-        for r in rows:
-            flat.extend(r)
-            flat.extend(pad[:width - len(r)])
+        flat, _ = _pad_rows(rows, width)
         flat.extend(array.array("q", [spare_id]) * (spare * width))
         return flat
 

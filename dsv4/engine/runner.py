@@ -77,9 +77,9 @@ class ModelRunner:
         if staged is not None:
             token_ids, tables = staged
             n = len(chunks)
-            return StepBatch(token_ids[:n], chunks, torch.arange(n, device=dev), owners,
-                             PagedBatch.from_parts(self.kv.kvc, chunks, [t[:n] for t in tables], self.attention_ops),
-                             graph_staged=True)
+            tables = [t[:n] for t in tables]  # seq_ids (tables[1]) is 0..n-1: also the logits rows
+            return StepBatch(token_ids[:n], chunks, tables[1], owners,
+                             PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), graph_staged=True)
         token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
         return StepBatch(token_ids, chunks, logits_rows, owners,
                          PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops))

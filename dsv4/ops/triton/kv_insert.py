@@ -149,23 +149,10 @@ def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, 
                       BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     page, off, ok = _slot(page_ids_ptr, offsets_ptr, t, BLOCK_SIZE)
-    base = pages_ptr + page * stride_page
-    xrow = x_ptr + t * stride_xt
-
-    # NoPE: 7 tiles of 64 as rows of an [8, 64] block (row 7 masked off)
-    tile = tl.arange(0, 8)
-    col = tl.arange(0, 64)
-    nope = (tile < 7)[:, None] & (col < 64)[None, :]
-    d = tile[:, None] * 64 + col[None, :]
-    x = tl.load(xrow + d * stride_xd, mask=nope, other=0.0).to(tl.float32)
-    if ROUND_BF16:
-        x = rne_bf16(x)
-    _store_nope(base, off, x, tile, d, nope, ok, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ)
-
-    # rope: 64 bf16 values, little-endian byte pairs
-    j = tl.arange(0, 64)
-    r = tl.load(xrow + (448 + j) * stride_xd).to(tl.float32)
-    _store_bf16_bytes(base + off * 576 + 448 + 2 * j, r, tl.where(ok, j < 64, False))
+    d = tl.arange(0, 8)[:, None] * 64 + tl.arange(0, 64)[None, :]  # the 512 values as [8, 64]
+    x = tl.load(x_ptr + t * stride_xt + d * stride_xd).to(tl.float32)
+    store_kv_record(pages_ptr + page * stride_page, off, ok, x, BLOCK_SIZE, Q_MANT, Q_EXP, FMT_MAX, BIAS, FNUZ,
+                    ROUND_BF16)
 
 
 @triton.jit
