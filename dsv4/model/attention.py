@@ -18,8 +18,8 @@ import torch
 from ..config import LayerType, ModelConfig
 from ..formats import OCP, fake_quant_fp8_pow2
 from .linear import linear, stable_topk
-from .norms import rms_norm, unit_rms_norm
-from .rope import apply_rope, cos_sin
+from .norms import rms_norm
+from .rope import apply_rope, cos_sin, unit_norm_rope
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Attention:
         cos, sin = cos_sin(self.rope, positions)
         qr = rms_norm(linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
         q = linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
-        q = apply_rope(unit_rms_norm(q, cfg.rms_norm_eps), cos, sin)
+        q = unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
         kv_raw = linear(x, self.wkv, self.act_quant)
         if paged is not None and self.hooks is None:
             kv = None  # the engine's batched path normalizes, ropes and inserts it in one op (kv_norm_rope_insert)
@@ -172,7 +172,7 @@ class Attention:
             for c in chunks:
                 sl = slice(c.offset, c.offset + c.length)
                 out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
-        o = apply_rope(out, cos, sin, inverse=True)
+        o = apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
         o = o.view(T, g, -1)

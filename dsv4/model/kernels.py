@@ -4,7 +4,8 @@ The reference model's dense GEMMs (BF16/FP32 weights: compressors, indexer head 
 gate, the head), RMSNorms and mHC maps are plain torch. On the GPU, cuBLAS and torch's reductions
 choose their algorithm from the number of rows, so a token's result would depend on the batch;
 the fast path swaps in batch-invariant kernels (``dsv4.ops``: dense_linear, rms_norm,
-unit_rms_norm, mhc_pre, mhc_post, and mhc_post_pre: a post fused with the next pre) while
+unit_rms_norm, mhc_pre, mhc_post, mhc_post_pre: a post fused with the next pre, apply_rope and
+unit_norm_rope: the query's norm and rotation in one launch) while
 ``ReferenceModel.forward`` runs. Outside a forward, or
 for a model built without them, nothing changes — the oracle stays the oracle.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-KERNEL_OPS = ("dense_linear", "rms_norm", "unit_rms_norm", "mhc_pre", "mhc_post", "mhc_post_pre")
+KERNEL_OPS = ("dense_linear", "rms_norm", "unit_rms_norm", "mhc_pre", "mhc_post", "mhc_post_pre", "apply_rope",
+              "unit_norm_rope")
 
 _active: dict[str, Callable] = {}
 

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from ..config import RopeParams
+from .kernels import kernel
+from .norms import unit_rms_norm
 
 _INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -55,11 +57,17 @@ def cos_sin(params: RopeParams, positions: torch.Tensor) -> tuple[torch.Tensor, 
     return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               in_place: bool = False) -> torch.Tensor:
     """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [T, ..., D]; returns a new tensor.
 
     ``cos``/``sin`` are [T, R/2] and broadcast over the middle (head) dims. Math in float32.
+    ``in_place``: the caller gives ``x`` up, so a kernel may rotate it where it lies (the result is
+    the same; this torch code always returns a new tensor).
     """
+    fast = kernel("apply_rope")
+    if fast is not None:
+        return fast(x, cos, sin, inverse, in_place)
     rd = cos.shape[-1] * 2
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
@@ -69,3 +77,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rot = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
+
+
+def unit_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The query's per-head weight-free RMSNorm, then RoPE: one launch with a kernel (the GPU path
+    reads q once instead of once per torch op)."""
+    fast = kernel("unit_norm_rope")
+    if fast is not None:
+        return fast(x, cos, sin, eps)
+    return apply_rope(unit_rms_norm(x, eps), cos, sin)

@@ -58,6 +58,8 @@ for _op, _torch_fn, _triton_fn in (
         ("mhc_post_pre", "dsv4.model.mhc:hc_post_then_pre", "dsv4.ops.triton.mhc:mhc_post_pre"),
         ("dense_linear", "dsv4.model.linear:linear", "dsv4.ops.triton.dense:dense_linear"),
         ("rms_norm", "dsv4.model.norms:rms_norm", "dsv4.ops.triton.dense:rms_norm"),
-        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm")):
+        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm"),
+        ("apply_rope", "dsv4.model.rope:apply_rope", "dsv4.ops.triton.rope:apply_rope"),
+        ("unit_norm_rope", "dsv4.model.rope:unit_norm_rope", "dsv4.ops.triton.rope:unit_norm_rope")):
     register(_op, "torch", _torch_fn, lambda p: True, TORCH_PRIORITY)
     register(_op, "triton", _triton_fn, _triton_ok, TRITON_PRIORITY)
