@@ -8,9 +8,13 @@ Routing (``moe_route``), one program per BLOCK_T rows × all experts:
   at the ids / (float64 sum + 1e-20) × scale. Rows with valid == False → id -1, weight 0.
 
 Experts (``moe_experts``) over a slot list (slot = t·topk + j):
-  * grouping: slots sorted by expert in torch (stable sort, no host sync) and each expert's run
-    padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a
-    block→expert table marks unused blocks -1. Slots with id -1 (padding tokens) are never placed.
+  * grouping: slots sorted by expert (stably) and each expert's run padded to a multiple of
+    BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a block→expert table marks
+    unused blocks -1. Slots with id -1 (padding tokens) are never placed. No host sync. Up to
+    DECODE_MAX_ROWS tokens one Triton launch does it (``group_slots_triton``: per program a
+    histogram over the experts + prefix sum and an O(n·CHUNK) rank of its slots), replacing the
+    ~25 small kernels of the torch version (``group_slots``: sort, scatter_add, cumsum,
+    searchsorted...), which stays the reference and the path for larger batches.
   * up kernel, program = (block, BLOCK_N columns of I): per K step of 128 the x rows of the block
     (gathered by token, loaded contiguously and split into even/odd k) and the W1 and W3 tiles of
     the block's expert — MXFP4 bytes [BLOCK_N, 64]: low nibble = even k, high nibble = odd k, each
@@ -42,7 +46,7 @@ from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (cast, e2m1_bytes_to_bf16_ptx, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting,
                       native_fp8, ptx_fp4, scale_kind, ue8m0_to_f32)
 
-__all__ = ["moe_route", "moe_experts", "group_slots"]
+__all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -184,6 +188,77 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
     bexp = torch.searchsorted(bends, b, right=True)
     bexp = torch.where(b < bends[-1], bexp, torch.full_like(bexp, -1)).to(torch.int32)
     return slot_ids[:-1], bexp
+
+
+@triton.jit
+def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program p places slots p·CHUNK.. and fills blocks p·CHUNK.. of ``group_slots``' layout.
+
+    Every program recounts the per-expert histogram (O(n·E), cheap at decode sizes) so that one
+    launch suffices: block ends = cumsum(cdiv(count, BLOCK_M)); slot i goes to row
+    bstart[e_i]·BLOCK_M + #{j < i : e_j = e_i} (the stable sort's order); block b's expert is
+    #{e : bend[e] ≤ b} (searchsorted), -1 past the last used block; the rows of a block past its
+    expert's slots get -1. Slot rows and padding rows are disjoint: no ordering between programs.
+    """
+    pid = tl.program_id(0)
+    c = tl.arange(0, CHUNK)
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for j0 in range(0, N, CHUNK):
+        ej = tl.load(ids_ptr + j0 + c, mask=j0 + c < N, other=-1)
+        counts += tl.sum((ej[:, None] == ex[None, :]).to(tl.int32), axis=0)  # -1 matches no expert
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    bends = tl.cumsum(blocks, axis=0)
+    bstart = bends - blocks
+    total = tl.sum(blocks, axis=0)
+    # this program's slots
+    i = pid * CHUNK + c
+    ei = tl.load(ids_ptr + i, mask=i < N, other=-1)
+    ei = tl.where(ei < E, ei, -1)
+    rank = tl.zeros((CHUNK,), dtype=tl.int32)
+    for j0 in range(0, tl.minimum(N, pid * CHUNK + CHUNK), CHUNK):  # only j < i count
+        j = j0 + c
+        ej = tl.load(ids_ptr + j, mask=j < N, other=-1)
+        same = (ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
+    bs_i = tl.sum(tl.where(ei[:, None] == ex[None, :], bstart[None, :], 0), axis=1)
+    tl.store(slot_ptr + bs_i * BLOCK_M + rank, i, mask=ei >= 0)
+    # this program's blocks
+    b = pid * CHUNK + c
+    b_ok = b < MAX_BLOCKS
+    used = b < total
+    be = tl.sum((bends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    tl.store(bexp_ptr + b, tl.where(used, be, -1), mask=b_ok)
+    hb = be[:, None] == ex[None, :]
+    cnt_b = tl.sum(tl.where(hb, counts[None, :], 0), axis=1)
+    bs_b = tl.sum(tl.where(hb, bstart[None, :], 0), axis=1)
+    filled = tl.where(used, cnt_b - (b - bs_b) * BLOCK_M, 0)  # rows of block b holding slots (may be > BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(slot_ptr + b[:, None] * BLOCK_M + r[None, :], tl.full((CHUNK, BLOCK_M), -1, tl.int32),
+             mask=b_ok[:, None] & (r[None, :] >= filled[:, None]))
+
+
+GROUP_KERNEL_MAX_ROWS = DECODE_MAX_ROWS  # tokens per call up to which moe_experts groups in Triton
+GROUP_KERNEL_MAX_EXPERTS = 1024  # the histogram tile is [CHUNK, next_pow2(E)]
+
+
+def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 32):
+    """``group_slots`` in one Triton launch (identical tensors). The torch version issues ~25 small
+    kernels (sort, scatter_add, cumsum, searchsorted, index_put...), which dominate a decode step's
+    grouping time inside a CUDA graph; here ``cdiv(max(n, max_blocks), chunk)`` programs each redo
+    the O(n·E) histogram and an O(n·chunk) rank, which is cheap for decode-sized n."""
+    n = ids.numel()
+    max_blocks = triton.cdiv(n, block_m) + min(n_experts, n)
+    slot_ids = torch.empty((max_blocks * block_m,), dtype=torch.int32, device=ids.device)
+    bexp = torch.empty((max_blocks,), dtype=torch.int32, device=ids.device)
+    if n == 0:
+        return slot_ids, bexp
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    _group_slots_kernel[(triton.cdiv(max(n, max_blocks), chunk),)](
+        flat, slot_ids, bexp, n, n_experts, max_blocks, BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(n_experts), CHUNK=chunk, num_warps=4)
+    return slot_ids, bexp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +618,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         nblocks = t * topk
         h = torch.empty((t * topk, idim), dtype=x.dtype, device=dev)
     else:
-        slot_ids, bexp = group_slots(ids32, n_exp, bm)
+        if t <= GROUP_KERNEL_MAX_ROWS and n_exp <= GROUP_KERNEL_MAX_EXPERTS:
+            slot_ids, bexp = group_slots_triton(ids32, n_exp, bm)  # one launch instead of ~25
+        else:
+            slot_ids, bexp = group_slots(ids32, n_exp, bm)
         nblocks = bexp.numel()
         h = torch.empty((nblocks * bm, idim), dtype=x.dtype, device=dev)
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
