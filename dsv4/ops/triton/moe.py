@@ -1,6 +1,7 @@
 """Triton MoE: routing (sqrt-softplus top-k) and grouped MXFP4 / FP8 expert GEMMs.
 
-Routing (``moe_route``), one program per BLOCK_T rows × all experts:
+Routing (``moe_route``), one program per BLOCK_T rows × all experts (``route_config``; BLOCK_T and
+num_warps can be overridden for tuning, rows are independent so any choice gives the same result):
   logits → float64 softplus (x > 20 → x, else log1p(exp x), log1p by the exact w = 1 + u trick) →
   sqrt → float32 scores; selection key = score + bias in float32 with NaN → -1e30 and ±inf → ±FLT_MAX
   (``torch.nan_to_num``); TOPK rounds of (row max, lowest column holding it, mask it out) give the
@@ -124,9 +125,14 @@ def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, 
 
 def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float = 1.0,
               norm: bool = True, hash_ids: torch.Tensor | None = None,
-              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              valid: torch.Tensor | None = None, *,
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``dsv4.ops.torch_ops.moe_route`` (hash ids must lie in [0, E): clamp
-    token ids before the ``tid2eid`` lookup, as the reference does)."""
+    token ids before the ``tid2eid`` lookup, as the reference does).
+
+    ``config``: launch overrides ``BLOCK_T`` (rows per program, a power of two; default
+    min(16, 4096 // next_pow2(E))) and ``num_warps`` (default 4), for tuning (bench/kernels.py
+    --sweep --only route). Rows are independent, so the results are the same for any config."""
     logits = gate_logits if gate_logits.dtype == torch.float32 else gate_logits.float()
     t, e = logits.shape
     if not 1 <= topk <= e:
@@ -137,7 +143,8 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     if t == 0:
         return ids, w
     block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(16, 4096 // block_e))
+    cfg = route_config(e, config)
+    block_t = cfg["BLOCK_T"]
     hs = (0, 0)
     if hash_ids is not None:
         if tuple(hash_ids.shape) != (t, topk):
@@ -151,8 +158,25 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
         vt if vt is not None else logits, ids, w, t, e, logits.stride(0), logits.stride(1), hs[0], hs[1],
         float(scale), TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_T=block_t, BLOCK_E=block_e,
         HAS_BIAS=bias is not None, HASH=hash_ids is not None, HAS_VALID=valid is not None, NORM=bool(norm),
-        num_warps=4)
+        num_warps=cfg["num_warps"])
     return ids, w
+
+
+def route_config(n_experts: int, config: dict | None = None) -> dict:
+    """The routing kernel's launch shape: BLOCK_T rows × all experts per program (the default keeps
+    the [BLOCK_T, next_pow2(E)] tile at ≤ 4096 elements, at most 16 rows), 4 warps; ``config``
+    entries override."""
+    cfg = dict(BLOCK_T=max(1, min(16, 4096 // triton.next_power_of_2(n_experts))), num_warps=4)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"unknown moe_route config keys {sorted(unknown)}")
+        cfg.update(config)
+    for k in ("BLOCK_T", "num_warps"):
+        v = cfg[k]
+        if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
+            raise ValueError(f"moe_route {k} must be a power of two >= 1, got {v!r}")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
