@@ -232,6 +232,7 @@ def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
     for j0 in range(0, N, CHUNK):
         ej = tl.load(ids_ptr + j0 + c, mask=j0 + c < N, other=-1)
         counts += tl.sum((ej[:, None] == ex[None, :]).to(tl.int32), axis=0)  # -1 matches no expert
+    counts = tl.where(ex < E, counts, 0)  # ids >= E (invalid) are neither counted nor placed
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     bends = tl.cumsum(blocks, axis=0)
     bstart = bends - blocks
