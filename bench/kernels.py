@@ -10,7 +10,14 @@ the peak once with torch.matmul on 8192³ random bf16.
 
 Shapes are DeepSeek-V4-Flash's: FP8 linears wq_a [1024×4096], wq_b [32768×1024], wkv [512×4096],
 wo_b [4096×8192], shared-expert w1 [2048×4096] at M = 1, 8, 64, 1024, 8192; MoE with 256 experts,
-top-6, H = 4096, I = 2048 (MXFP4) at T = 1, 8, 64, 1024; routing at T = 1, 64, 1024, 8192.
+top-6, H = 4096, I = 2048 (MXFP4) at T = 1, 8, 64, 1024; routing at T = 1, 64, 1024, 8192; the MoE
+slot grouping (torch vs Triton) at T = 1, 8, 64.
+
+``--sweep`` times tile candidates instead (CUDA-graph medians, each checked against the default):
+``--only route`` moe_route's BLOCK_T × num_warps at T = 1, 8, 64, 8192; ``moe`` / ``moe_decode``
+the expert GEMM tiles; ``linear`` the FP8 linear tiles:
+
+    PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
 
 from __future__ import annotations
@@ -149,6 +156,25 @@ def bench_route(tab, dev):
                 lambda: tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid), nbytes, flops, chk)
 
 
+def bench_group(tab, dev):
+    """The MoE slot grouping at decode sizes: the torch version (~25 small kernels) vs the one
+    Triton launch ``moe_experts`` uses up to DECODE_MAX_ROWS tokens; checked for identical tensors."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    g = torch.Generator(device=dev).manual_seed(4)
+    for t in (1, 8, 64):
+        ids, _ = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g) * 2, None, TOPK, 1.5, True)
+        ids = ids.to(torch.int32)
+        for bm in (16, 32):
+            a, b = tmoe.group_slots(ids, N_EXP, bm), tmoe.group_slots_triton(ids, N_EXP, bm)
+            chk = "ok" if all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)) else "FAIL"
+            nbytes = 4 * (ids.numel() + a[0].numel() + a[1].numel())
+            shape = f"T={t} E={N_EXP} k={TOPK} bm={bm}"
+            tab.add("group_slots", shape, "torch_op", lambda: tmoe.group_slots(ids, N_EXP, bm), nbytes, 0, chk)
+            tab.add("group_slots", shape, "triton", lambda: tmoe.group_slots_triton(ids, N_EXP, bm), nbytes, 0, chk)
+
+
 def bench_moe(tab, dev, t_list):
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
@@ -211,6 +237,10 @@ def sweep(dev, only=("linear", "moe")):
             out[f"fp8_linear {name} M={m}"] = [(r[0], str(r[1])) for r in res]
             print(f"sweep fp8_linear {name} M={m}: " + "; ".join(f"{r[0] * 1e3:.1f}us {r[1]}" for r in ok[:3]),
                   flush=True)
+    if "route" in only:
+        out.update(sweep_route(dev, g))
+    if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
+        return out
     w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
     s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
@@ -238,6 +268,55 @@ def sweep(dev, only=("linear", "moe")):
     if "moe_decode" in only or "moe_decode_narrow" in only:
         out.update(sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow="moe_decode_narrow" in only))
     return out
+
+
+ROUTE_SWEEP_T = (1, 8, 64, 8192)
+
+
+def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 16), warps=(1, 2, 4)):
+    """moe_route's launch shape (``config``: BLOCK_T rows × num_warps per program; the default is
+    ``route_config``, 16 rows × 4 warps at E=256, ~40 us on the H200 at any T ≤ 64, which looks
+    latency-bound): every candidate timed at each T (CUDA-graph median of the scored routing with
+    bias and padding rows) and checked bit-exact against the default's ids and weights, scored and
+    hash-routed. ``timer(fn) -> ms`` defaults to the CUDA-graph median (a stand-in allows a CPU
+    dry run under TRITON_INTERPRET=1)."""
+    from dsv4.ops.triton import moe as tmoe
+
+    timer = timer or (lambda fn: bench_graph(fn, 30))
+    bias = torch.randn(N_EXP, device=dev, generator=g) * 0.1
+    cases = []
+    for t in t_list:
+        logits = torch.randn(t, N_EXP, device=dev, generator=g) * 2
+        valid = torch.rand(t, device=dev, generator=g) > 0.05
+        hash_ids = torch.randint(0, N_EXP, (t, TOPK), device=dev, generator=g)
+        scored = (logits, bias, TOPK, 1.5, True, None, valid)
+        hashed = (logits, None, TOPK, 1.5, True, hash_ids, valid)
+        cases.append((t, scored, hashed, tmoe.moe_route(*scored), tmoe.moe_route(*hashed)))
+    default = tmoe.route_config(N_EXP)
+    cands = [dict(BLOCK_T=bt, num_warps=wp) for bt in block_ts for wp in warps]
+    if default not in cands:
+        cands.append(default)
+    same = lambda a, b: torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # noqa: E731
+    rows = []
+    for c in cands:
+        times, check = [], "ok"
+        for t, scored, hashed, ref, href in cases:
+            try:
+                if not (same(tmoe.moe_route(*scored, config=c), ref) and same(tmoe.moe_route(*hashed, config=c), href)):
+                    check = f"FAIL T={t}"
+                times.append(timer(lambda: tmoe.moe_route(*scored, config=c)))
+            except Exception as e:  # noqa: BLE001
+                check, times = f"{type(e).__name__}: {e}"[:120], times + [None]
+        rows.append((times, c, check))
+        tag = " (default)" if c == default else ""
+        print("sweep moe_route " + " ".join(f"T={t}:{ms * 1e3:.1f}us" if ms else f"T={t}:-"
+                                            for (t, *_), ms in zip(cases, times)) + f" {c}{tag} {check}", flush=True)
+    for i, (t, *_) in enumerate(cases):
+        ok = sorted([r for r in rows if r[0][i] and r[2] == "ok"], key=lambda r: r[0][i])
+        print(f"sweep moe_route best at T={t}: " + "; ".join(f"{r[0][i] * 1e3:.1f}us {r[1]}" for r in ok[:3]),
+              flush=True)
+    return {"moe_route": [([round(ms * 1e3, 1) if ms else None for ms in times], str(c), check)
+                          for times, c, check in rows], "moe_route_T": list(t_list)}
 
 
 def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
@@ -285,11 +364,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
-    ap.add_argument("--only", default="linear,route,moe,attention,indexer,mhc",
-                    help="comma list of: linear, route, moe (this file), attention, indexer, mhc "
+    ap.add_argument("--only", default="linear,route,group,moe,attention,indexer,mhc",
+                    help="comma list of: linear, route, group, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,moe,moe_decode,moe_decode_narrow)")
+                    "(--only linear,route,moe,moe_decode,moe_decode_narrow)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
@@ -317,6 +396,8 @@ def main(argv=None):
         bench_linears(tab, dev, (1, 64, 8192) if args.quick else LINEAR_M)
     if "route" in only:
         bench_route(tab, dev)
+    if "group" in only:
+        bench_group(tab, dev)
     if "moe" in only:
         bench_moe(tab, dev, (1, 64) if args.quick else MOE_T)
     extra = {}

@@ -151,6 +151,49 @@ def test_group_slots_layout():
     assert (slot_ids[used * bm:] == -1).all()
 
 
+def _group_cases():
+    """(name, ids [T, topk], n_experts, block_m) on fresh random inputs plus the corner cases."""
+    g = gen(9)
+    cases = []
+    for t, k, n_exp, bm in ((1, 6, 256, 16), (1, 1, 8, 16), (3, 6, 8, 16), (8, 6, 256, 32), (11, 6, 64, 16),
+                            (64, 6, 256, 16), (64, 6, 256, 32), (64, 6, 8, 16), (40, 4, 64, 32)):
+        ids = torch.randint(0, n_exp, (t, k), generator=g)
+        cases.append((f"random t={t} k={k} E={n_exp} bm={bm}", ids, n_exp, bm))
+        pad = ids.clone()
+        pad[torch.rand(t, generator=g) < 0.3] = -1  # padding tokens
+        pad.view(-1)[torch.rand(t * k, generator=g) < 0.1] = -1
+        cases.append((f"with -1 t={t} k={k} E={n_exp} bm={bm}", pad, n_exp, bm))
+    cases.append(("one expert", torch.full((64, 6), 5), 256, 16))
+    cases.append(("one expert, last", torch.full((20, 6), 63), 64, 32))
+    cases.append(("every slot its own expert", torch.randperm(256, generator=g)[:36].reshape(6, 6), 256, 16))
+    cases.append(("every expert used", torch.randperm(64, generator=g).reshape(8, 8), 64, 16))
+    cases.append(("all -1", torch.full((5, 6), -1), 64, 16))
+    cases.append(("n = 1, padding", torch.full((1, 1), -1), 8, 16))
+    cases.append(("full blocks", torch.arange(8).repeat_interleave(32).reshape(32, 8), 8, 32))
+    return cases
+
+
+@pytest.mark.parametrize("name,ids,n_exp,bm", _group_cases(), ids=[c[0] for c in _group_cases()])
+def test_group_slots_triton_equals_torch(name, ids, n_exp, bm):
+    """The decode-size Triton grouping returns exactly the torch version's tensors."""
+    for dt in (torch.int32, torch.int64):
+        ref = tmoe.group_slots(ids.to(dt).to(DEV), n_exp, bm)
+        got = tmoe.group_slots_triton(ids.to(dt).to(DEV), n_exp, bm)
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (a.shape, b.shape)
+            assert torch.equal(a, b), (name, a.tolist(), b.tolist())
+
+
+def test_group_slots_triton_chunks():
+    """Several programs (small chunk): each recounts the histogram, slots and blocks split across them."""
+    g = gen(10)
+    ids = torch.randint(-1, 16, (37, 6), generator=g).to(DEV)
+    ref = tmoe.group_slots(ids, 16, 16)
+    for chunk in (8, 16):
+        got = tmoe.group_slots_triton(ids, 16, 16, chunk=chunk)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 # --- the PTX MXFP4 decode (CUDA sm_80+, bf16): bit-identical to the portable decode -------------
 
 def _ptx_available():

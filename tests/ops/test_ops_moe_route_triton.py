@@ -119,3 +119,31 @@ def test_padding_rows():
     assert (ids[valid] >= 0).all() and (w[valid] > 0).all()
     ids0, w0 = tmoe.moe_route(logits, None, 6, 1.5, True, None, torch.zeros(9, dtype=torch.bool, device=DEV))
     assert (ids0 == -1).all() and (w0 == 0).all()
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_T=1, num_warps=1), dict(BLOCK_T=2, num_warps=2),
+                                 dict(BLOCK_T=8), dict(BLOCK_T=32, num_warps=8)])
+def test_launch_config_does_not_change_results(cfg):
+    """Rows are independent: any BLOCK_T / num_warps gives the default's ids and weights exactly
+    (scored with bias and padding rows, hash layers, no renormalisation)."""
+    g = gen(8)
+    t, e, k = 19, 64, 6
+    logits = randn((t, e), g, 2.0)
+    bias = randn((e,), g, 0.3)
+    valid = torch.rand(t, generator=g).to(DEV) > 0.25
+    hash_ids = torch.randint(0, e, (t, k), generator=g).to(DEV)
+    for args in ((logits, bias, k, 1.5, True, None, valid), (logits, None, k, 1.5, True, hash_ids, valid),
+                 (logits, bias, 4, 2.5, False, None, None)):
+        ref = tmoe.moe_route(*args)
+        got = tmoe.moe_route(*args, config=cfg)
+        _same(got, ref)
+        _same(got, torch_ops.moe_route(*args))
+
+
+def test_launch_config_validation():
+    logits = torch.zeros(2, 8, device=DEV)
+    assert tmoe.route_config(256) == dict(BLOCK_T=16, num_warps=4)  # the default launch shape
+    assert tmoe.route_config(1024)["BLOCK_T"] == 4
+    for bad in (dict(BLOCK_T=3), dict(num_warps=0), dict(BLOCK_M=16)):
+        with pytest.raises(ValueError):
+            tmoe.moe_route(logits, None, 2, config=bad)

@@ -1,6 +1,7 @@
 """Triton MoE: routing (sqrt-softplus top-k) and grouped MXFP4 / FP8 expert GEMMs.
 
-Routing (``moe_route``), one program per BLOCK_T rows × all experts:
+Routing (``moe_route``), one program per BLOCK_T rows × all experts (``route_config``; BLOCK_T and
+num_warps can be overridden for tuning, rows are independent so any choice gives the same result):
   logits → float64 softplus (x > 20 → x, else log1p(exp x), log1p by the exact w = 1 + u trick) →
   sqrt → float32 scores; selection key = score + bias in float32 with NaN → -1e30 and ±inf → ±FLT_MAX
   (``torch.nan_to_num``); TOPK rounds of (row max, lowest column holding it, mask it out) give the
@@ -8,9 +9,13 @@ Routing (``moe_route``), one program per BLOCK_T rows × all experts:
   at the ids / (float64 sum + 1e-20) × scale. Rows with valid == False → id -1, weight 0.
 
 Experts (``moe_experts``) over a slot list (slot = t·topk + j):
-  * grouping: slots sorted by expert in torch (stable sort, no host sync) and each expert's run
-    padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a
-    block→expert table marks unused blocks -1. Slots with id -1 (padding tokens) are never placed.
+  * grouping: slots sorted by expert (stably) and each expert's run padded to a multiple of
+    BLOCK_M, so every block of BLOCK_M rows belongs to one expert; a block→expert table marks
+    unused blocks -1. Slots with id -1 (padding tokens) are never placed. No host sync. Up to
+    DECODE_MAX_ROWS tokens one Triton launch does it (``group_slots_triton``: per program a
+    histogram over the experts + prefix sum and an O(n·CHUNK) rank of its slots), replacing the
+    ~25 small kernels of the torch version (``group_slots``: sort, scatter_add, cumsum,
+    searchsorted...), which stays the reference and the path for larger batches.
   * up kernel, program = (block, BLOCK_N columns of I): per K step of 128 the x rows of the block
     (gathered by token, loaded contiguously and split into even/odd k) and the W1 and W3 tiles of
     the block's expert — MXFP4 bytes [BLOCK_N, 64]: low nibble = even k, high nibble = odd k, each
@@ -42,7 +47,7 @@ from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (cast, e2m1_bytes_to_bf16_ptx, e2m1_to_f32, fp8_to_f32, fp8_weight_bytes, interpreting,
                       native_fp8, ptx_fp4, scale_kind, ue8m0_to_f32)
 
-__all__ = ["moe_route", "moe_experts", "group_slots"]
+__all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -120,9 +125,14 @@ def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, 
 
 def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float = 1.0,
               norm: bool = True, hash_ids: torch.Tensor | None = None,
-              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              valid: torch.Tensor | None = None, *,
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``dsv4.ops.torch_ops.moe_route`` (hash ids must lie in [0, E): clamp
-    token ids before the ``tid2eid`` lookup, as the reference does)."""
+    token ids before the ``tid2eid`` lookup, as the reference does).
+
+    ``config``: launch overrides ``BLOCK_T`` (rows per program, a power of two; default
+    min(16, 4096 // next_pow2(E))) and ``num_warps`` (default 4), for tuning (bench/kernels.py
+    --sweep --only route). Rows are independent, so the results are the same for any config."""
     logits = gate_logits if gate_logits.dtype == torch.float32 else gate_logits.float()
     t, e = logits.shape
     if not 1 <= topk <= e:
@@ -133,7 +143,8 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     if t == 0:
         return ids, w
     block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(16, 4096 // block_e))
+    cfg = route_config(e, config)
+    block_t = cfg["BLOCK_T"]
     hs = (0, 0)
     if hash_ids is not None:
         if tuple(hash_ids.shape) != (t, topk):
@@ -147,8 +158,25 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
         vt if vt is not None else logits, ids, w, t, e, logits.stride(0), logits.stride(1), hs[0], hs[1],
         float(scale), TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_T=block_t, BLOCK_E=block_e,
         HAS_BIAS=bias is not None, HASH=hash_ids is not None, HAS_VALID=valid is not None, NORM=bool(norm),
-        num_warps=4)
+        num_warps=cfg["num_warps"])
     return ids, w
+
+
+def route_config(n_experts: int, config: dict | None = None) -> dict:
+    """The routing kernel's launch shape: BLOCK_T rows × all experts per program (the default keeps
+    the [BLOCK_T, next_pow2(E)] tile at ≤ 4096 elements, at most 16 rows), 4 warps; ``config``
+    entries override."""
+    cfg = dict(BLOCK_T=max(1, min(16, 4096 // triton.next_power_of_2(n_experts))), num_warps=4)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"unknown moe_route config keys {sorted(unknown)}")
+        cfg.update(config)
+    for k in ("BLOCK_T", "num_warps"):
+        v = cfg[k]
+        if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
+            raise ValueError(f"moe_route {k} must be a power of two >= 1, got {v!r}")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +212,78 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
     bexp = torch.searchsorted(bends, b, right=True)
     bexp = torch.where(b < bends[-1], bexp, torch.full_like(bexp, -1)).to(torch.int32)
     return slot_ids[:-1], bexp
+
+
+@triton.jit
+def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program p places slots p·CHUNK.. and fills blocks p·CHUNK.. of ``group_slots``' layout.
+
+    Every program recounts the per-expert histogram (O(n·E), cheap at decode sizes) so that one
+    launch suffices: block ends = cumsum(cdiv(count, BLOCK_M)); slot i goes to row
+    bstart[e_i]·BLOCK_M + #{j < i : e_j = e_i} (the stable sort's order); block b's expert is
+    #{e : bend[e] ≤ b} (searchsorted), -1 past the last used block; the rows of a block past its
+    expert's slots get -1. Slot rows and padding rows are disjoint: no ordering between programs.
+    """
+    pid = tl.program_id(0)
+    c = tl.arange(0, CHUNK)
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for j0 in range(0, N, CHUNK):
+        ej = tl.load(ids_ptr + j0 + c, mask=j0 + c < N, other=-1)
+        counts += tl.sum((ej[:, None] == ex[None, :]).to(tl.int32), axis=0)  # -1 matches no expert
+    counts = tl.where(ex < E, counts, 0)  # ids >= E (invalid) are neither counted nor placed
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    bends = tl.cumsum(blocks, axis=0)
+    bstart = bends - blocks
+    total = tl.sum(blocks, axis=0)
+    # this program's slots
+    i = pid * CHUNK + c
+    ei = tl.load(ids_ptr + i, mask=i < N, other=-1)
+    ei = tl.where(ei < E, ei, -1)
+    rank = tl.zeros((CHUNK,), dtype=tl.int32)
+    for j0 in range(0, tl.minimum(N, pid * CHUNK + CHUNK), CHUNK):  # only j < i count
+        j = j0 + c
+        ej = tl.load(ids_ptr + j, mask=j < N, other=-1)
+        same = (ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
+    bs_i = tl.sum(tl.where(ei[:, None] == ex[None, :], bstart[None, :], 0), axis=1)
+    tl.store(slot_ptr + bs_i * BLOCK_M + rank, i, mask=ei >= 0)
+    # this program's blocks
+    b = pid * CHUNK + c
+    b_ok = b < MAX_BLOCKS
+    used = b < total
+    be = tl.sum((bends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    tl.store(bexp_ptr + b, tl.where(used, be, -1), mask=b_ok)
+    hb = be[:, None] == ex[None, :]
+    cnt_b = tl.sum(tl.where(hb, counts[None, :], 0), axis=1)
+    bs_b = tl.sum(tl.where(hb, bstart[None, :], 0), axis=1)
+    filled = tl.where(used, cnt_b - (b - bs_b) * BLOCK_M, 0)  # rows of block b holding slots (may be > BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(slot_ptr + b[:, None] * BLOCK_M + r[None, :], tl.full((CHUNK, BLOCK_M), -1, tl.int32),
+             mask=b_ok[:, None] & (r[None, :] >= filled[:, None]))
+
+
+GROUP_KERNEL_MAX_ROWS = DECODE_MAX_ROWS  # tokens per call up to which moe_experts groups in Triton
+GROUP_KERNEL_MAX_EXPERTS = 1024  # the histogram tile is [CHUNK, next_pow2(E)]
+
+
+def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 32):
+    """``group_slots`` in one Triton launch (identical tensors). The torch version issues ~25 small
+    kernels (sort, scatter_add, cumsum, searchsorted, index_put...), which dominate a decode step's
+    grouping time inside a CUDA graph; here ``cdiv(max(n, max_blocks), chunk)`` programs each redo
+    the O(n·E) histogram and an O(n·chunk) rank, which is cheap for decode-sized n."""
+    n = ids.numel()
+    max_blocks = triton.cdiv(n, block_m) + min(n_experts, n)
+    slot_ids = torch.empty((max_blocks * block_m,), dtype=torch.int32, device=ids.device)
+    bexp = torch.empty((max_blocks,), dtype=torch.int32, device=ids.device)
+    if n == 0:
+        return slot_ids, bexp
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    _group_slots_kernel[(triton.cdiv(max(n, max_blocks), chunk),)](
+        flat, slot_ids, bexp, n, n_experts, max_blocks, BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(n_experts), CHUNK=chunk, num_warps=4)
+    return slot_ids, bexp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +643,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         nblocks = t * topk
         h = torch.empty((t * topk, idim), dtype=x.dtype, device=dev)
     else:
-        slot_ids, bexp = group_slots(ids32, n_exp, bm)
+        if t <= GROUP_KERNEL_MAX_ROWS and n_exp <= GROUP_KERNEL_MAX_EXPERTS:
+            slot_ids, bexp = group_slots_triton(ids32, n_exp, bm)  # one launch instead of ~25
+        else:
+            slot_ids, bexp = group_slots(ids32, n_exp, bm)
         nblocks = bexp.numel()
         h = torch.empty((nblocks * bm, idim), dtype=x.dtype, device=dev)
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
