@@ -17,6 +17,7 @@ import torch
 
 from ..config import LayerType, ModelConfig
 from ..formats import OCP, fake_quant_fp8_pow2
+from .kernels import kernel
 from .linear import linear, stable_topk
 from .norms import rms_norm
 from .rope import apply_rope, cos_sin, unit_norm_rope
@@ -37,6 +38,22 @@ class SeqChunk:
         return torch.arange(self.start, self.start + self.length, device=self.device)
 
 
+def _stack_rows(w, key_a: str, key_b: str):
+    """(a, b, [a; b]) for two plain weights of one shape: a and b become row views of the stacked
+    tensor (also in the weight store, so the model holds one copy), which the fast path multiplies
+    in one launch. (a, b, None) when they are not plain tensors of one shape, dtype and device."""
+    a, b = w[key_a], w[key_b]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and a.dim() == 2):
+        return a, b, None
+    both = torch.cat([a, b])
+    a, b = both[: a.shape[0]], both[a.shape[0]:]
+    store = getattr(w, "t", None)
+    if isinstance(store, dict):
+        store[key_a], store[key_b] = a, b
+    return a, b, both
+
+
 class Compressor:
     """Learned pooling of ``ratio`` tokens into one entry (overlapping 2·ratio rows when ratio=4).
 
@@ -46,14 +63,20 @@ class Compressor:
     """
 
     def __init__(self, w, prefix: str, cfg: ModelConfig, ratio: int, dim: int, kind: str, layer: int):
-        self.wkv = w[f"{prefix}.wkv.weight"]
-        self.wgate = w[f"{prefix}.wgate.weight"]
+        self.wkv, self.wgate, self.w_state = _stack_rows(w, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
         self.ape = w[f"{prefix}.ape"]
         self.norm = w[f"{prefix}.norm.weight"]
         self.cfg, self.ratio, self.dim, self.kind, self.layer = cfg, ratio, dim, kind, layer
         self.overlap = ratio == 4
 
     def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[kv | score + ape[p % ratio]] in fp32. On the fast path ``[wkv; wgate]`` is one GEMM (each
+        half reduced over K as its own weight would be: the same bits as two calls)."""
+        if self.w_state is not None and kernel("dense_linear") is not None:
+            rows = kernel("dense_linear")(x.to(self.w_state.dtype), self.w_state,
+                                          chunk_rows=self.wkv.shape[0]).float()
+            rows[:, self.wkv.shape[0]:] += self.ape[positions % self.ratio]
+            return rows
         kv = linear(x, self.wkv).float()
         score = linear(x, self.wgate).float() + self.ape[positions % self.ratio]
         return torch.cat([kv, score], dim=-1)

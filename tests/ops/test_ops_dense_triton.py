@@ -135,3 +135,46 @@ def test_registry_and_errors():
     with pytest.raises(ValueError, match="norm weight"):
         td.rms_norm(x, torch.ones(7, device=DEV), 1e-6)
     assert td.dense_linear(x[:0], torch.zeros(4, 8, device=DEV)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_stacked_weights_with_chunk_rows_give_each_calls_bits(wdt):
+    """A compressor's [wkv; wgate] in one launch: with chunk_rows = the height of one weight, each
+    half of the result is bitwise that weight's own call, in both launch modes and at any M (the
+    small TARGET_PROGRAMS / MIN_CHUNK make the stacked weight's own chunking differ)."""
+    g = gen(21)
+    cfg = dict(TARGET_PROGRAMS=4, MIN_CHUNK=32)
+    n, k = 128, 256
+    assert td.chunking(n, k, td.config_for(wdt, cfg)) != td.chunking(2 * n, k, td.config_for(wdt, cfg))
+    wa, wb = randn((n, k), g, 0.05, wdt), randn((n, k), g, 0.05, wdt)
+    both = torch.cat([wa, wb])
+    for m in (1, 5):
+        x = randn((m, k), g, 1.0, wdt)
+        want = torch.cat([td.dense_linear(x, wa, config=cfg), td.dense_linear(x, wb, config=cfg)], dim=-1)
+        for mode in ("fused", "split"):
+            got = td.dense_linear(x, both, config=cfg, mode=mode, chunk_rows=n)
+            assert torch.equal(got, want), (m, mode)
+
+
+def test_compressor_state_rows_in_one_launch_are_the_two_calls_bitwise(tiny_ckpt):
+    """Compressor.state_rows on the fast path (one GEMM of the stacked [wkv; wgate], the ape added in
+    place) equals the two separate dense_linear calls + ape + cat; the weights are views of the
+    stacked tensor, also in the model's weight store."""
+    from dsv4.model import kernels
+    from dsv4.model.model import ReferenceModel
+
+    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
+    comps = [b.attn.compressor for b in model.blocks if b.attn.compressor is not None]
+    assert comps
+    for comp in comps:
+        assert comp.w_state is not None and comp.wkv.data_ptr() == comp.w_state.data_ptr()
+        x = randn((7, model.cfg.hidden_size), gen(4), 1.0, torch.bfloat16)
+        pos = torch.arange(40, 47, device=x.device)
+        with kernels.active({"dense_linear": td.dense_linear}):
+            got = comp.state_rows(x, pos)
+            want = torch.cat([linear(x, comp.wkv).float(),
+                              linear(x, comp.wgate).float() + comp.ape[pos % comp.ratio]], dim=-1)
+        assert torch.equal(got, want)
+    key = next(k for k in model.w.t if k.endswith("compressor.wkv.weight"))
+    comps += [b.attn.idx_compressor for b in model.blocks if getattr(b.attn, "idx_compressor", None) is not None]
+    assert model.w[key].data_ptr() in {c.wkv.data_ptr() for c in comps}

@@ -135,11 +135,13 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None,
-                 mode: str | None = None) -> torch.Tensor:
+                 mode: str | None = None, chunk_rows: int | None = None) -> torch.Tensor:
     """y = x·wᵀ for x [..., K] and a bf16/fp16/fp32 weight w [N, K]; y has the weight's dtype.
 
     ``mode`` ("fused"/"split") forces the launch mode (tests: both give the same bits);
     ``config`` overrides ``config_for(w.dtype)`` entries (changes the bits: use one for every call).
+    ``chunk_rows``: reduce K as for a weight of that many rows — w stacks weights of that height
+    (e.g. a compressor's [wkv; wgate]), and each block of rows gets the bits of its own call.
     """
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise TypeError(f"dense_linear needs a 2-D weight tensor, got {type(w).__name__} "
@@ -157,7 +159,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(*lead, n, dtype=w.dtype, device=x.device)
-    chunk = chunking(n, k, cfg)
+    chunk = chunking(chunk_rows or n, k, cfg)
     if chunk % cfg["BLOCK_K"]:
         raise ValueError(f"chunk {chunk} must be a multiple of BLOCK_K={cfg['BLOCK_K']}")
     n_chunks = math.ceil(k / chunk)
