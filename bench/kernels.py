@@ -275,8 +275,8 @@ ROUTE_SWEEP_T = (1, 8, 64, 8192)
 
 def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 16), warps=(1, 2, 4)):
     """moe_route's launch shape (``config``: BLOCK_T rows × num_warps per program; the default is
-    ``route_config``, 16 rows × 4 warps at E=256, ~40 us on the H200 at any T ≤ 64, which looks
-    latency-bound): every candidate timed at each T (CUDA-graph median of the scored routing with
+    ``route_config``; 16 rows × 4 warps before this sweep ran: ~40 us on the H200 at any T ≤ 64,
+    latency-bound; now one row per program): every candidate timed at each T (CUDA-graph median of the scored routing with
     bias and padding rows) and checked bit-exact against the default's ids and weights, scored and
     hash-routed. ``timer(fn) -> ms`` defaults to the CUDA-graph median (a stand-in allows a CPU
     dry run under TRITON_INTERPRET=1)."""

@@ -143,7 +143,7 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     if t == 0:
         return ids, w
     block_e = triton.next_power_of_2(e)
-    cfg = route_config(e, config)
+    cfg = route_config(e, config, t)
     block_t = cfg["BLOCK_T"]
     hs = (0, 0)
     if hash_ids is not None:
@@ -162,11 +162,13 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     return ids, w
 
 
-def route_config(n_experts: int, config: dict | None = None) -> dict:
-    """The routing kernel's launch shape: BLOCK_T rows × all experts per program (the default keeps
-    the [BLOCK_T, next_pow2(E)] tile at ≤ 4096 elements, at most 16 rows), 4 warps; ``config``
-    entries override."""
-    cfg = dict(BLOCK_T=max(1, min(16, 4096 // triton.next_power_of_2(n_experts))), num_warps=4)
+def route_config(n_experts: int, config: dict | None = None, t: int | None = None) -> dict:
+    """The routing kernel's launch shape: BLOCK_T rows × all experts per program; ``config`` entries
+    override. Rows are independent, so any shape gives the same bits (tested). Default from the
+    H200 sweep (``bench/kernels.py --sweep --only route``, E=256, top-6, CUDA-graph µs): one row per
+    program — 4 warps up to 64 rows (6.1 µs at T = 1..64; the former 16 rows × 4 warps took ~42 µs:
+    each thread ran 32 fp64 softplus in series), 1 warp above (30.5 µs at T = 8192, 46.0 with 4)."""
+    cfg = dict(BLOCK_T=1, num_warps=4 if t is None or t <= 64 else 1)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
