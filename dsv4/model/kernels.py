@@ -5,8 +5,9 @@ gate, the head), RMSNorms and mHC maps are plain torch. On the GPU, cuBLAS and t
 choose their algorithm from the number of rows, so a token's result would depend on the batch;
 the fast path swaps in batch-invariant kernels (``dsv4.ops``: dense_linear, rms_norm,
 unit_rms_norm, mhc_pre, mhc_post, and mhc_post_pre: a post fused with the next pre) while
-``ReferenceModel.forward`` runs. Outside a forward, or
-for a model built without them, nothing changes — the oracle stays the oracle.
+``ReferenceModel.forward`` runs, and fused elementwise chains that launch once instead of many
+small torch kernels (swiglu_act: the shared expert's clamped SwiGLU activation, same bits).
+Outside a forward, or for a model built without them, nothing changes — the oracle stays the oracle.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-KERNEL_OPS = ("dense_linear", "rms_norm", "unit_rms_norm", "mhc_pre", "mhc_post", "mhc_post_pre")
+KERNEL_OPS = ("dense_linear", "rms_norm", "unit_rms_norm", "mhc_pre", "mhc_post", "mhc_post_pre", "swiglu_act")
 
 _active: dict[str, Callable] = {}
 

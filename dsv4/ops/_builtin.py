@@ -49,8 +49,9 @@ register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compres
 register("indexer", "torch", "dsv4.ops.torch_indexer:paged_indexer_topk", lambda p: True, TORCH_PRIORITY)
 register("indexer", "triton", "dsv4.ops.triton.indexer:paged_indexer_topk", _triton_ok, TRITON_PRIORITY)
 
-# mHC and batch-invariant dense ops: the torch backends are the oracle functions themselves
-# (signatures in dsv4.model.mhc / linear / norms; by path, as they live in the reference model);
+# mHC, batch-invariant dense ops and fused elementwise building blocks: the torch backends are the
+# oracle functions themselves (signatures in dsv4.model.mhc / linear / norms / moe; by path, as they
+# live in the reference model);
 # mhc_post_pre's is hc_post then hc_pre (hc_post_then_pre)
 for _op, _torch_fn, _triton_fn in (
         ("mhc_pre", "dsv4.model.mhc:hc_pre", "dsv4.ops.triton.mhc:hc_pre"),
@@ -58,6 +59,8 @@ for _op, _torch_fn, _triton_fn in (
         ("mhc_post_pre", "dsv4.model.mhc:hc_post_then_pre", "dsv4.ops.triton.mhc:mhc_post_pre"),
         ("dense_linear", "dsv4.model.linear:linear", "dsv4.ops.triton.dense:dense_linear"),
         ("rms_norm", "dsv4.model.norms:rms_norm", "dsv4.ops.triton.dense:rms_norm"),
-        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm")):
+        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm"),
+        # the shared expert's clamped SwiGLU activation: (gate, up, limit, dtype) -> h, one launch
+        ("swiglu_act", "dsv4.model.moe:swiglu_act", "dsv4.ops.triton.activation:swiglu_act")):
     register(_op, "torch", _torch_fn, lambda p: True, TORCH_PRIORITY)
     register(_op, "triton", _triton_fn, _triton_ok, TRITON_PRIORITY)
