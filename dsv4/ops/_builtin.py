@@ -48,6 +48,12 @@ register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compres
 # entries_per_block, n_cols, k, fmt) -> top-k entry ids [T, k] (-1 padded)
 register("indexer", "torch", "dsv4.ops.torch_indexer:paged_indexer_topk", lambda p: True, TORCH_PRIORITY)
 register("indexer", "triton", "dsv4.ops.triton.indexer:paged_indexer_topk", _triton_ok, TRITON_PRIORITY)
+# the indexer query: (q [T, H, D], cos, sin, fmt) -> fp32 q, roped (and FP8 fake-quantized when fmt is
+# not None), one launch instead of ~40 small kernels a CSA layer
+register("indexer_q_rope_quant", "torch", "dsv4.ops.torch_indexer:indexer_q_rope_quant", lambda p: True,
+         TORCH_PRIORITY)
+register("indexer_q_rope_quant", "triton", "dsv4.ops.triton.indexer_q:indexer_q_rope_quant", _triton_ok,
+         TRITON_PRIORITY)
 
 # mHC, batch-invariant dense ops and fused elementwise building blocks: the torch backends are the
 # oracle functions themselves (signatures in dsv4.model.mhc / linear / norms / moe; by path, as they

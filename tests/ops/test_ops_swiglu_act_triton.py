@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
-from ops_kernel_helpers import DEV, gen  # noqa: E402
+from ops_kernel_helpers import DEV, assert_bits_equal, gen  # noqa: E402
 
 from dsv4.model import kernels  # noqa: E402
 from dsv4.model import moe  # noqa: E402
@@ -31,18 +31,6 @@ def _values(shape, g, dtype):
     where = torch.randperm(flat.numel(), generator=g)[: 3 * len(SPECIAL)]
     flat[where] = torch.tensor(SPECIAL * 3)
     return x.to(dtype).to(DEV)
-
-
-def assert_bits_equal(got, want):
-    """Same dtype, shape and bits everywhere (NaN payloads aside: NaN exactly where the oracle has NaN)."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
-    ib = {2: torch.int16, 4: torch.int32}[want.element_size()]
-    g, w = got.view(ib), want.view(ib)
-    bad = (g != w) & ~nan
-    assert not bool(bad.any()), (f"{int(bad.sum())} of {want.numel()} differ, e.g. got {got[bad][:4].tolist()} "
-                                 f"want {want[bad][:4].tolist()}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
