@@ -16,7 +16,8 @@ host synchronisations in the codecs. This path does the same work for the whole 
   arithmetic for decode and chunk steps, so an entry never depends on the chunking); invalid
   writes are skipped or go to a spare page, so there is no data-dependent branch and no host
   synchronisation;
-- the Lightning Indexer scores every query against its own request's paged indexer keys
+- the Lightning Indexer's queries are roped (and FP8 fake-quantized like the keys) by one op
+  (``indexer_q_rope_quant``) and scored against their own request's paged indexer keys
   (``indexer`` op) and the sparse attention reads the window and the selected compressed
   entries from the pages in-kernel (``sparse_attention`` op).
 
@@ -33,14 +34,14 @@ import torch
 
 from ..cache.paged import SWA_PAGE, PagedKVCache
 from ..config import LayerType
-from ..formats import fake_quant_fp8_pow2
 from ..model.attention import SeqChunk
 from ..model.linear import linear
-from ..model.rope import apply_rope, cos_sin
+from ..model.rope import cos_sin
 from ..ops.torch_compressor import insert_dense
 from .staging import upload
 
-ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer")
+ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer",
+                 "indexer_q_rope_quant")
 
 
 def _pad_rows(rows: list, width: int | None = None) -> tuple[array.array, int]:
@@ -274,12 +275,9 @@ class PagedBatch:
         t = x.shape[0]
         q = linear(qr, attn.idx_wq_b, attn.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
         cos, sin = cos_sin(cfg.rope_compress, self.positions)
-        q = apply_rope(q, cos, sin).float()
+        fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
+        q = self.ops["indexer_q_rope_quant"](q, cos, sin, fmt)  # fp32; FP8 fake-quantized like the keys
         w = linear(x, attn.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
-        fmt = None
-        if kvc.numerics.quantized:
-            fmt = kvc.numerics.fmt
-            q = fake_quant_fp8_pow2(q.to(torch.bfloat16).float(), cfg.index_head_dim, fmt)
         key = (attn.layer, "index")
         n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
         k = min(cfg.index_topk, n_max)

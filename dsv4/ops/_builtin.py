@@ -48,9 +48,16 @@ register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compres
 # entries_per_block, n_cols, k, fmt) -> top-k entry ids [T, k] (-1 padded)
 register("indexer", "torch", "dsv4.ops.torch_indexer:paged_indexer_topk", lambda p: True, TORCH_PRIORITY)
 register("indexer", "triton", "dsv4.ops.triton.indexer:paged_indexer_topk", _triton_ok, TRITON_PRIORITY)
+# the indexer query: (q [T, H, D], cos, sin, fmt) -> fp32 q, roped (and FP8 fake-quantized when fmt is
+# not None), one launch instead of ~40 small kernels a CSA layer
+register("indexer_q_rope_quant", "torch", "dsv4.ops.torch_indexer:indexer_q_rope_quant", lambda p: True,
+         TORCH_PRIORITY)
+register("indexer_q_rope_quant", "triton", "dsv4.ops.triton.indexer_q:indexer_q_rope_quant", _triton_ok,
+         TRITON_PRIORITY)
 
-# mHC and batch-invariant dense ops: the torch backends are the oracle functions themselves
-# (signatures in dsv4.model.mhc / linear / norms; by path, as they live in the reference model);
+# mHC, batch-invariant dense ops and fused elementwise building blocks: the torch backends are the
+# oracle functions themselves (signatures in dsv4.model.mhc / linear / norms / moe; by path, as they
+# live in the reference model);
 # mhc_post_pre's is hc_post then hc_pre (hc_post_then_pre)
 for _op, _torch_fn, _triton_fn in (
         ("mhc_pre", "dsv4.model.mhc:hc_pre", "dsv4.ops.triton.mhc:hc_pre"),
@@ -60,6 +67,8 @@ for _op, _torch_fn, _triton_fn in (
         ("rms_norm", "dsv4.model.norms:rms_norm", "dsv4.ops.triton.dense:rms_norm"),
         ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm"),
         ("apply_rope", "dsv4.model.rope:apply_rope", "dsv4.ops.triton.rope:apply_rope"),
-        ("unit_norm_rope", "dsv4.model.rope:unit_norm_rope", "dsv4.ops.triton.rope:unit_norm_rope")):
+        ("unit_norm_rope", "dsv4.model.rope:unit_norm_rope", "dsv4.ops.triton.rope:unit_norm_rope"),
+        # the shared expert's clamped SwiGLU activation: (gate, up, limit, dtype) -> h, one launch
+        ("swiglu_act", "dsv4.model.moe:swiglu_act", "dsv4.ops.triton.activation:swiglu_act")):
     register(_op, "torch", _torch_fn, lambda p: True, TORCH_PRIORITY)
     register(_op, "triton", _triton_fn, _triton_ok, TRITON_PRIORITY)

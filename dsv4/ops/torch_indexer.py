@@ -12,10 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import get_fp8_format, read_indexer_k
+from ..formats import fake_quant_fp8_pow2, get_fp8_format, read_indexer_k
 from ..model.linear import linear, stable_topk
+from ..model.rope import apply_rope
 
-__all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk"]
+__all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk", "indexer_q_rope_quant"]
+
+
+def indexer_q_rope_quant(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fmt=None) -> torch.Tensor:
+    """The indexer query as the scorer reads it (float32 [T, H, D]): RoPE on the trailing dims
+    (``apply_rope``, rounded to q's dtype); with an FP8 cache (``fmt`` not None) also rounded to bf16
+    and fake-quantized per (token, head) with a power-of-two scale, as the keys are stored.
+
+    q [T, H, D] in the compute dtype, cos/sin [T, R/2] fp32. The torch backend of
+    ``indexer_q_rope_quant``: the paged batch's former inline code (~40 small kernels a CSA layer)."""
+    q = apply_rope(q, cos, sin).float()
+    if fmt is not None:
+        q = fake_quant_fp8_pow2(q.to(torch.bfloat16).float(), q.shape[-1], fmt)
+    return q
 
 COL_PAD = 64  # the oracle's fixed-width key columns
 

@@ -33,6 +33,18 @@ def assert_fp32_accum_close(y, ref, absprod, rel=1e-5):
                                  f"max diff/limit {(d / lim).max().item():.3g}")
 
 
+def assert_bits_equal(got, want):
+    """Same dtype, shape and bits everywhere (NaN payloads aside: NaN exactly where the oracle has NaN)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
+    ib = {2: torch.int16, 4: torch.int32}[want.element_size()]
+    g, w = got.view(ib), want.view(ib)
+    bad = (g != w) & ~nan
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {want.numel()} differ, e.g. got {got[bad][:4].tolist()} "
+                                 f"want {want[bad][:4].tolist()}")
+
+
 def mxfp4_experts(n_exp, hidden, inter, g, scale=0.05):
     """Per-expert checkpoint-format tensors: (w1, s1, w3, s3, w2, s2) lists, int8 / float8_e8m0fnu."""
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
