@@ -61,14 +61,15 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: in
     from dsv4.engine.engine import EngineConfig, LLMEngine
 
     cfg = load_config(ckpt)
-    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + generated + (repeats + 1) * steps + 64,
+    live = generated + (repeats + 1) * steps  # tokens each request generates (prefill, repeats, profile)
+    eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + live + 64,
                                  max_num_seqs=batch, max_num_batched_tokens=batch * context,
                                  kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu"),
                     backend=StandIn(cfg, torch.device("cpu"), width))
     if graphs:  # the GPU's decode path: inputs staged into a graph's static buffer (emulated on the CPU)
         eng.capture_decode_graphs()
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(temperature=0, max_tokens=generated + (repeats + 1) * steps + 16, ignore_eos=True, output_kind=output_kind)
+    sp = SamplingParams(temperature=0, max_tokens=live + 16, ignore_eos=True, output_kind=output_kind)
     for _ in range(batch):
         eng.add_request(prompt_token_ids=torch.randint(3, 1000, (context,), generator=g).tolist(), params=sp)
     for _ in range(6 + generated):  # the prefill, then decode steps (``generated``: a long output so far)
@@ -90,7 +91,8 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: in
     ms = (time.perf_counter() - t0) / steps * 1e3
     print(f"\nbatch {batch}, context {context}, {generated} tokens generated, output_kind {output_kind}"
           f"{', decode graphs' if graphs else ''}: {plain:.3f} ms/step (best of {repeats}: "
-          f"{' '.join(f'{t:.3f}' for t in times)}; thread CPU best {min(cpu):.3f}), {ms:.2f} under cProfile (host only)")
+          f"{' '.join(f'{t:.3f}' for t in times)}; thread CPU best {min(cpu):.3f}), "
+          f"{ms:.2f} under cProfile (host only)")
     rows = []
     for (f, line, name), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
         key = f"{Path(f).name}:{line}({name})"

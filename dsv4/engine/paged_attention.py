@@ -43,7 +43,8 @@ from .staging import upload
 ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer")
 
 
-def _pad_rows(rows: list, width: int | None = None, lanes: int | None = None, spare: int = -1) -> tuple[array.array, int]:
+def _pad_rows(rows: list, width: int | None = None, lanes: int | None = None,
+              spare: int = -1) -> tuple[array.array, int]:
     """Int64 arrays → one flat row-major array of [len(rows), width], padded with -1; ``width``
     defaults to the longest row (≥ 1). ``lanes`` > len(rows): that many rows, the ones past
     ``rows`` all ``spare``. Filled first, then each row copied into its slice (one memory copy
