@@ -239,59 +239,62 @@ class LLMEngine:
         if not schedule:
             return []
         batch, logits = self.runner.run(schedule)
-        prompt_rows: dict[int, list[int]] = {}
         touched: dict[str, None] = {}
-        for row, (si, kind) in enumerate(batch.row_owner):
-            if kind == "prompt":
-                prompt_rows.setdefault(si, []).append(row)
-        for si, sc in enumerate(schedule):
-            req = sc.req
-            if req.params.prompt_logprobs is None:  # (prompt rows are only made for these requests)
-                continue
+        for si in batch.prompt_logprob_seqs:  # (prompt rows are only made for these requests)
+            req = schedule[si].req
             empty = torch.zeros(0, logits.shape[1])
-            if si in prompt_rows:
+            if si in batch.prompt_rows:
                 prev = req.prompt_logits if req.prompt_logits is not None else empty
-                req.prompt_logits = torch.cat([prev, logits[prompt_rows[si]].float().cpu()])
+                req.prompt_logits = torch.cat([prev, logits[batch.prompt_rows[si]].float().cpu()])
             if req.prompt_logprobs is None and req.num_computed >= len(req.prompt_token_ids):
                 # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
                 rows = req.prompt_logits if req.prompt_logits is not None else empty
                 req.prompt_logits = None
                 req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
         self._sample(schedule, batch, logits, touched)
+        kv, remove = self.kv, self.scheduler.remove
         for sc in schedule:
             req = sc.req
-            if self.kv.has_new_full_blocks(req.alloc):  # the token list is only built when a block closed
-                self.kv.register_full_blocks(req.alloc, req.all_token_ids)
+            alloc = req.alloc
+            if kv.has_new_full_blocks(alloc):  # the token list is only built when a block closed
+                kv.register_full_blocks(alloc, req.all_token_ids)
             if req.finished:
-                self.scheduler.remove(req)
+                remove(req)
             else:
-                self.kv.release_out_of_window(req.alloc)
+                kv.release_out_of_window(alloc)
             touched[req.request_id] = None
-        return [self._output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
-
-    def _reports(self, rid: str) -> bool:
-        """Whether this step returns the request's output: always, or only at the end ("final_only")."""
-        group = self.requests[rid]
-        return group[0].params.output_kind != "final_only" or all(r.finished for r in group)
+        requests, out = self.requests, []
+        for rid in touched:
+            group = requests.get(rid)
+            if group is None:  # aborted
+                continue
+            finished = group[0].finished if len(group) == 1 else all(r.finished for r in group)
+            # reported every step, or only at the end ("final_only")
+            if finished or group[0].params.output_kind != "final_only":
+                out.append(self._output(rid, group, finished))
+        return out
 
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
         """Append each sampled request's next token. Plain greedy rows are picked on the logits'
         device in one argmax; the other rows (and any non-finite one) are copied to the host at
         once and go through the sampler row by row."""
-        rows = [(row, schedule[si].req) for row, (si, kind) in enumerate(batch.row_owner) if kind == "sample"]
+        rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):
             picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)])
+        if len(picked) == len(rows):  # all picked on the device (a greedy decode step): no host rows
+            for row, req in rows:
+                req.append_token(picked[row], None, None)
+                touched[req.request_id] = None
+            return
         rest = [row for row, _ in rows if row not in picked]
-        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+        host = dict(zip(rest, logits[rest].float().cpu()))
         for row, req in rows:
             token, lp, tlp = (picked[row], None, None) if row in picked else self.sampler.sample(req, host[row])
             req.append_token(token, lp, tlp)
             touched[req.request_id] = None
 
-    def _output(self, rid: str) -> RequestOutput:
-        group = self.requests[rid]
-        finished = all(r.finished for r in group)
+    def _output(self, rid: str, group: list[Request], finished: bool) -> RequestOutput:
         first = group[0]
         out = RequestOutput(rid, first.prompt, first.prompt_token_ids, [r.completion() for r in group], finished,
                             prompt_logprobs=first.prompt_logprobs)

@@ -44,16 +44,22 @@ ATTENTION_OPS = ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "
                  "indexer_q_rope_quant")
 
 
-def _pad_rows(rows: list, width: int | None = None) -> tuple[array.array, int]:
+def _pad_rows(rows: list, width: int | None = None, lanes: int | None = None,
+              spare: int = -1) -> tuple[array.array, int]:
     """Int64 arrays → one flat row-major array of [len(rows), width], padded with -1; ``width``
-    defaults to the longest row (≥ 1)."""
+    defaults to the longest row (≥ 1). ``lanes`` > len(rows): that many rows, the ones past
+    ``rows`` all ``spare``. Filled first, then each row copied into its slice (one memory copy
+    per row)."""
     if width is None:
         width = max(1, max((len(r) for r in rows), default=1))
-    flat = array.array("q")
-    pad = array.array("q", [-1]) * width
+    n = len(rows)
+    flat = array.array("q", [-1]) * (n * width)
+    if lanes is not None and lanes > n:
+        flat.extend(array.array("q", [spare]) * ((lanes - n) * width))
+    o = 0
     for r in rows:
-        flat.extend(r)
-        flat.extend(pad[:width - len(r)])
+        flat[o:o + len(r)] = r if isinstance(r, array.array) else array.array("q", r)
+        o += width
     return flat, width
 
 
@@ -96,27 +102,26 @@ def decode_tables(chunks: list[SeqChunk], allocs, lanes: int, n_swa: int, n_bloc
     n = len(chunks)
     swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
     blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
-    if any(len(r) > n_swa for r in swa_rows) or any(len(r) > n_blocks for r in blk_rows):
+    if max(map(len, swa_rows), default=0) > n_swa or max(map(len, blk_rows), default=0) > n_blocks:
         return None
     spare = lanes - n
     zeros = array.array("q", [0]) * spare
-    pos = array.array("q", (c.start for c in chunks))
-    page = array.array("q", (row[c.start // SWA_PAGE] for c, row in zip(chunks, swa_rows)))
-    off = array.array("q", (c.start % SWA_PAGE for c in chunks))
-    slots = array.array("q", (a.slot for a in allocs))
+    pos, page, off = array.array("q"), array.array("q"), array.array("q")
+    for c, row in zip(chunks, swa_rows):
+        s = c.start
+        pos.append(s)
+        page.append(row[s // SWA_PAGE])
+        off.append(s % SWA_PAGE)
+    slots = array.array("q", [a.slot for a in allocs])
     pos.extend(zeros)
     off.extend(zeros)
     page.extend(array.array("q", [kvc.spare_swa_page]) * spare)
     slots.extend(array.array("q", [kvc.spare_slot]) * spare)
-
-    def table(rows, width, spare_id):  # a real row is −1 past its pages (never read), a spare lane spare
-        flat, _ = _pad_rows(rows, width)
-        flat.extend(array.array("q", [spare_id]) * (spare * width))
-        return flat
-
+    # a real row is −1 past its pages (never read), a spare lane spare
+    swa, _ = _pad_rows(swa_rows, n_swa, lanes, kvc.spare_swa_page)
+    blocks, _ = _pad_rows(blk_rows, n_blocks, lanes, kvc.spare_block)
     return [(pos, (lanes,)), (array.array("q", range(lanes)), (lanes,)), (page, (lanes,)), (off, (lanes,)),
-            (slots, (lanes,)), (table(swa_rows, n_swa, kvc.spare_swa_page), (lanes, n_swa)),
-            (table(blk_rows, n_blocks, kvc.spare_block), (lanes, n_blocks))]
+            (slots, (lanes,)), (swa, (lanes, n_swa)), (blocks, (lanes, n_blocks))]
 
 
 @dataclass

@@ -72,7 +72,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == Status.FINISHED
+        return self.status is Status.FINISHED
 
     def append_token(self, token: int, logprob: dict[int, Logprob] | None, token_logprob: float | None) -> None:
         self.output_token_ids.append(token)
@@ -118,9 +118,9 @@ class Request:
             hold = max(len(s) for s in self.params.stop_strings) - 1
             text = text[: max(self._emitted_chars, len(text) - hold)]
         self._emitted_chars = max(self._emitted_chars, len(text))
-        return CompletionOutput(
-            index=self.index, text=text, token_ids=list(self.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-        )
+        logprobs = self.logprobs
+        if logprobs is None:  # (positional: a CompletionOutput per request per step)
+            return CompletionOutput(self.index, text, self.output_token_ids[:], None, None, self.finish_reason,
+                                    self.stop_reason)
+        return CompletionOutput(self.index, text, self.output_token_ids[:], self.cumulative_logprob, list(logprobs),
+                                self.finish_reason, self.stop_reason)

@@ -8,7 +8,7 @@ interface, so a GPU backend replaces the torch reference without touching the sc
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,6 +34,10 @@ class StepBatch:
     row_owner: list[tuple[int, str]]  # (index into schedule, "sample" | "prompt")
     paged: object | None = None  # PagedBatch: the step's page tables for the batched attention
     graph_staged: bool = False  # the inputs were copied straight into a decode graph's static tensors
+    # ``row_owner`` regrouped once in ``build`` so the engine does not scan it per request:
+    sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, schedule index)
+    prompt_rows: dict[int, list[int]] = field(default_factory=dict)  # schedule index → its prompt rows
+    prompt_logprob_seqs: list[int] = field(default_factory=list)  # schedule indices asking prompt logprobs
 
 
 class ModelRunner:
@@ -50,26 +54,34 @@ class ModelRunner:
         """The step's inputs: built on the host, then moved to the device in one copy (``staging``)."""
         ids, rows = array.array("q"), array.array("q")
         chunks, owners = [], []
+        sample_rows, prompt_rows, plp = [], {}, []
         off = 0
         view, dev = self.kv.view, self.device
         for si, sc in enumerate(schedule):
             req, n = sc.req, sc.num_tokens
-            start = req.num_computed
-            ids.extend(req.token_slice(start, start + n))
-            chunks.append(SeqChunk(view(req.alloc), start, n, offset=off, device=dev))
-            n_prompt = len(req.prompt_token_ids)
-            if req.params.prompt_logprobs is not None and start < n_prompt - 1:
-                last = min(start + n, n_prompt - 1)
-                rows.extend(range(off, off + last - start))
-                owners.extend([(si, "prompt")] * (last - start))
-            if start + n == req.num_tokens:  # the chunk reaches the end: sample the next token
+            alloc = req.alloc
+            start = alloc.num_computed
+            end = start + n
+            ids.extend(req.token_slice(start, end))
+            chunks.append(SeqChunk(view(alloc), start, n, off, dev))
+            if req.params.prompt_logprobs is not None:
+                plp.append(si)
+                n_prompt = len(req.prompt_token_ids)
+                if start < n_prompt - 1:
+                    last = min(end, n_prompt - 1)
+                    prompt_rows[si] = list(range(len(rows), len(rows) + last - start))
+                    rows.extend(range(off, off + last - start))
+                    owners.extend([(si, "prompt")] * (last - start))
+            if end == req.num_tokens:  # the chunk reaches the end: sample the next token
+                sample_rows.append((len(rows), si))
                 rows.append(off + n - 1)
                 owners.append((si, "sample"))
             off += n
+        rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if self.attention_ops is None:
             token_ids, logits_rows = self.staging.upload(parts)
-            return StepBatch(token_ids, chunks, logits_rows, owners)
+            return StepBatch(token_ids, chunks, logits_rows, owners, **rowmaps)
         from .paged_attention import PagedBatch, host_tables
 
         allocs = [sc.req.alloc for sc in schedule]
@@ -79,10 +91,11 @@ class ModelRunner:
             n = len(chunks)
             tables = [t[:n] for t in tables]  # seq_ids (tables[1]) is 0..n-1: also the logits rows
             return StepBatch(token_ids[:n], chunks, tables[1], owners,
-                             PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), graph_staged=True)
+                             PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), graph_staged=True,
+                             **rowmaps)
         token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
         return StepBatch(token_ids, chunks, logits_rows, owners,
-                         PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops))
+                         PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), **rowmaps)
 
     def _stage_for_graph(self, chunks, allocs, ids, n_rows: int, n_tokens: int):
         """A decode step that a captured graph will run: its token ids and tables, padded to the

@@ -57,15 +57,16 @@ class Scheduler:
         out: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+        running, try_allocate = self.running, self.kv.try_allocate  # (bound once: a pass per running request)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.alloc.num_computed, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.try_allocate(req.alloc, n):
-                victim = self.running[-1]
-                self.running.pop()
+            while not try_allocate(req.alloc, n):
+                victim = running[-1]
+                running.pop()
                 if id(victim) in scheduled:
                     raise RuntimeError("preempted a request already scheduled this step")
                 self._preempt(victim)

@@ -121,3 +121,45 @@ def test_staging_splits_parts_in_order():
     staging.upload([(array.array("q", [7, 7, 7]), (3,))])
     assert first.tolist() == [1, 2, 3]  # a later step never overwrites a kept tensor
     assert HostStaging("cpu").upload([(array.array("q"), (0, 1))])[0].shape == (0, 1)
+
+
+def test_decode_tables_equal_the_rebuilt_ones_with_spare_lanes():
+    """``decode_tables`` (a decode step padded to a graph's bucket, rows filled in place) equals
+    the plain rebuild on the real lanes, and the lanes past them are spare; a request wider than
+    the graph's tables gives None."""
+    import types
+
+    from dsv4.engine.paged_attention import decode_tables
+    from dsv4.model.attention import SeqChunk
+
+    rng = random.Random(2)
+    kvc = types.SimpleNamespace(device=torch.device("cpu"), spare_swa_page=901, spare_block=902, spare_slot=903)
+    lanes, n_swa, n_blk = 8, 12, 4
+    for step in range(40):
+        n = rng.randint(1, lanes)
+        allocs, chunks = [], []
+        for i in range(n):
+            start = rng.randint(0, 700)
+            a = CacheAllocation(slot=rng.randint(0, 50))
+            a.swa = [rng.randint(0, 10_000) for _ in range(start // 64 + 1)]
+            a.blocks = [rng.randint(0, 10_000) for _ in range(start // 256 + 1)]
+            a.swa_released = max(0, start // 64 - 2)
+            a.swa[:a.swa_released] = [-1] * a.swa_released
+            allocs.append(a)
+            chunks.append(SeqChunk(None, start, 1, offset=i))
+        parts = decode_tables(chunks, allocs, lanes, n_swa, n_blk, kvc)
+        got = dict(zip(("positions", "seq_ids", "swa_page", "swa_off", "slots", "swa_table", "block_table"),
+                       upload(parts, torch.device("cpu"))))
+        want = _rebuilt(chunks, allocs)
+        for name in ("positions", "seq_ids", "swa_page", "swa_off", "slots"):
+            assert torch.equal(got[name][:n], want[name]), f"step {step}: {name}"
+        for name, width in (("swa_table", n_swa), ("block_table", n_blk)):
+            w = want[name].shape[1]
+            assert torch.equal(got[name][:n, :w], want[name]), f"step {step}: {name}"
+            assert (got[name][:n, w:] == -1).all() and got[name].shape == (lanes, width)
+        assert got["seq_ids"].tolist() == list(range(lanes))
+        assert (got["positions"][n:] == 0).all() and (got["swa_off"][n:] == 0).all()
+        assert (got["swa_page"][n:] == 901).all() and (got["slots"][n:] == 903).all()
+        assert (got["swa_table"][n:] == 901).all() and (got["block_table"][n:] == 902).all()
+    wide = CacheAllocation(slot=0, swa=list(range(n_swa + 1)), blocks=[0])
+    assert decode_tables([SeqChunk(None, 64 * n_swa, 1)], [wide], lanes, n_swa, n_blk, kvc) is None
