@@ -113,8 +113,9 @@ def fp8_to_f32(b, NATIVE: tl.constexpr, FNUZ: tl.constexpr):
         else:
             v = mag * 256.0
             nan = (bi & 0x7F) == 0x7F
-        v = tl.where(bi >= 128, -v, v)
-        bits = v.to(tl.int32, bitcast=True)
+        # the sign as a bit: some Triton versions lower a float's unary minus as 0 - v, which turns
+        # code 0x80 (OCP -0) into +0 (seen on the H200 with Triton 3.6)
+        bits = v.to(tl.int32, bitcast=True) | ((bi & 0x80) << 24)
         bits = tl.where(nan, 0x7FC00000, bits)
         v = bits.to(tl.float32, bitcast=True)
     return v

@@ -55,7 +55,7 @@ def _rope_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, H, D, RD,
     c = tl.load(cos_ptr + t * stride_ct + i, mask=im, other=0.0)
     s = tl.load(sin_ptr + t * stride_st + i, mask=im, other=0.0)
     if INVERSE:
-        s = -s
+        s = s * -1.0  # not -s: some Triton versions lower a float's unary minus as 0 - s (sin 0 -> +0, not -0)
     ev = D - RD + 2 * i
     m = hm[:, None] & im[None, :]
     xe = tl.load(xrow + ev[None, :], mask=m, other=0.0).to(tl.float32)
