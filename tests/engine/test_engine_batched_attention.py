@@ -123,3 +123,37 @@ def test_batched_with_hooks_equals_fused(tiny_ckpt, kv_dtype):
     n_layers = len(hooked.engine.model.blocks)
     assert {f"layers.{i}.attn.k_window" for i in range(n_layers)} <= seen
     assert got == want
+
+
+def test_block_boundary_snapshot_reads_the_ring_and_the_held_chunk(tiny_ckpt, monkeypatch):
+    """After each forward, ``advance`` snapshots every closed block's last state rows (what a later
+    prefix-cache hit restores) from positions known on the host, so it never waits on the device. In
+    254-token chunks the block ending at 256 takes rows 252, 253 from the ring and 254, 255 from the
+    chunk still held: the rows equal ``read_state``'s, and a prompt that hits that block later gives
+    the reference path's tokens."""
+    from dsv4.cache.paged import PagedSequenceView
+
+    orig = PagedSequenceView._rows_at
+    mixed = []
+
+    def spy(self, key, positions):
+        got = orig(self, key, positions)
+        pos = torch.arange(positions.start, positions.stop, device=got.device)
+        assert torch.equal(got, self.read_state(key[0], key[1], pos))
+        start = self._chunk.get(key, (None, None))[0]
+        mixed.append(start is not None and positions.start < start < positions.stop)
+        return got
+
+    monkeypatch.setattr(PagedSequenceView, "_rows_at", spy)
+    g = torch.Generator().manual_seed(8)
+    shared = torch.randint(3, 1000, (520,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 40)]
+    params = greedy(4)
+    ref = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=254, attention="reference",
+                   enable_prefix_caching=False)
+    want = [signature(ref.generate([p], params)[0]) for p in prompts]
+    fast = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=254, attention="batched", backend="torch")
+    got = [signature(fast.generate([p], params)[0]) for p in prompts]
+    assert any(mixed), "no snapshot took rows from both the ring and the held chunk"
+    assert fast.engine.kv.hits >= 256
+    assert got == want
