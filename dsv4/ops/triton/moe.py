@@ -169,6 +169,8 @@ def route_config(n_experts: int, config: dict | None = None, t: int | None = Non
     program — 4 warps up to 64 rows (6.1 µs at T = 1..64; the former 16 rows × 4 warps took ~42 µs:
     each thread ran 32 fp64 softplus in series), 1 warp above (30.5 µs at T = 8192, 46.0 with 4)."""
     cfg = dict(BLOCK_T=1, num_warps=4 if t is None or t <= 64 else 1)
+    if interpreting():  # the interpreter pays per program: 16 rows a program (same bits, as any shape)
+        cfg["BLOCK_T"] = max(1, min(16, 4096 // triton.next_power_of_2(n_experts)))
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
