@@ -33,9 +33,8 @@ def step_with(engine, reqs, tokens: list[int] | None = None) -> dict[int, torch.
 
     def capture(schedule):
         batch, logits = run(schedule)
-        for row, (si, kind) in enumerate(batch.row_owner):
-            if kind == "sample":
-                captured[id(schedule[si].req)] = logits[row].clone()
+        for row, si in batch.sample_rows:
+            captured[id(schedule[si].req)] = logits[row].clone()
         return batch, logits
 
     engine.scheduler.schedule, engine.runner.run = (lambda: sched), capture

@@ -119,7 +119,7 @@ class DecodeGraphs:
     def can_run(self, batch) -> bool:
         p = batch.paged
         return (p is not None and p.decode_only and self.bucket(len(batch.chunks)) is not None
-                and len(batch.row_owner) == len(batch.chunks)
+                and batch.logits_rows.numel() == len(batch.chunks)  # one sampled row per request
                 and p.max_end <= self.max_model_len)
 
     def run(self, batch) -> torch.Tensor:

@@ -31,10 +31,9 @@ class StepBatch:
     token_ids: torch.Tensor  # [T]
     chunks: list[SeqChunk]
     logits_rows: torch.Tensor  # rows of the batch whose logits are needed
-    row_owner: list[tuple[int, str]]  # (index into schedule, "sample" | "prompt")
     paged: object | None = None  # PagedBatch: the step's page tables for the batched attention
     graph_staged: bool = False  # the inputs were copied straight into a decode graph's static tensors
-    # ``row_owner`` regrouped once in ``build`` so the engine does not scan it per request:
+    # who owns each logits row, grouped once in ``build`` so the engine does not scan rows per request:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, schedule index)
     prompt_rows: dict[int, list[int]] = field(default_factory=dict)  # schedule index → its prompt rows
     prompt_logprob_seqs: list[int] = field(default_factory=list)  # schedule indices asking prompt logprobs
@@ -53,7 +52,7 @@ class ModelRunner:
     def build(self, schedule: list[ScheduledChunk]) -> StepBatch:
         """The step's inputs: built on the host, then moved to the device in one copy (``staging``)."""
         ids, rows = array.array("q"), array.array("q")
-        chunks, owners = [], []
+        chunks = []
         sample_rows, prompt_rows, plp = [], {}, []
         off = 0
         view, dev = self.kv.view, self.device
@@ -71,17 +70,15 @@ class ModelRunner:
                     last = min(end, n_prompt - 1)
                     prompt_rows[si] = list(range(len(rows), len(rows) + last - start))
                     rows.extend(range(off, off + last - start))
-                    owners.extend([(si, "prompt")] * (last - start))
             if end == req.num_tokens:  # the chunk reaches the end: sample the next token
                 sample_rows.append((len(rows), si))
                 rows.append(off + n - 1)
-                owners.append((si, "sample"))
             off += n
         rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if self.attention_ops is None:
             token_ids, logits_rows = self.staging.upload(parts)
-            return StepBatch(token_ids, chunks, logits_rows, owners, **rowmaps)
+            return StepBatch(token_ids, chunks, logits_rows, **rowmaps)
         from .paged_attention import PagedBatch, host_tables
 
         allocs = [sc.req.alloc for sc in schedule]
@@ -90,11 +87,11 @@ class ModelRunner:
             token_ids, tables = staged
             n = len(chunks)
             tables = [t[:n] for t in tables]  # seq_ids (tables[1]) is 0..n-1: also the logits rows
-            return StepBatch(token_ids[:n], chunks, tables[1], owners,
+            return StepBatch(token_ids[:n], chunks, tables[1],
                              PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), graph_staged=True,
                              **rowmaps)
         token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
-        return StepBatch(token_ids, chunks, logits_rows, owners,
+        return StepBatch(token_ids, chunks, logits_rows,
                          PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), **rowmaps)
 
     def _stage_for_graph(self, chunks, allocs, ids, n_rows: int, n_tokens: int):

@@ -91,6 +91,17 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     assert [signature(o) for o in unstaged.generate(prompts, params)] == want
 
 
+def _one_by_one_reference_and_batched(ckpt, prompts, params, chunk: int):
+    """The prompts' signatures generated one after the other in ``chunk``-token prefill chunks by the
+    reference path (no prefix cache) and by the batched path (prefix cache on, so a later prompt can
+    hit an earlier one's blocks): (want, got, the batched LLM)."""
+    ref = make_llm(ckpt, "fp8_ds_mla", max_num_batched_tokens=chunk, attention="reference",
+                   enable_prefix_caching=False)
+    want = [signature(ref.generate([p], params)[0]) for p in prompts]
+    fast = make_llm(ckpt, "fp8_ds_mla", max_num_batched_tokens=chunk, attention="batched", backend="torch")
+    return want, [signature(fast.generate([p], params)[0]) for p in prompts], fast
+
+
 def test_batched_prefill_with_prefix_cache_hit_equals_reference(tiny_ckpt):
     """Prefill chunks pool their compressed entries from the step's own state rows and the ring, and
     hold the rows for the block-boundary snapshot a later prefix-cache hit restores: a prompt that
@@ -98,13 +109,8 @@ def test_batched_prefill_with_prefix_cache_hit_equals_reference(tiny_ckpt):
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(3, 1000, (300,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 70)]
-    params = greedy(12)
-    ref = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=100, attention="reference",
-                   enable_prefix_caching=False)
-    want = [signature(ref.generate([p], params)[0]) for p in prompts]
-    fast = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=100, attention="batched", backend="torch")
-    got = [signature(fast.generate([p], params)[0]) for p in prompts]  # the second hits the first's block
-    assert fast.engine.kv.hits >= 256
+    want, got, fast = _one_by_one_reference_and_batched(tiny_ckpt, prompts, greedy(12), chunk=100)
+    assert fast.engine.kv.hits >= 256  # the second prompt hit the first's block
     assert got == want
 
 
@@ -148,12 +154,7 @@ def test_block_boundary_snapshot_reads_the_ring_and_the_held_chunk(tiny_ckpt, mo
     g = torch.Generator().manual_seed(8)
     shared = torch.randint(3, 1000, (520,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 40)]
-    params = greedy(4)
-    ref = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=254, attention="reference",
-                   enable_prefix_caching=False)
-    want = [signature(ref.generate([p], params)[0]) for p in prompts]
-    fast = make_llm(tiny_ckpt, "fp8_ds_mla", max_num_batched_tokens=254, attention="batched", backend="torch")
-    got = [signature(fast.generate([p], params)[0]) for p in prompts]
+    want, got, fast = _one_by_one_reference_and_batched(tiny_ckpt, prompts, greedy(4), chunk=254)
     assert any(mixed), "no snapshot took rows from both the ring and the held chunk"
     assert fast.engine.kv.hits >= 256
     assert got == want

@@ -130,9 +130,9 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     """Same contract as ``dsv4.ops.torch_ops.moe_route`` (hash ids must lie in [0, E): clamp
     token ids before the ``tid2eid`` lookup, as the reference does).
 
-    ``config``: launch overrides ``BLOCK_T`` (rows per program, a power of two; default
-    min(16, 4096 // next_pow2(E))) and ``num_warps`` (default 4), for tuning (bench/kernels.py
-    --sweep --only route). Rows are independent, so the results are the same for any config."""
+    ``config``: launch overrides of ``route_config``'s ``BLOCK_T`` (rows per program, a power of
+    two) and ``num_warps``, for tuning (bench/kernels.py --sweep --only route). Rows are
+    independent, so the results are the same for any config."""
     logits = gate_logits if gate_logits.dtype == torch.float32 else gate_logits.float()
     t, e = logits.shape
     if not 1 <= topk <= e:
