@@ -15,7 +15,8 @@ slot grouping (torch vs Triton) at T = 1, 8, 64.
 
 ``--sweep`` times tile candidates instead (CUDA-graph medians, each checked against the default):
 ``--only route`` moe_route's BLOCK_T × num_warps at T = 1, 8, 64, 8192; ``moe`` / ``moe_decode``
-the expert GEMM tiles; ``linear`` the FP8 linear tiles:
+the expert GEMM tiles; ``linear`` the FP8 linear tiles; ``moe_prefill`` / ``linear_prefill`` the
+prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (and 1024):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -239,6 +240,8 @@ def sweep(dev, only=("linear", "moe")):
                   flush=True)
     if "route" in only:
         out.update(sweep_route(dev, g))
+    if {"moe_prefill", "linear_prefill"} & set(only):
+        out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
         return out
     w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
@@ -271,6 +274,88 @@ def sweep(dev, only=("linear", "moe")):
 
 
 ROUTE_SWEEP_T = (1, 8, 64, 8192)
+
+MOE_PREFILL_TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 3),
+                     (128, 64, 8, 3), (64, 64, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3)]
+LINEAR_PREFILL_TILES = [(256, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4),
+                        (256, 64, 8, 3), (64, 128, 4, 3)]
+
+
+def sweep_prefill(dev, g, only):
+    """Prefill tiles that keep batch invariance: each candidate's output must equal, bitwise, the
+    decode tile's (MoE: the batch-invariant decode config run on all T tokens; FP8 linear: the rows
+    of an M = 64 launch), since a prompt's chunk of ≤ 64 tokens runs the decode tile and a longer
+    one these. Times are CUDA-graph medians; TFLOP/s from the useful FLOPs."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import fp8_linear as tfl
+    from dsv4.ops.triton import moe as tmoe
+
+    out = {}
+    if "moe_prefill" in only:
+        w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+        s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+        w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+        s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+        dec = tmoe.pick_moe_config(1, TOPK, N_EXP, "fp4")
+        for t in (8192, 1024):
+            x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+            ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+            ref = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dec)
+            flops = t * TOPK * 6 * HID * INTER
+            cur = tmoe.pick_moe_config(t, TOPK, N_EXP, "fp4")
+            cands = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in MOE_PREFILL_TILES]
+            rows = []
+            for c in cands:
+                try:
+                    y = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
+                    same = "same bits" if torch.equal(y, ref) else f"DIFFERS ({(y != ref).sum().item()} values)"
+                    ms = bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c), 60)
+                    rows.append((ms, c, same))
+                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
+                    rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
+            best = min((r for r in rows if r[0] and r[2] == "same bits"), key=lambda r: r[0], default=None)
+            if best:  # the down kernel's own tile around the best common one
+                for bn, w, st in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3), (64, 8, 3), (128, 8, 4)):
+                    c = dict(best[1], down_BLOCK_N=bn, down_num_warps=w, down_num_stages=st)
+                    try:
+                        y = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
+                        same = "same bits" if torch.equal(y, ref) else f"DIFFERS ({(y != ref).sum().item()} values)"
+                        rows.append((bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c),
+                                                 60), c, same))
+                    except Exception as e:  # noqa: BLE001
+                        rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
+            for ms, c, same in sorted(rows, key=lambda r: r[0] or 1e9):
+                tag = " (current)" if all(cur.get(k) == v for k, v in c.items()) else ""
+                txt = f"{ms * 1e3:9.1f} us {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s" if ms else f"{'-':>28}"
+                print(f"sweep moe_prefill T={t}: {txt} {c} {same}{tag}", flush=True)
+            out[f"moe_prefill T={t}"] = [(ms, str(c), same) for ms, c, same in rows]
+    if "linear_prefill" in only:
+        for name in ("wq_b", "wo_b", "wq_a", "shared_w1", "wkv"):
+            n, k = LINEARS[name]
+            w = torch.randint(0, 126, (n, k), device=dev, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+            sc = torch.randint(118, 124, (math.ceil(n / 128), math.ceil(k / 128)), device=dev, dtype=torch.uint8,
+                               generator=g)
+            m = 8192
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            ref64 = tfl.fp8_linear(x[:64], w, sc)
+            cur = tfl.pick_config(m, n, k, dev)
+            rows = []
+            for bm, bn, wp, st in LINEAR_PREFILL_TILES:
+                c = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=wp, num_stages=st)
+                try:
+                    y = tfl.fp8_linear(x, w, sc, config=c)
+                    same = "same bits" if torch.equal(y[:64], ref64) else "DIFFERS"
+                    rows.append((bench_graph(lambda: tfl.fp8_linear(x, w, sc, config=c), 60), c, same))
+                except Exception as e:  # noqa: BLE001
+                    rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
+            chunks = cur["chunks_per_program"]
+            for ms, c, same in sorted(rows, key=lambda r: r[0] or 1e9):
+                tag = " (current)" if all(cur.get(kk) == v for kk, v in c.items()) else ""
+                txt = f"{ms * 1e3:9.1f} us {2 * m * n * k / (ms * 1e-3) / 1e12:6.1f} TFLOP/s" if ms else f"{'-':>28}"
+                print(f"sweep linear_prefill {name} [{n}x{k}] M={m} chunks={chunks}: {txt} {c} {same}{tag}",
+                      flush=True)
+            out[f"linear_prefill {name}"] = [(ms, str(c), same) for ms, c, same in rows]
+    return out
 
 
 def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 16), warps=(1, 2, 4)):
@@ -368,7 +453,7 @@ def main(argv=None):
                     help="comma list of: linear, route, group, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,route,moe,moe_decode,moe_decode_narrow)")
+                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

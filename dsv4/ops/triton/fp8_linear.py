@@ -49,13 +49,46 @@ BLOCK = 128
 
 
 @triton.jit
+def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
+           stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
+           FNUZ: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, ACT_QUANT: tl.constexpr,
+           Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+    """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0)."""
+    x_dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                     mask=n_mask[:, None] & k_mask[None, :], other=0)
+        sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+        if SCALE_UE8M0:
+            s = ue8m0_to_f32(sb)
+        else:
+            s = sb.to(tl.float32)
+        w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
+        if ACT_QUANT:
+            x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
+        if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
+            acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
+        elif DOT_F32:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+    return acc
+
+
+@triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUNKS_PER_PROGRAM,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
                        stride_ys, stride_ym, stride_yn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
                        FNUZ: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, ACT_QUANT: tl.constexpr,
-                       Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+                       Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr, ONE_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -65,7 +98,6 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUN
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_dtype = x_ptr.dtype.element_ty
     # grouped (block-diagonal) weights: output rows [g·GROUP_N, (g+1)·GROUP_N) read x's columns
     # [g·K, (g+1)·K); GROUP_N is a multiple of BLOCK_N (N when not grouped: group 0)
     x_ptr += ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * K * stride_xk
@@ -77,31 +109,21 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUN
     c_hi = tl.minimum(c_lo + CHUNKS_PER_PROGRAM, tl.cdiv(K, CHUNK))
     # swap-AB: acc[n, m] = W_tile · x_tileᵀ, so the decoded weight is the left (register) operand
     # and a small M only sets the MMA's N width (no padding of M to 64/128 rows).
-    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for c in range(c_lo, c_hi):
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                         mask=n_mask[:, None] & k_mask[None, :], other=0)
-            sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-            if SCALE_UE8M0:
-                s = ue8m0_to_f32(sb)
-            else:
-                s = sb.to(tl.float32)
-            w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
-            if ACT_QUANT:
-                x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
-            if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
-                acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
-            elif DOT_F32:
-                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(w, tl.trans(x))
-        total += acc
+    # ONE_CHUNK (every split-mode program, and fused mode when K is one chunk): the chunk's
+    # accumulator is the total, plus 0.0 (= 0 + P_0, so -0 becomes +0 as in the general form);
+    # no second fp32 tile is live (ptxas, sm_90a: the 256 × 128 prefill tile spilled 1.2 KB with two)
+    if ONE_CHUNK:
+        total = _chunk(x_ptr, w_ptr, s_ptr, c_lo, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, ACT_QUANT,
+                       Q_MANT, Q_EXP, MIN_E) + 0.0
+    else:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for c in range(c_lo, c_hi):
+            total += _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
+                            stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+                            BLOCK_M, BLOCK_N, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, ACT_QUANT,
+                            Q_MANT, Q_EXP, MIN_E)
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -238,7 +260,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         ys[0], ys[1], ys[2],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
         SCALE_UE8M0=ue8m0, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(), ACT_QUANT=bool(act_quant),
-        Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e,
+        Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e, ONE_CHUNK=cfg["chunks_per_program"] == 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if s > 1:
         y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))

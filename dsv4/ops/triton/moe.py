@@ -362,13 +362,16 @@ def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
-def _dot(w, x, DOT_F32: tl.constexpr):
-    """w [N, K] · xᵀ ([M, K]) -> [N, M] with fp32 accumulation ("swap-AB": the decoded weight is
-    the register-resident left operand, the few token rows only set the MMA's N width)."""
+def _dot(w, x, acc, DOT_F32: tl.constexpr):
+    """acc + w [N, K] · xᵀ ([M, K]) -> [N, M], accumulated in fp32 inside the MMA ("swap-AB": the
+    decoded weight is the register-resident left operand, the few token rows only set the MMA's N
+    width). Accumulating into ``acc`` (not ``acc += dot(..)``) keeps one accumulator live per
+    output instead of two: the sum-then-add form held a second [N, M] fp32 temporary and spilled
+    at the prefill tiles (ptxas, sm_90a: 255 registers + 336 B of spills at 128 × 128, 8 warps)."""
     if DOT_F32:
-        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     else:
-        return tl.dot(w, tl.trans(x))
+        return tl.dot(w, tl.trans(x), acc)
 
 
 @triton.jit
@@ -397,17 +400,17 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
             if FP4:
                 lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
                                        stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
-                acc1 += _dot(lo1, xe, DOT_F32) + _dot(hi1, xo, DOT_F32)
+                acc1 = _dot(hi1, xo, _dot(lo1, xe, acc1, DOT_F32), DOT_F32)
                 lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
                                        stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
-                acc3 += _dot(lo3, xe, DOT_F32) + _dot(hi3, xo, DOT_F32)
+                acc3 = _dot(hi3, xo, _dot(lo3, xe, acc3, DOT_F32), DOT_F32)
             else:
                 w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
                                  stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
-                acc1 += _dot(w1, xe, DOT_F32)
+                acc1 = _dot(w1, xe, acc1, DOT_F32)
                 w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
                                  stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
-                acc3 += _dot(w3, xe, DOT_F32)
+                acc3 = _dot(w3, xe, acc3, DOT_F32)
         g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
         u = cast(acc3, x_dtype, INTERP).to(tl.float32)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -439,11 +442,11 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
             if FP4:
                 lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
                                      stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4)
-                acc += _dot(lo, he, DOT_F32) + _dot(hi, ho, DOT_F32)
+                acc = _dot(hi, ho, _dot(lo, he, acc, DOT_F32), DOT_F32)
             else:
                 w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
-                acc += _dot(w, he, DOT_F32)
+                acc = _dot(w, he, acc, DOT_F32)
         yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[None, :] * stride_ys + offs_n[:, None] * stride_yh
         tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
 
@@ -563,7 +566,9 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
                     x_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile configuration (``config`` entries override). Direct mode for T·topk ≤ DIRECT_MAX_SLOTS;
     otherwise BLOCK_M from the mean rows per expert. BLOCK_K is 128 in grouped mode (one FP8 scale
-    block; four MXFP4 scale groups) and 256 in direct MXFP4 mode (128 for FP8 experts)."""
+    block; four MXFP4 scale groups) and 256 in direct MXFP4 mode (128 for FP8 experts).
+    ``down_BLOCK_N`` / ``down_num_warps`` / ``down_num_stages``: the down kernel's own launch (the
+    up kernel's by default); neither changes a row's bits: every tile reduces K in the same steps."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -587,6 +592,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=2)
     if config:
         cfg.update(config)
+    for key in ("BLOCK_N", "num_warps", "num_stages"):  # the down kernel's own tile (BLOCK_M is shared)
+        cfg.setdefault("down_" + key, cfg[key])
     if expert_dtype == "fp8" and not (config and "BLOCK_K" in config):
         cfg["BLOCK_K"] = 128
     if expert_dtype == "fp8" and cfg["BLOCK_K"] != 128:
@@ -682,11 +689,12 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
             s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
             BLOCK_N=bn, **common)
-        _moe_down_kernel[(nblocks, triton.cdiv(hdim, bn))](
+        down = dict(common, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"])
+        _moe_down_kernel[(nblocks, triton.cdiv(hdim, cfg["down_BLOCK_N"]))](
             h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
             h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
             s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
-            BLOCK_N=bn, **common)
+            BLOCK_N=cfg["down_BLOCK_N"], **down)
     block_h = min(1024, triton.next_power_of_2(hdim))
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
         y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
