@@ -214,6 +214,80 @@ def sweep_mix(results, dev, shapes):
                                      for k, v in row.items() if k.startswith("T=")), flush=True)
 
 
+POST_MIX_SWEEP = [dict(MIX_BLOCK_T=bt, MIX_WARPS=w) for bt in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
+
+
+def sweep_post_mix(results, dev, shapes):
+    """mhc_post_pre (the fused post + next pre, one launch pair per sub-layer) per POST_MIX_SWEEP
+    launch shape: tokens per mixes program and warps. Neither changes a token's summation order
+    (the FMA dot adds k in order inside one thread; SPLIT and MIX_BLOCK_K stay), so every output
+    must equal the default config's bitwise; CUDA-graph µs at each T."""
+    from dsv4.ops.triton import mhc as tm
+
+    _, graph = _timers(dev)
+    g = torch.Generator(device=dev).manual_seed(2)
+    cases = []
+    for t in shapes["tokens"]:
+        s, fn, base, scale = _hc_inputs(t, shapes["hidden"], g, dev)
+        out = (torch.randn(t, shapes["hidden"], device=dev, generator=g) * 2).to(torch.bfloat16)
+        post = torch.rand(t, N_HC, device=dev, generator=g) * 2
+        comb = torch.rand(t, N_HC, N_HC, device=dev, generator=g)
+        args = (s, out, post, comb, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+        cases.append((t, args, tm.mhc_post_pre(*args)))
+    for cfg in POST_MIX_SWEEP:
+        row = dict(op="mhc_post_pre sweep", config=cfg)
+        for t, args, ref in cases:
+            try:
+                got = tm.mhc_post_pre(*args, config=cfg)
+                same = all(torch.equal(a, b) for a, b in zip(got, ref))
+                ms = graph(lambda: tm.mhc_post_pre(*args, config=cfg))
+                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, same_bits=same)
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report, go on
+                row[f"T={t}"] = dict(error=f"{type(e).__name__}: {str(e)[:100]}")
+        results.append(row)
+        print("sweep post_mix", cfg, " ".join(
+            f"{k}: " + (f"{v['us']:.1f}us{'' if v['same_bits'] else ' DIFFERENT-BITS'}"
+                        if v.get("us") is not None else str(v)) for k, v in row.items() if k.startswith("T=")),
+              flush=True)
+
+
+DENSE_PREFILL_TILES = [None] + [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in
+                               ((128, 128, 8, 3), (256, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 3),
+                                (128, 256, 8, 3), (128, 128, 8, 4), (256, 128, 8, 4))]
+
+
+def sweep_dense_prefill(results, dev, shapes, m=8192):
+    """dense_linear's fused-mode prefill tile (``config["prefill"]``) on the model's 16-bit dense
+    weights: each candidate's first 64 rows must equal an M = 64 launch's bitwise (the decode tile,
+    the same K chunks); CUDA-graph µs and TFLOP/s at M = 8192. None = the base tile."""
+    from dsv4.ops.triton import dense as td
+
+    _, graph = _timers(dev)
+    g = torch.Generator(device=dev).manual_seed(3)
+    h = shapes["hidden"]
+    weights = {"gate": (256, h), "compressor_csa": (2048, h), "compressor_hca": (1024, h),
+               "indexer_compressor": (512, h), "weights_proj": (64, h)}
+    for name, (n, k) in weights.items():
+        w = (torch.randn(n, k, device=dev, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+        x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+        ref = td.dense_linear(x[:64], w)
+        for tile in DENSE_PREFILL_TILES:
+            cfg = {"prefill": tile}
+            try:
+                y = td.dense_linear(x, w, config=cfg)
+                same = torch.equal(y[:64], ref)
+                ms = graph(lambda: td.dense_linear(x, w, config=cfg))
+                row = dict(op="dense_linear prefill sweep", weight=name, shape=[m, n, k], tile=tile,
+                           us=None if ms is None else ms * 1e3, same_bits=same)
+            except Exception as e:  # noqa: BLE001
+                row = dict(op="dense_linear prefill sweep", weight=name, tile=tile, error=f"{type(e).__name__}: {e}"[:120])
+            results.append(row)
+            us = row.get("us")
+            print(f"sweep dense_prefill {name} [{n}x{k}] M={m} {tile}: "
+                  + (f"{us:.1f} us {2 * m * n * k / (us * 1e-6) / 1e12:.1f} TFLOP/s"
+                     f"{'' if row['same_bits'] else ' DIFFERENT-BITS'}" if us else str(row.get("error"))), flush=True)
+
+
 def run(device, results: list, small: bool = False) -> list:
     """Run every case on ``device`` (CUDA: full shapes; ``small``: interpreter-sized shapes)."""
     dev = torch.device(device)
@@ -235,6 +309,10 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     ap.add_argument("--sweep-mix", action="store_true", help="time hc_pre's mixes tiles (MIX_SWEEP) instead")
+    ap.add_argument("--sweep-post-mix", action="store_true",
+                    help="time mhc_post_pre's launch shapes (POST_MIX_SWEEP, same bits) instead")
+    ap.add_argument("--sweep-dense-prefill", action="store_true",
+                    help="time dense_linear's prefill tiles (DENSE_PREFILL_TILES, same bits) instead")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -246,9 +324,10 @@ def main(argv=None):
     t0 = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  "
           f"{torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}")
-    if args.sweep_mix:
+    if args.sweep_mix or args.sweep_post_mix or args.sweep_dense_prefill:
         results: list = []
-        sweep_mix(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
+        sweep = sweep_mix if args.sweep_mix else (sweep_post_mix if args.sweep_post_mix else sweep_dense_prefill)
+        sweep(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
     else:
         results = run("cuda" if cuda else "cpu", [], small=args.small)
     fails = [r for r in results if str(r.get("check", "")).startswith("FAIL")]

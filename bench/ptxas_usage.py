@@ -33,7 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 def _kernels():
     """name -> (kernel, pointer element types, float args, integer args that are 1, constexprs(bm, bn))."""
-    from dsv4.ops.triton import fp8_linear, moe, sparse_attention
+    from dsv4.ops.triton import fp8_linear, mhc, moe, sparse_attention
 
     fp4 = dict(BLOCK_K=128, FP4=True, SCALE_UE8M0=True, NATIVE=False, FNUZ=False, DOT_F32=False, INTERP=False,
                PTX_FP4=True)
@@ -54,6 +54,10 @@ def _kernels():
                          dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", y_ptr="*bf16"),
                          set(), {"stride_xk", "stride_wk", "stride_sk", "stride_yn"}, {"CHUNKS_PER_PROGRAM"},
                          lambda a, b: dict(_linear_consts(a, b), ONE_CHUNK=True)),
+        "mhc_post_mix": (mhc._post_mix_kernel,  # tile = (MIX_BLOCK_T, MIX_BLOCK_K); SPLIT 256, n = 4
+                         dict(s_ptr="*bf16", o_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", y_ptr="*bf16",
+                              fn_ptr="*fp32", part_ptr="*fp32"), set(), set(), set(),
+                         lambda a, b: dict(N=4, NMIX=24, NMIX_P=32, SPLIT=256, BLOCK_T=a, BLOCK_K=b, INTERP=False)),
         "sparse_attention": (sparse_attention._sparse_attn_kernel, _attn_ptrs(sparse_attention), {"scale_log2"},
                              None, set(), lambda a, b: _attn_consts(a, b)),
     }

@@ -48,6 +48,11 @@ CONFIGS = {
     "16bit": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "fp32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=3),
 }
+# Fused-mode launch tile for 16-bit weights at prefill sizes (M ≥ PREFILL_MIN_ROWS): only the MMA
+# tile changes — K chunks (from the base tile) and K steps stay, so a row gets the same bits as in
+# a decode launch (checked on the H200: bench/kernels_mhc.py --sweep-dense-prefill). None: base tile.
+PREFILL_16BIT = None
+PREFILL_MIN_ROWS = 1024
 COMMON = dict(GROUP_M=8,
               TARGET_PROGRAMS=128,  # chunks are cut so that small-M launches have about this many programs
               MIN_CHUNK=512)        # ... but never fewer than 512 columns per chunk
@@ -140,6 +145,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
 
     ``mode`` ("fused"/"split") forces the launch mode (tests: both give the same bits);
     ``config`` overrides ``config_for(w.dtype)`` entries (changes the bits: use one for every call).
+    ``config["prefill"]``: the fused-mode tile at M ≥ PREFILL_MIN_ROWS (BLOCK_M, BLOCK_N, num_warps,
+    num_stages; default ``PREFILL_16BIT`` for 16-bit weights), K chunks and steps unchanged.
     ``chunk_rows``: reduce K as for a weight of that many rows — w stacks weights of that height
     (e.g. a compressor's [wkv; wgate]), and each block of rows gets the bits of its own call.
     """
@@ -169,6 +176,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     if mode not in ("fused", "split"):
         raise ValueError(f"mode must be 'fused' or 'split', got {mode!r}")
     split = mode == "split"
+    prefill = (config or {}).get("prefill", PREFILL_16BIT if w.dtype != torch.float32 else None)
+    if prefill and not split and m >= PREFILL_MIN_ROWS:  # the launch tile only (chunks fixed above)
+        cfg = dict(cfg, **{key: prefill[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
+        tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
     interp = interpreting()
     y = torch.empty((m, n), dtype=w.dtype, device=x.device)
     dst = torch.empty((n_chunks, m, n), dtype=torch.float32, device=x.device) if split else y

@@ -26,8 +26,9 @@ depend on the other requests of its step, its chunking or prefix-cache hits.
 
 Tiles by M (chosen from an H200 sweep, CUDA-graph timings): decode (M ≤ 64; without invariance
 BLOCK_M 16/32/64, BLOCK_N 64/128, and split-K so that about two programs per SM run even when N is
-small) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that gives ≥ 96 tiles, else 128 × 64
-with 4 warps; grouped program order for L2 reuse of weight tiles).
+small) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that gives ≥ 96 tiles — 256 × 64 for a
+weight of ≤ 2048 rows whose K is several chunks — else 128 × 64 with 4 warps; grouped program
+order for L2 reuse of weight tiles).
 """
 
 from __future__ import annotations
@@ -180,6 +181,11 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
     elif x_bytes > 2:  # fp32 activations: the tiles that fit in shared memory (see above)
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, GROUP_M=8, split_k=1)
+    elif invariant and n <= 2048 and math.ceil(m / 256) * math.ceil(n / 64) >= 96 and \
+            invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK:
+        # prefill of a narrow weight whose K is several chunks (two fp32 tiles live): 256 x 64
+        # (H200 sweep at M = 8192, tenth session: wq_a 258 vs 315 us, shared w1 436 vs 468, wkv 180 vs 239)
+        cfg = dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
     elif math.ceil(m / 256) * math.ceil(n / 128) >= 96:  # prefill, enough 256x128 tiles (H200 sweep)
         cfg = dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)
     else:  # mid-size M or narrow N: smaller tiles keep the SMs busy

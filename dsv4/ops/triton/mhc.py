@@ -59,6 +59,7 @@ CONFIG = dict(
     SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
     MIX_BLOCK_T=32,  # tokens per mixes program
     MIX_BLOCK_K=32,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
+    MIX_WARPS=4,     # warps per mixes program (the FMA dot sums k in order in one thread: any value, same bits)
     GATE_BLOCK_T=8,  # tokens per gate/collapse program
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
@@ -259,7 +260,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     _mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
         streams, fn32, part, T, k, streams.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"], BLOCK_K=cfg["MIX_BLOCK_K"],
-        INTERP=interpreting(), num_warps=4)
+        INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
 
 
@@ -410,5 +411,5 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
         streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
         y.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"],
-        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(), num_warps=4)
+        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))
