@@ -4,7 +4,9 @@
 # GPU 1: the changed kernels' tests compiled, then tests/gpu (invariance 1..64, prefill invariance,
 # engine/path vs torch). GPU 0: the prefill-tile sweeps that keep the decode tile's bits
 # (bench/kernels.py --sweep --only moe_prefill,linear_prefill), then bench/e2e.py (graphs).
-# Env: TESTS (kernel tests), SWEEP (empty: skip), E2E_ARGS, GPU_SPLIT=1 (tests/gpu over both GPUs).
+# Env: TESTS (kernel tests), SWEEP (empty: skip), E2E_ARGS, GPU_SPLIT=1 (tests/gpu over both GPUs,
+# GPU 0's half after the e2e run). Third call: SWEEP= GPU_SPLIT=1 TESTS="tests/ops/test_ops_dense_triton.py
+# tests/ops/test_ops_mhc_post_pre_triton.py" E2E_ARGS="--batches 1,8,64 --prefill 1024,8192 --skip-transformers".
 source bench/device_env.sh
 G=(tests/gpu/test_*.py); n=${#G[@]}
 if [ -n "${GPU_SPLIT-}" ]; then G1=("${G[@]:0:$((n/2))}"); G0=("${G[@]:$((n/2))}"); else G1=("${G[@]}"); G0=(); fi
@@ -22,10 +24,6 @@ if [ -n "${SWEEP-1}" ]; then
   echo "prefill sweep exit $? at $(( $(date +%s) - T0 )) s"
   grep -E "^sweep" "$OUT/prefill_sweep.log" | sed -E 's/num_warps/w/g; s/num_stages/st/g; s/BLOCK_/B/g' | cut -c1-200
 fi
-if [ ${#G0[@]} -gt 0 ]; then
-  timeout ${GPU_S:-400} python3 -m pytest -q -p no:cacheprovider -rf "${G0[@]}" > "$OUT/tests0.log" 2>&1
-  echo "tests/gpu (GPU 0 part) exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests0.log"
-fi
 timeout ${E2E_S:-200} python3 bench/e2e.py --ckpt /tmp/fw4 --layers 4 --variants graphs \
   ${E2E_ARGS:---batches 1,64 --prefill 1024,8192 --skip-transformers} --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 echo "e2e exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn|^ +[0-9.]+ ms" "$OUT/e2e.log" | cut -c1-240 | tail -7
@@ -37,5 +35,9 @@ for k in ("profile_b1_graphs", "profile_b64_graphs", "profile_prefill_8192"):
 for k in ("top_kernels_prefill_8192",):
     print(k); [print("  %8.3f %4d %s" % (r[0], r[1], r[2][:90])) for r in d.get(k, [])[:14]]
 PY
+if [ ${#G0[@]} -gt 0 ]; then
+  timeout ${GPU_S:-400} python3 -m pytest -q -p no:cacheprovider -rf "${G0[@]}" > "$OUT/tests0.log" 2>&1
+  echo "tests/gpu (GPU 0 part) exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests0.log"
+fi
 wait
 echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT/tests1.log" "$OUT"/tests0.log 2>/dev/null | cut -c1-300 | tail -20

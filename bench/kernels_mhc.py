@@ -214,7 +214,7 @@ def sweep_mix(results, dev, shapes):
                                      for k, v in row.items() if k.startswith("T=")), flush=True)
 
 
-POST_MIX_SWEEP = [dict(MIX_BLOCK_T=bt, MIX_WARPS=w) for bt in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
+POST_MIX_SWEEP = [dict(MIX_BLOCK_T=bt, MIX_WARPS=w, POST_MIX_WARPS_PREFILL=w) for bt in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 
 
 def sweep_post_mix(results, dev, shapes):

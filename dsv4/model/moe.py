@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .kernels import kernel
-from .linear import linear, stable_topk
+from .linear import linear, linear_f32, stable_topk
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
@@ -36,7 +36,7 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.
 def route(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None,
           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
     """Return (expert ids [T, k] long, weights [T, k] fp32). Ties break to the lowest expert id."""
-    logits = linear(x.float(), gate_w.float())
+    logits = linear_f32(x, gate_w)
     scores = torch.sqrt(F.softplus(logits.double())).float()
     if tid2eid is not None:
         if token_ids is None:

@@ -58,6 +58,38 @@ def test_dense_linear_matches_oracle(wdt, xdt):
     assert y3.shape == (2, 3, n) and torch.equal(y3.reshape(6, n), y[:6])
 
 
+def test_fp32_output_of_bf16_operands_is_the_unrounded_accumulator():
+    """The router's logits (``linear_f32``): bf16 x and w with an fp32 result are the fp32 GEMM of
+    the same values up to the order of the sums (the products are exact), and rounding that result
+    to bf16 gives the bf16 call's bits (same chunks, same steps: only the final store differs)."""
+    from dsv4.model.linear import linear_f32
+
+    g = gen(9)
+    m, n, k = 70, 200, 328
+    x = randn((m, k), g, dtype=BF16)
+    w = randn((n, k), g, scale=k ** -0.5, dtype=BF16)
+    y = td.dense_linear(x, w, out_dtype=FP32)
+    assert y.dtype == FP32 and y.shape == (m, n)
+    assert_fp32_accum_close(y, linear(x.float(), w.float()), _absprod(x, w))
+    assert torch.equal(y.to(BF16), td.dense_linear(x, w))
+    assert torch.equal(linear_f32(x, w), linear(x.float(), w.float()))  # no fast kernel active: the fp32 GEMM
+    with pytest.raises(TypeError, match="out_dtype"):
+        td.dense_linear(x, w, out_dtype=torch.float16)
+
+
+def test_prefill_tile_gives_the_decode_tiles_bits():
+    """At M ≥ PREFILL_MIN_ROWS the fused launch takes ``PREFILL_16BIT``'s MMA tile with the base
+    tile's K chunks: a row's bits are those of a decode-sized launch (on the H200 too: tests/gpu,
+    bench/kernels_mhc.py --sweep-dense-prefill)."""
+    g = gen(10)
+    m, n, k = td.PREFILL_MIN_ROWS + 6, td.PREFILL_MIN_N, 128
+    x = randn((m, k), g, dtype=BF16)
+    w = randn((n, k), g, scale=k ** -0.5, dtype=BF16)
+    y = td.dense_linear(x, w)
+    assert torch.equal(y[:64], td.dense_linear(x[:64], w))
+    assert torch.equal(y[-1:], td.dense_linear(x[-1:], w))
+
+
 def test_chunking_depends_on_the_weight_only():
     c16, c32 = td.config_for(BF16), td.config_for(FP32)
     assert td.chunking(129280, 4096, c16) == 4096  # head: 1010 tiles, one chunk

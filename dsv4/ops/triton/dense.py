@@ -51,8 +51,11 @@ CONFIGS = {
 # Fused-mode launch tile for 16-bit weights at prefill sizes (M ≥ PREFILL_MIN_ROWS): only the MMA
 # tile changes — K chunks (from the base tile) and K steps stay, so a row gets the same bits as in
 # a decode launch (checked on the H200: bench/kernels_mhc.py --sweep-dense-prefill). None: base tile.
-PREFILL_16BIT = None
+PREFILL_16BIT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)  # H200 sweep, tenth session:
+# M = 8192, router 50.5 → 44.3 µs, CSA compressor 375 → 327, HCA compressor 197 → 162, indexer
+# compressor 99 → 84; weights_proj (64 rows) was faster on the base tile (31.8 vs 39.6): PREFILL_MIN_N
 PREFILL_MIN_ROWS = 1024
+PREFILL_MIN_N = 256
 COMMON = dict(GROUP_M=8,
               TARGET_PROGRAMS=128,  # chunks are cut so that small-M launches have about this many programs
               MIN_CHUNK=512)        # ... but never fewer than 512 columns per chunk
@@ -140,8 +143,10 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None,
-                 mode: str | None = None, chunk_rows: int | None = None) -> torch.Tensor:
-    """y = x·wᵀ for x [..., K] and a bf16/fp16/fp32 weight w [N, K]; y has the weight's dtype.
+                 mode: str | None = None, chunk_rows: int | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x·wᵀ for x [..., K] and a bf16/fp16/fp32 weight w [N, K]; y has the weight's dtype
+    (``out_dtype`` torch.float32: the fp32 accumulator unrounded, e.g. the router's logits).
 
     ``mode`` ("fused"/"split") forces the launch mode (tests: both give the same bits);
     ``config`` overrides ``config_for(w.dtype)`` entries (changes the bits: use one for every call).
@@ -164,8 +169,11 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    out_dtype = out_dtype or w.dtype
+    if out_dtype not in (w.dtype, torch.float32):
+        raise TypeError(f"out_dtype must be the weight's dtype ({w.dtype}) or torch.float32, got {out_dtype}")
     if m == 0 or n == 0 or k == 0:
-        return torch.zeros(*lead, n, dtype=w.dtype, device=x.device)
+        return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
     chunk = chunking(chunk_rows or n, k, cfg)
     if chunk % cfg["BLOCK_K"]:
         raise ValueError(f"chunk {chunk} must be a multiple of BLOCK_K={cfg['BLOCK_K']}")
@@ -177,11 +185,11 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
         raise ValueError(f"mode must be 'fused' or 'split', got {mode!r}")
     split = mode == "split"
     prefill = (config or {}).get("prefill", PREFILL_16BIT if w.dtype != torch.float32 else None)
-    if prefill and not split and m >= PREFILL_MIN_ROWS:  # the launch tile only (chunks fixed above)
+    if prefill and not split and m >= PREFILL_MIN_ROWS and n >= PREFILL_MIN_N:  # launch tile only (chunks fixed)
         cfg = dict(cfg, **{key: prefill[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
         tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
     interp = interpreting()
-    y = torch.empty((m, n), dtype=w.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     dst = torch.empty((n_chunks, m, n), dtype=torch.float32, device=x.device) if split else y
     ys = dst.stride() if split else (0, *y.stride())
     _dense_kernel[(tiles, n_chunks if split else 1)](

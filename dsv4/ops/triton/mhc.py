@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..invariance import DECODE_MAX_ROWS
 from ._common import cast, interpreting
 from .dense import dot_acc
 
@@ -59,7 +60,9 @@ CONFIG = dict(
     SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
     MIX_BLOCK_T=32,  # tokens per mixes program
     MIX_BLOCK_K=32,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
-    MIX_WARPS=4,     # warps per mixes program (the FMA dot sums k in order in one thread: any value, same bits)
+    MIX_WARPS=4,     # warps per mixes program (the FMA dot sums k in order in one thread: same bits)
+    POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep,
+    # tenth session, same bits: T = 8192 1,222 vs 1,654 µs; at T = 1 4 warps stay faster, 28.6 vs 36.2)
     GATE_BLOCK_T=8,  # tokens per gate/collapse program
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
@@ -411,5 +414,6 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
         streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
         y.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"],
-        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
+        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(),
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["POST_MIX_WARPS_PREFILL"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))
