@@ -15,25 +15,33 @@ from ..formats import OCP, fake_quant_fp8_pow2
 from .kernels import kernel
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+# CPU GEMMs run as separate calls of exactly this many rows: the BLAS picks its kernel from M, so a
+# row's bits depend on the batch it is in — on an AVX-512/AMX Xeon (Sapphire Rapids) even for M a
+# multiple of 8 (fp32, K = 1024: every M = 8..56 differed from the M = 64 call), while every call
+# of M = 8 gives a row the same bits at any position (measured over fp32/bf16 and the model's shapes).
+CPU_ROW_BLOCK = 8
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: torch.Tensor | None = None) -> torch.Tensor:
     """x·wᵀ in fp32 (the MoE router's logits: fp32 products, fp32 sums). With bf16 x and w on the
     fast path this is the batch-invariant GEMM with bf16 operands and an fp32 result: a product of
     two bf16 values is exact in fp32 and the MMA accumulates in fp32, so only the order of the fp32
     sums differs from the fp32 GEMM — which ran on CUDA cores (the 8K prefill's four router GEMMs
-    took ~9 ms of its 142, the bf16 MMA ~0.2 ms). Anything else: the fp32 GEMM, as before."""
+    took 10.8 ms of its 138 — bench/dense_calls.py — the bf16 MMA ~0.2 ms). Anything else: the fp32
+    GEMM, as before (``w32``: w already in fp32, to skip the conversion)."""
     fast = kernel("dense_linear")
     if fast is not None and fast is not linear and x.dtype == w.dtype == torch.bfloat16:
         return fast(x, w, out_dtype=torch.float32)
-    return linear(x.float(), w.float())
+    return linear(x.float(), w32 if w32 is not None else w.float())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
     """y = x·wᵀ in the weight dtype, with rows computed independently of the batch.
 
-    ``act_quant`` simulates the release's per-128 FP8 activations. On CPU, BLAS handles a
-    trailing partial tile of rows with a different kernel (measured: rows agree bitwise only
-    when M is a multiple of 4), so rows are padded to a multiple of 8: a token's result then
-    never depends on which other tokens share the batch or the chunk.
+    ``act_quant`` simulates the release's per-128 FP8 activations. On CPU the BLAS chooses its
+    kernel from the number of rows, so rows are computed in separate calls of ``CPU_ROW_BLOCK``
+    rows (the last one zero-padded): a token's result then never depends on which other tokens
+    share the batch or the chunk.
     """
     if act_quant:
         x = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
@@ -48,10 +56,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.T
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    pad = (-m) % 8 if x2.device.type == "cpu" else 0
+    if x2.device.type != "cpu":
+        return torch.nn.functional.linear(x2, w).reshape(*lead, w.shape[0])
+    pad = (-m) % CPU_ROW_BLOCK
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    y = torch.nn.functional.linear(x2, w)
+    y = torch.cat([torch.nn.functional.linear(x2[i:i + CPU_ROW_BLOCK], w) for i in range(0, m + pad, CPU_ROW_BLOCK)])
     return y[:m].reshape(*lead, w.shape[0])
 
 

@@ -95,7 +95,7 @@ class MoE:
         cfg, ops = self.cfg, self.wts.ops
         if getattr(self, "_gate_f32", None) is None:
             self._gate_f32 = self.gate.float()
-        logits = linear(x.float(), self._gate_f32)  # batch-invariant on the fast path (model.kernels)
+        logits = linear_f32(x, self.gate, self._gate_f32)  # batch-invariant on the fast path (model.kernels)
         hash_ids = None
         if self.tid2eid is not None:
             hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
