@@ -47,12 +47,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.T
         x = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
     if not isinstance(w, torch.Tensor):  # an FP8Weight: the registered fp8_linear op (GPU path)
         if w.op is None:
-            return torch.nn.functional.linear(x, w.dequantize(x.dtype))
+            return rows_linear(x, w.dequantize(x.dtype))
         return w.op(x, w.weight, w.scale)
     x = x.to(w.dtype)
     fast = kernel("dense_linear")
     if fast is not None:  # the batch-invariant GEMM of the fast path (dsv4.model.kernels)
         return fast(x, w)
+    return rows_linear(x, w)
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` whose rows do not depend on how many rows come with them: on CPU the rows
+    run in separate calls of ``CPU_ROW_BLOCK`` rows (the last one zero-padded), elsewhere in one
+    call. Shared by the oracle's ``linear`` and the torch backends of the registered ops, so both
+    give a row the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]

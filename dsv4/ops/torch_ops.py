@@ -2,7 +2,7 @@
 
 Numerics follow ``dsv4.model`` (``linear.py``, ``moe.py``):
 
-* ``fp8_linear``: ``F.linear(x, dequantize_block_fp8(w, s, out_dtype=x.dtype))``. With an
+* ``fp8_linear``: ``F.linear(x, dequantize_block_fp8(w, s, out_dtype=x.dtype))`` in row blocks on CPU (``model.linear.rows_linear``). With an
   ``out_dtype`` other than ``x.dtype`` the same operands are multiplied with float32 accumulation
   and no intermediate rounding (what a GPU kernel with an fp32 accumulator returns).
 * ``moe_route``: s = sqrt(softplus(logit)) computed in float64 and rounded to float32; selection
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import dequantize_block_fp8, dequantize_mxfp4, fake_quant_fp8_pow2, get_fp8_format
+from ..model.linear import rows_linear
 
 __all__ = ["fp8_linear", "moe_route", "moe_experts", "stack_experts", "stack_experts_from_checkpoint",
            "expert_dtype_of", "act_format"]
@@ -77,8 +78,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         x = fake_quant_fp8_pow2(x.float(), 128, act_format(act_fmt)).to(x.dtype)
     w = dequantize_block_fp8(weight, scale, out_dtype=x.dtype)
     if out_dtype == x.dtype:
-        return F.linear(x, w)
-    return F.linear(x.float(), w.float()).to(out_dtype)
+        return rows_linear(x, w)
+    return rows_linear(x.float(), w.float()).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,10 +167,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         rows, slot = torch.where(ids == e)
         w1, w3, wd = _dequant_expert(w13, s13, w2, s2, e, expert_dtype, x.dtype)
         xe = x[rows]
-        gate = F.linear(xe, w1).float().clamp(max=limit)
-        up = F.linear(xe, w3).float().clamp(min=-limit, max=limit)
+        gate = rows_linear(xe, w1).float().clamp(max=limit)
+        up = rows_linear(xe, w3).float().clamp(min=-limit, max=limit)
         hh = (F.silu(gate.double()) * up.double()).to(x.dtype)
-        y = F.linear(hh, wd)
+        y = rows_linear(hh, wd)
         out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
     return out.to(x.dtype)
 

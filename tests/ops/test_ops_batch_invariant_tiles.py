@@ -85,6 +85,7 @@ def test_moe_decode_tile_rounds_like_the_prefill_tiles():
         pre = tmoe.pick_moe_config(t, K, E, "fp4")
         assert not pre["direct"] and pre["BLOCK_K"] == dec["BLOCK_K"], (t, pre, dec)
         assert pre["num_warps"] % 4 == 0 and dec["num_warps"] % 4 == 0, (t, pre, dec)
+        assert pre["down_num_warps"] % 4 == 0 and dec["down_num_warps"] % 4 == 0, (t, pre, dec)
 
 
 @pytest.mark.parametrize("x_bytes", [2, 4])

@@ -73,6 +73,12 @@ def test_fp32_output_of_bf16_operands_is_the_unrounded_accumulator():
     assert_fp32_accum_close(y, linear(x.float(), w.float()), _absprod(x, w))
     assert torch.equal(y.to(BF16), td.dense_linear(x, w))
     assert torch.equal(linear_f32(x, w), linear(x.float(), w.float()))  # no fast kernel active: the fp32 GEMM
+    from dsv4.model import kernels
+
+    with kernels.active({"dense_linear": td.dense_linear}):  # the fast path: the bf16 GEMM, fp32 result
+        fast = linear_f32(x, w)
+        assert torch.equal(fast, y) and torch.equal(linear_f32(x[5:6], w), y[5:6])  # and batch-invariant
+        assert torch.equal(linear_f32(x.float(), w), linear(x.float(), w.float()))  # fp32 x: the fp32 GEMM
     with pytest.raises(TypeError, match="out_dtype"):
         td.dense_linear(x, w, out_dtype=torch.float16)
 
