@@ -281,6 +281,19 @@ LINEAR_PREFILL_TILES = [(256, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (1
                         (256, 64, 8, 3), (64, 128, 4, 3)]
 
 
+def _bitwise_trial(run, ref, rows_checked=None):
+    """(CUDA-graph ms, "same bits" / "DIFFERS (n values)") of one candidate launch ``run`` whose
+    output (its first ``rows_checked`` rows) must equal ``ref`` bitwise; (None, the error) when the
+    candidate fails to compile or launch — a result too."""
+    try:
+        y = run()
+        y = y if rows_checked is None else y[:rows_checked]
+        same = "same bits" if torch.equal(y, ref) else f"DIFFERS ({(y != ref).sum().item()} values)"
+        return bench_graph(run, 60), same
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e)[:80]}"
+
+
 def sweep_prefill(dev, g, only):
     """Prefill tiles that keep batch invariance: each candidate's output must equal, bitwise, the
     decode tile's (MoE: the batch-invariant decode config run on all T tokens; FP8 linear: the rows
@@ -303,27 +316,20 @@ def sweep_prefill(dev, g, only):
             ref = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dec)
             flops = t * TOPK * 6 * HID * INTER
             cur = tmoe.pick_moe_config(t, TOPK, N_EXP, "fp4")
-            cands = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in MOE_PREFILL_TILES]
-            rows = []
-            for c in cands:
-                try:
-                    y = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
-                    same = "same bits" if torch.equal(y, ref) else f"DIFFERS ({(y != ref).sum().item()} values)"
-                    ms = bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c), 60)
-                    rows.append((ms, c, same))
-                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a result too
-                    rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
-            best = min((r for r in rows if r[0] and r[2] == "same bits"), key=lambda r: r[0], default=None)
+            tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in MOE_PREFILL_TILES]
+            current = {k: cur[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+            cands = tiles if current in tiles else [current] + tiles  # the current tile is always timed
+
+            def moe(c):
+                return lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
+
+            rows = [(*_bitwise_trial(moe(c), ref), c) for c in cands]
+            best = min((r for r in rows if r[0] and r[1] == "same bits"), key=lambda r: r[0], default=None)
             if best:  # the down kernel's own tile around the best common one
                 for bn, w, st in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3), (64, 8, 3), (128, 8, 4)):
-                    c = dict(best[1], down_BLOCK_N=bn, down_num_warps=w, down_num_stages=st)
-                    try:
-                        y = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)
-                        same = "same bits" if torch.equal(y, ref) else f"DIFFERS ({(y != ref).sum().item()} values)"
-                        rows.append((bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c),
-                                                 60), c, same))
-                    except Exception as e:  # noqa: BLE001
-                        rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
+                    c = dict(best[2], down_BLOCK_N=bn, down_num_warps=w, down_num_stages=st)
+                    rows.append((*_bitwise_trial(moe(c), ref), c))
+            rows = [(ms, c, same) for ms, same, c in rows]
             for ms, c, same in sorted(rows, key=lambda r: r[0] or 1e9):
                 tag = " (current)" if all(cur.get(k) == v for k, v in c.items()) else ""
                 txt = f"{ms * 1e3:9.1f} us {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s" if ms else f"{'-':>28}"
@@ -342,12 +348,8 @@ def sweep_prefill(dev, g, only):
             rows = []
             for bm, bn, wp, st in LINEAR_PREFILL_TILES:
                 c = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=wp, num_stages=st)
-                try:
-                    y = tfl.fp8_linear(x, w, sc, config=c)
-                    same = "same bits" if torch.equal(y[:64], ref64) else "DIFFERS"
-                    rows.append((bench_graph(lambda: tfl.fp8_linear(x, w, sc, config=c), 60), c, same))
-                except Exception as e:  # noqa: BLE001
-                    rows.append((None, c, f"{type(e).__name__}: {str(e)[:80]}"))
+                ms, same = _bitwise_trial(lambda c=c: tfl.fp8_linear(x, w, sc, config=c), ref64, rows_checked=64)
+                rows.append((ms, c, same))
             chunks = cur["chunks_per_program"]
             for ms, c, same in sorted(rows, key=lambda r: r[0] or 1e9):
                 tag = " (current)" if all(cur.get(kk) == v for kk, v in c.items()) else ""

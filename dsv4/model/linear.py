@@ -1,13 +1,15 @@
 """Batch-invariant building blocks shared by every op of the reference model.
 
 Determinism rule of the oracle: a token's result must not depend on the other tokens in the
-batch or chunk. Two CPU effects break that and are handled here and at each op: BLAS uses a
-different kernel for a trailing partial tile of rows (so GEMM rows are padded to a multiple of 8),
+batch or chunk. Two CPU effects break that and are handled here and at each op: BLAS picks its
+kernel from the number of rows (so GEMM rows run in separate calls of ``CPU_ROW_BLOCK`` rows),
 and vectorised vs scalar tails of transcendental ops (exp, sigmoid, sin/cos) differ by an ulp (so
 those run in float64 and are rounded to float32, which absorbs the ulp).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -22,17 +24,18 @@ from .kernels import kernel
 CPU_ROW_BLOCK = 8
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: torch.Tensor | None = None) -> torch.Tensor:
+def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """x·wᵀ in fp32 (the MoE router's logits: fp32 products, fp32 sums). With bf16 x and w on the
     fast path this is the batch-invariant GEMM with bf16 operands and an fp32 result: a product of
     two bf16 values is exact in fp32 and the MMA accumulates in fp32, so only the order of the fp32
     sums differs from the fp32 GEMM — which ran on CUDA cores (the 8K prefill's four router GEMMs
     took 10.8 ms of its 138 — bench/dense_calls.py — the bf16 MMA ~0.2 ms). Anything else: the fp32
-    GEMM, as before (``w32``: w already in fp32, to skip the conversion)."""
+    GEMM, as before (``w32``: returns w in fp32, e.g. a copy made once and kept; called only here,
+    so the fast path never makes the copy)."""
     fast = kernel("dense_linear")
     if fast is not None and fast is not linear and x.dtype == w.dtype == torch.bfloat16:
         return fast(x, w, out_dtype=torch.float32)
-    return linear(x.float(), w32 if w32 is not None else w.float())
+    return linear(x.float(), w32() if w32 is not None else w.float())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.Tensor:

@@ -90,12 +90,16 @@ class MoE:
             out = self.tp.all_reduce(out)  # routed + shared partial sums of every rank, in fp32
         return out.to(x.dtype)
 
+    def _gate_float(self) -> torch.Tensor:
+        """The gate in fp32, converted once, for the fp32 router GEMM (not made on the bf16 fast path)."""
+        if getattr(self, "_gate_f32", None) is None:
+            self._gate_f32 = self.gate.float()
+        return self._gate_f32
+
     def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
         cfg, ops = self.cfg, self.wts.ops
-        if getattr(self, "_gate_f32", None) is None:
-            self._gate_f32 = self.gate.float()
-        logits = linear_f32(x, self.gate, self._gate_f32)  # batch-invariant on the fast path (model.kernels)
+        logits = linear_f32(x, self.gate, self._gate_float)  # batch-invariant on the fast path (model.kernels)
         hash_ids = None
         if self.tid2eid is not None:
             hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]

@@ -2,9 +2,10 @@
 
 Numerics follow ``dsv4.model`` (``linear.py``, ``moe.py``):
 
-* ``fp8_linear``: ``F.linear(x, dequantize_block_fp8(w, s, out_dtype=x.dtype))`` in row blocks on CPU (``model.linear.rows_linear``). With an
-  ``out_dtype`` other than ``x.dtype`` the same operands are multiplied with float32 accumulation
-  and no intermediate rounding (what a GPU kernel with an fp32 accumulator returns).
+* ``fp8_linear``: ``F.linear(x, dequantize_block_fp8(w, s, out_dtype=x.dtype))``, in the oracle's
+  CPU row blocks (``model.linear.rows_linear``, as the expert GEMMs below). With an ``out_dtype``
+  other than ``x.dtype`` the same operands are multiplied with float32 accumulation and no
+  intermediate rounding (what a GPU kernel with an fp32 accumulator returns).
 * ``moe_route``: s = sqrt(softplus(logit)) computed in float64 and rounded to float32; selection
   by s + bias (NaN → -1e30, ties to the lowest expert id), or ids from the hash table; weights =
   s at the ids / (their float64 sum + 1e-20) × scale. Padding rows (``valid`` False) get id -1
