@@ -282,3 +282,17 @@ def test_out_of_shared_memory_steps_down_to_a_smaller_tile(monkeypatch):
     tried.clear()
     _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
     assert tried == [(32, 2)]  # remembered: no more failed attempts
+
+
+def test_an_explicit_tile_does_not_become_the_default(monkeypatch):
+    """A call with ``config`` (a benchmark's or a test's tile) leaves the default of later calls alone."""
+    monkeypatch.setattr(tsa, "_WORKING", {})
+    sc = Scene(OCP, "hca", LENS, [(1, 89), (2, 199)], 128, gen(7))
+    g = gen(16)
+    q = (torch.randn(2, 32, 512, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    sink = torch.randn(32, generator=g).to(DEV)
+    default = _run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    _run(lambda *a: tsa.paged_sparse_attention(*a, config={"BLOCK_H": 32, "BLOCK_N": 16}), sc, q, sink, 512 ** -0.5)
+    assert all(c["BLOCK_H"] == 16 and c["BLOCK_N"] == 32 for c in tsa._WORKING.values())
+    assert torch.equal(_run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5), default)
+
