@@ -79,6 +79,98 @@ def make_case(kind: str, T: int, N: int, dev, g, heads: int = H, qdtype=torch.bf
     return args, nbytes
 
 
+def make_prefill_seq(kind: str, T: int, dev, g, heads: int = H):
+    """Arguments of paged_sparse_attention for a whole-prompt prefill: one sequence, T tokens at positions
+    0..T-1 (the engine's 8K prefill step). CSA: each token lists a random ascending top-512 of its
+    (p+1)//4 visible entries (−1 padded), 64 a page; HCA: all (p+1)//128 visible entries, 2 a page."""
+    from dsv4.formats import OCP
+
+    ratio, per = (4, 64) if kind == "csa" else (128, 2)
+    n_ent = T // ratio
+    n_blk = max(1, -(-n_ent // per))
+    comp_pages = _fill_pages(n_blk + 1, per, dev, g)
+    block_table = torch.randperm(n_blk, device=dev, generator=g).view(1, n_blk)
+    n_swa = -(-T // SWA_B)
+    swa_pages = _fill_pages(n_swa + 1, SWA_B, dev, g)
+    swa_table = torch.randperm(n_swa, device=dev, generator=g).view(1, n_swa)
+    pos = torch.arange(T, device=dev)
+    visible = (pos + 1) // ratio
+    ar = torch.arange(n_ent, device=dev)
+    if kind == "csa":
+        score = torch.rand(T, n_ent, device=dev, generator=g).masked_fill(ar[None, :] >= visible[:, None], -1.0)
+        k = min(512, n_ent)
+        val, idx = score.topk(k, dim=1)
+        comp_idx = torch.where(val >= 0, idx, n_ent).sort(dim=1).values
+        comp_idx = torch.where(comp_idx >= n_ent, -1, comp_idx)
+        del score
+    else:
+        comp_idx = torch.where(ar[None, :] < visible[:, None], ar[None, :], -1)
+    q = torch.randn(T, heads, D, device=dev, generator=g).to(torch.bfloat16)
+    sink = torch.randn(heads, device=dev, generator=g)
+    args = (q, pos, torch.zeros(T, dtype=torch.long, device=dev), swa_pages, swa_table, comp_pages, block_table,
+            per, comp_idx, sink, D ** -0.5, WINDOW, OCP)
+    keys = int((comp_idx >= 0).sum()) + int(torch.clamp(pos + 1, max=WINDOW).sum())
+    flops = 2 * heads * D * keys * 2  # q·k and p·v, one multiply-add each (the kernel's split parts aside)
+    return args, flops
+
+
+# kernel variants timed at the whole-prompt prefill and at decode shapes; each compared bitwise with
+# the default tile's output (and with --other's): a variant with other bits is usable only as the tile of
+# every T (decode too), never as a prefill-only tile
+BASE = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
+VARIANTS = [dict(BASE, **kw) for kw in (dict(num_stages=2), dict(num_warps=8), dict(BLOCK_N=64, num_warps=8))]
+
+
+def _name(c):
+    return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
+
+
+def run_prefill_seq(dev, results: list, small: bool = False, other: str | None = None) -> list:
+    """The whole-prompt prefill (one sequence) and two decode shapes for each variant of VARIANTS;
+    ``other``: another version of the kernel module (a file), whose default output each is compared with."""
+    from dsv4.ops.triton import sparse_attention as tsa
+
+    other_fn = None
+    if other:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("other_sparse_attention", other)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        other_fn = mod.paged_sparse_attention
+
+    dev = torch.device(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    T = 32 if small else 8192
+    heads = 16 if small else H
+    cases = [(f"{k} prefill T={T}", make_prefill_seq(k, T, dev, g, heads)) for k in ("csa", "hca")]
+    n_dec = 1024 if small else 8192
+    for t, n in ((1, n_dec), (2, n_dec)) if small else ((1, n_dec), (64, 65536)):
+        args, _ = make_case("csa", t, n, dev, g, heads)
+        cases.append((f"csa decode T={t} N={n // 1024}K", (args, 2 * heads * D * t * (512 + WINDOW) * 2)))
+    print(f"{'case':<24} {'variant':<24} {'us':>9} {'TFLOP/s':>8} {'bits':>6} {'other':>6}", flush=True)
+    for case, (args, flops) in cases:
+        ref = tsa.paged_sparse_attention(*args, config=BASE)
+        ref_other = other_fn(*args) if other_fn else None
+        for cfg in [BASE] + (VARIANTS[:1] if small else VARIANTS):
+            try:
+                y = tsa.paged_sparse_attention(*args, config=cfg)
+                same = torch.equal(y, ref)
+                vs = "-" if ref_other is None else "same" if torch.equal(y, ref_other) else "DIFF"
+                us, how = time_call(lambda cfg=cfg: tsa.paged_sparse_attention(*args, config=cfg), dev)
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources for a swept tile
+                print(f"{case:<24} {_name(cfg):<24} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                results.append(dict(kernel="sparse_attention", case=case, config=cfg, error=str(e)[:200]))
+                continue
+            tf = flops / us / 1e6
+            print(f"{case:<24} {_name(cfg):<24} {us:>9.1f} {tf:>8.1f} {'same' if same else 'DIFF':>6} {vs:>6}",
+                  flush=True)
+            results.append(dict(kernel="sparse_attention", case=case, config=cfg, us=us, timing=how, tflops=tf,
+                                same_bits=same, same_as_other=vs))
+        del ref
+    return results
+
+
 def time_call(fn, dev, graph: bool = True, iters: int = 20, per_graph: int = 10) -> tuple[float, str]:
     """(µs per call, method): CUDA-graph replay when it can be captured, else plain launches."""
     fn()
@@ -244,6 +336,9 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
+    ap.add_argument("--other", help="with --prefill-seq: another sparse_attention.py to compare bits with")
+    ap.add_argument("--prefill-seq", action="store_true",
+                    help="kernel variants (VARIANTS) at the whole-prompt prefill (one sequence) and two decode shapes")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.small:
@@ -251,7 +346,10 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results: list = []
-    run(dev, results, small=a.small, prefill_only=a.prefill_only)
+    if a.prefill_seq:
+        run_prefill_seq(dev, results, small=a.small, other=a.other)
+    else:
+        run(dev, results, small=a.small, prefill_only=a.prefill_only)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 
