@@ -31,14 +31,7 @@ fi
 timeout ${E2E_S:-230} python3 bench/e2e.py --ckpt /tmp/fw4 --layers 4 --variants graphs \
   ${E2E_ARGS:---batches 1,8,64 --prefill 1024,8192 --skip-transformers} --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 echo "e2e exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn|^ +[0-9.]+ ms" "$OUT/e2e.log" | cut -c1-240 | tail -9
-python3 - "$OUT/e2e.json" <<'PY' || true
-import json, sys
-d = json.load(open(sys.argv[1]))["dsv4"]
-for k in ("profile_b1_graphs", "profile_b64_graphs", "profile_prefill_8192"):
-    print(k, {a[:22]: b for a, b in d.get(k, {}).items()})
-for k in ("top_kernels_prefill_8192",):
-    print(k); [print("  %8.3f %4d %s" % (r[0], r[1], r[2][:90])) for r in d.get(k, [])[:16]]
-PY
+e2e_profile "$OUT/e2e.json" 16
 if [ -n "${GPU0_TESTS-}" ]; then
   timeout ${GPU0_S:-300} python3 -m pytest -q -p no:cacheprovider -rf $GPU0_TESTS > "$OUT/tests0.log" 2>&1
   echo "tests/gpu (GPU 0 part) exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests0.log"
