@@ -2,7 +2,10 @@
 
 Triton compiles a kernel for a named target without a device; the PTX then goes through the
 ``ptxas`` shipped with Triton (``ptxas-blackwell`` when the bundled one is older than the PTX),
-whose ``-v`` report gives registers per thread and spill bytes. Arguments are specialized as the
+whose ``-v`` report gives registers per thread and spill bytes. ``kWidth`` is the MMA operands'
+k elements per thread (from the TTGIR): Triton picks it from the code around the dot, and on the
+GPU it changes a kernel's bits (the tensor core groups products by it), so an edit that changes it
+needs its bit-equality checked compiled (``docs/numerics.md`` §3). Arguments are specialized as the
 JIT does at run time: integer strides equal to 1 become constants and every other integer and
 pointer is marked divisible by 16 (what the real shapes give), so loads vectorize as on the GPU.
 The local Triton may be newer than the device's: treat the numbers as a guide, time on the GPU.
@@ -112,7 +115,8 @@ def usage(name: str, a: int, b: int, warps: int, stages: int) -> dict:
                 registers=int(regs[0]) if regs else None,
                 spill_store=int(spill[0][0]) if spill else None, spill_load=int(spill[0][1]) if spill else None,
                 shared=k.metadata.shared, wgmma=k.asm["ptx"].count("wgmma.mma_async"),
-                mma_sync=k.asm["ptx"].count("mma.sync"))
+                mma_sync=k.asm["ptx"].count("mma.sync"),
+                kwidth=sorted({int(v) for v in re.findall(r"kWidth = (\d+)", k.asm["ttgir"])}))
 
 
 def main(argv=None):
@@ -120,7 +124,7 @@ def main(argv=None):
     ap.add_argument("cases", nargs="+", help="kernel:A,B,num_warps,num_stages")
     args = ap.parse_args(argv)
     print(f"{'kernel':18s} {'tile':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill st/ld':>12s} "
-          f"{'smem':>7s} {'wgmma':>5s} {'mma':>4s}")
+          f"{'smem':>7s} {'wgmma':>5s} {'mma':>4s} kWidth")
     for case in args.cases:
         name, _, nums = case.partition(":")
         a, b, w, s = (int(v) for v in nums.split(","))
@@ -130,7 +134,8 @@ def main(argv=None):
             print(f"{name:18s} {a}x{b:<6d} {w:5d} {s:6d}  {type(e).__name__}: {str(e)[:120]}")
             continue
         print(f"{name:18s} {a}x{b:<6d} {w:5d} {s:6d} {r['registers']!s:>5s} "
-              f"{r['spill_store']!s:>5s}/{r['spill_load']!s:<6s} {r['shared']:7d} {r['wgmma']:5d} {r['mma_sync']:4d}",
+              f"{r['spill_store']!s:>5s}/{r['spill_load']!s:<6s} {r['shared']:7d} {r['wgmma']:5d} {r['mma_sync']:4d} "
+              f"{','.join(map(str, r['kwidth'])) or '-'}",
               flush=True)
 
 
