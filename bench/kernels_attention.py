@@ -12,6 +12,8 @@ run (1 GiB copy, read + write). A few tile configurations are swept at two shape
 checked once against the torch backend (fp32 and bf16 q).
 
     PYTHONPATH=. python3 bench/kernels_attention.py [--out attn.json]   # on the GPU
+    PYTHONPATH=. python3 bench/kernels_attention.py --prefill-seq [--other OLD_sparse_attention.py]
+        # a whole 8K prompt (one sequence) and two decode shapes per variant, bits compared
     python3 bench/kernels_attention.py --small                          # CPU interpreter, tiny shapes
 """
 
