@@ -1,6 +1,8 @@
 """fp32 accuracy of the Triton sparse attention on the kernel tests' scenes, against the oracle's.
 
-For each scene of ``tests/ops/test_ops_sparse_attention_triton.py`` with fp32 queries it prints the
+Scenes built with ``tests/ops/test_ops_sparse_attention_triton.py``'s ``Scene``, fp32 queries: the
+seeds of ``test_fp8_pages_fp32`` (4 heads) and ``test_dense_pages`` (fp32 pages), and two more at 16
+heads (seeds 21/22; "csa dense" with fp32 pages). For each it prints the
 kernel's and the torch oracle's max error relative to Σ_j p_j|v_j| (exact = float64 over the same
 keys), their ratio (the test holds it ≤ 4), where the kernel's worst element is, and whether it
 comes from the window or the compressed keys (the same scene with comp_idx emptied). ``--other
@@ -13,14 +15,14 @@ and compares its bits with the current one's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ops")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ops"), str(ROOT / "bench")]
 
 
 def main(argv=None):
@@ -28,7 +30,6 @@ def main(argv=None):
     ap.add_argument("--other", help="another sparse_attention.py to compare")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from test_ops_sparse_attention_triton import LENS, QUERIES, Scene, _float64_reference, _run  # noqa: E402
     from ops_kernel_helpers import DEV, gen  # noqa: E402
@@ -39,10 +40,9 @@ def main(argv=None):
 
     kernels = {"current": current.paged_sparse_attention}
     if args.other:
-        spec = importlib.util.spec_from_file_location("other_sparse_attention", args.other)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        kernels["other"] = mod.paged_sparse_attention
+        from kernels_attention import other_attention
+
+        kernels["other"] = other_attention(args.other)
     scenes = [("hca ocp H=4", OCP, "hca", 4, 2, 10), ("csa ocp H=4", OCP, "csa", 4, 1, 10),
               ("csa dense H=4", None, "csa", 4, 5, 13), ("csa dense H=16", None, "csa", 16, 21, 22),
               ("hca ocp H=16", OCP, "hca", 16, 21, 22)]
@@ -72,10 +72,9 @@ def main(argv=None):
                   f"ratio {err.max().item() / err_o.max().item():.2f}; worst at token {t} (pos "
                   f"{int(sc.positions[t])}) head {h} dim {d}; oracle there {err_o[t, h, d].item():.3g}", flush=True)
             w = _run(fn, sc, q, sink, scale, comp_idx=no_comp)
-            sc2 = sc.comp_idx
-            sc.comp_idx = no_comp
+            full_idx, sc.comp_idx = sc.comp_idx, no_comp  # the reference reads the scene's own lists
             ex_w, a_w, _ = _float64_reference(sc, q, sink, scale)
-            sc.comp_idx = sc2
+            sc.comp_idx = full_idx
             print(f"{'':<16} {'':<8} window keys only: kernel {((w.double() - ex_w).abs() / a_w).max().item():.3g}",
                   flush=True)
         if len(outs) == 2:

@@ -9,6 +9,10 @@
 # tests/gpu/test_gpu_engine_vs_torch.py tests/gpu/test_gpu_path_vs_torch.py" E2E_ARGS="--batches 1,8,64 --prefill 1024,8192".
 # Fourth call: ATTN_ARGS="--other .whl/old_sa.py" (the HEAD kernel module, carried) with the same DIAG, the e2e at
 # batches 1,64 and 8K only.
+# The kernels those calls measured are not in the tree: to rerun, `git apply` the experiment's patch first
+# (docs/results/attn_decoded_copies_session11.patch: call 1; attn_split_load_session11.patch: call 4, and call 3
+# with SPLIT_LOAD=2 as pick_config's default) and `git show ace2714:dsv4/ops/triton/sparse_attention.py >
+# .whl/old_sa.py` for --other (.whl is carried).
 source bench/device_env.sh
 ( export CUDA_VISIBLE_DEVICES=1
   if [ -n "${DIAG-}" ]; then timeout ${DIAG_S:-120} bash -c "$DIAG" > "$OUT/diag.log" 2>&1; echo "diag exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/diag.log"; fi

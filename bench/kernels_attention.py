@@ -127,19 +127,26 @@ def _name(c):
     return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
 
 
+def other_attention(path: str):
+    """``paged_sparse_attention`` of another version of the kernel module, loaded from a file (e.g.
+    ``git show REV:dsv4/ops/triton/sparse_attention.py > old.py``; its relative imports resolve in
+    ``dsv4.ops.triton``), to compare bits with."""
+    import importlib.util
+
+    import dsv4.ops.triton  # noqa: F401 - the package its relative imports resolve in
+
+    spec = importlib.util.spec_from_file_location("dsv4.ops.triton._other_sparse_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.paged_sparse_attention
+
+
 def run_prefill_seq(dev, results: list, small: bool = False, other: str | None = None) -> list:
     """The whole-prompt prefill (one sequence) and two decode shapes for each variant of VARIANTS;
     ``other``: another version of the kernel module (a file), whose default output each is compared with."""
     from dsv4.ops.triton import sparse_attention as tsa
 
-    other_fn = None
-    if other:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("other_sparse_attention", other)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        other_fn = mod.paged_sparse_attention
+    other_fn = other_attention(other) if other else None
 
     dev = torch.device(dev)
     g = torch.Generator(device=dev).manual_seed(0)
