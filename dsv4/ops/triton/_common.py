@@ -233,11 +233,13 @@ def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.cons
 
 
 @triton.jit
-def _sum_in_order_kernel(p_ptr, y_ptr, S, MN, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _sum_in_order_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, S):  # partial 0 first, then 1, ...: the order a single program would add them
+    # partial 0 first, then 1, ...: the order a single program would add them; unrolled, so the S
+    # loads are in flight together (a runtime loop waits for each in turn)
+    for i in tl.static_range(S):
         acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
 
@@ -251,6 +253,6 @@ def sum_in_order(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     s = parts.shape[0]
     mn = out.numel()
     block = 1024
-    _sum_in_order_kernel[(triton.cdiv(mn, block),)](parts, out, s, mn, BLOCK=block, INTERP=interpreting(),
+    _sum_in_order_kernel[(triton.cdiv(mn, block),)](parts, out, mn, S=s, BLOCK=block, INTERP=interpreting(),
                                                     num_warps=4)
     return out
