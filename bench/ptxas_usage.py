@@ -116,7 +116,9 @@ def usage(name: str, a: int, b: int, warps: int, stages: int) -> dict:
                 spill_store=int(spill[0][0]) if spill else None, spill_load=int(spill[0][1]) if spill else None,
                 shared=k.metadata.shared, wgmma=k.asm["ptx"].count("wgmma.mma_async"),
                 mma_sync=k.asm["ptx"].count("mma.sync"),
-                kwidth=sorted({int(v) for v in re.findall(r"kWidth = (\d+)", k.asm["ttgir"])}))
+                kwidth=sorted({int(v) for v in re.findall(r"kWidth = (\d+)", k.asm["ttgir"])}),
+                waits=[int(v) for v in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", k.asm["ttgir"])],
+                converts=k.asm["ttgir"].count("ttg.convert_layout"), local_allocs=k.asm["ttgir"].count("local_alloc"))
 
 
 def main(argv=None):
@@ -124,7 +126,7 @@ def main(argv=None):
     ap.add_argument("cases", nargs="+", help="kernel:A,B,num_warps,num_stages")
     args = ap.parse_args(argv)
     print(f"{'kernel':18s} {'tile':>9s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spill st/ld':>12s} "
-          f"{'smem':>7s} {'wgmma':>5s} {'mma':>4s} kWidth")
+          f"{'smem':>7s} {'wgmma':>5s} {'mma':>4s} {'kWidth':>6s} {'cvt':>4s} {'alloc':>5s} wgmma waits (pendings)")
     for case in args.cases:
         name, _, nums = case.partition(":")
         a, b, w, s = (int(v) for v in nums.split(","))
@@ -135,7 +137,8 @@ def main(argv=None):
             continue
         print(f"{name:18s} {a}x{b:<6d} {w:5d} {s:6d} {r['registers']!s:>5s} "
               f"{r['spill_store']!s:>5s}/{r['spill_load']!s:<6s} {r['shared']:7d} {r['wgmma']:5d} {r['mma_sync']:4d} "
-              f"{','.join(map(str, r['kwidth'])) or '-'}",
+              f"{','.join(map(str, r['kwidth'])) or '-':>6s} {r['converts']:4d} {r['local_allocs']:5d} "
+              f"{','.join(map(str, r['waits'])) or '-'}",
               flush=True)
 
 
