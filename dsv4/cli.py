@@ -28,7 +28,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=a.enable_prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
               gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format, backend=a.backend,
-              attention=a.attention, enforce_eager=a.enforce_eager,
+              attention=a.attention, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
               # tensor / expert parallelism (dsv4/dist)
               enable_expert_parallel=a.enable_expert_parallel, nnodes=a.nnodes, node_rank=a.node_rank,
               master_addr=a.master_addr, master_port=a.master_port, distributed_timeout=a.distributed_timeout)
@@ -77,6 +77,9 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
                    help="batched: one step's attention over the paged cache at once (the GPU default); "
                         "reference: per request through the oracle")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch the next step while this one runs, when its samples are plain greedy "
+                        "(outputs are reported one step later; not with tensor parallelism)")
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:

@@ -15,10 +15,10 @@ class LLM:
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  fp8_format: str = "auto", device: str | None = None, act_quant: bool = False, backend: str = "auto",
-                 tokenizer=None, attention: str = "auto", enforce_eager: bool = False,
+                 tokenizer=None, attention: str = "auto", enforce_eager: bool = False, async_scheduling: bool = False,
                  enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, distributed_timeout: float = 300.0):
-        """The parallel arguments (``tensor_parallel_size`` > 1 and the ones after ``enforce_eager``)
+        """The parallel arguments (``tensor_parallel_size`` > 1 and the ones after ``async_scheduling``)
         start worker processes, one per rank; see docs/distributed.md. ``shutdown()`` stops them."""
         if model is None:  # the embedded canary (dsv4/assets/canary), like `dsv4 generate` without --model
             from .canary import default_model_dir
@@ -30,7 +30,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, fp8_format=fp8_format, device=device,
             act_quant=act_quant, backend=backend, attention=attention,
-            enforce_eager=enforce_eager, enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
             node_rank=node_rank, master_addr=master_addr, master_port=master_port,
             distributed_timeout=distributed_timeout), tokenizer=tokenizer)
 

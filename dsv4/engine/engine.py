@@ -14,6 +14,7 @@ import torch
 from ..cache.manager import KVCacheManager
 from ..cache.paged import PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
+from . import overlap
 from .outputs import RequestOutput
 from .request import Request, Status
 from .runner import ModelRunner
@@ -50,6 +51,8 @@ class EngineConfig:
     act_quant: bool = False
     backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's --enforce-eager)
+    async_scheduling: bool = False  # schedule and launch the next step before this one's greedy picks reach
+    #                                 the host (vLLM's --async-scheduling; engine/overlap.py)
     attention: str = "auto"  # batched: one step's attention over the pages at once; reference: per request;
     #                          auto: batched with the fast backend, reference with the torch one
 
@@ -120,6 +123,9 @@ class LLMEngine:
         dtype = config.torch_dtype(device)
         self.dist = None  # TPDriver when tensor-parallel (dsv4/dist): this process is rank 0
         if config.tensor_parallel_size > 1 or config.nnodes > 1:
+            if config.async_scheduling:
+                raise ValueError("async_scheduling is not supported with tensor parallelism "
+                                 f"(tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes})")
             if backend is not None:
                 raise ValueError("a custom model backend cannot run at tensor_parallel_size > 1")
             from ..dist.driver import TPDriver
@@ -159,6 +165,9 @@ class LLMEngine:
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
+        self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
+        self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far (a failed call's: the next's)
+        self.num_overlapped_steps = 0  # steps launched before the previous step's picks were read
         log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
@@ -223,21 +232,86 @@ class LLMEngine:
         self.requests[rid] = group
         return rid
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> None:  # (an in-flight step skips it when read)
         for r in self.requests.pop(request_id, []):
             if not r.finished:
                 r.finish("abort")
             self.scheduler.remove(r)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight_live() or bool(self._carried)
+
+    def _inflight_live(self) -> bool:
+        """An in-flight step with a request still running (a step computed only for requests that
+        have stopped since has nothing left to report)."""
+        step = self._inflight
+        return step is not None and any(not sc.req.finished for sc in step.schedule)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns outputs of requests that progressed."""
+        """Schedule, run the model once, sample; returns outputs of requests that progressed. With
+        ``async_scheduling`` a step of plain greedy samples is read one call later (``_step_async``)."""
+        if self.config.async_scheduling:
+            return self._step_async()
         schedule = self.scheduler.schedule()
         if not schedule:
             return []
+        return self._run_step(schedule)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the next step (token ids of requests still decoding taken from the in-flight step's
+        picks on the device), then read the in-flight step: the host's work overlaps the GPU's. A
+        step that cannot stay on the device runs synchronously once the in-flight one is read.
+        Outputs are gathered in ``_carried`` first, so a step that fails after reading the in-flight
+        one loses none of them (the next call returns them)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            overlap.add_placeholders(prev)
+        try:
+            schedule = self.scheduler.schedule()
+            nxt = None
+            if schedule and overlap.deferrable(schedule, self.sampler):
+                nxt = overlap.launch(self.runner, schedule, prev)
+        except Exception:
+            if prev is not None:  # the placeholders get their tokens: the requests stay consistent
+                self._carried += self._read_step(prev)
+            raise
+        if nxt is not None:
+            self._inflight = nxt  # before reading prev: an error there must not lose the launched step
+            if prev is not None:
+                self.num_overlapped_steps += 1
+        if prev is not None:
+            self._carried += self._read_step(prev)
+        if nxt is None:  # run it now (its requests that stopped at prev were removed: drop them)
+            schedule = [sc for sc in schedule if not sc.req.finished]
+            if schedule:
+                self._carried += self._run_step(schedule)
+        outs, self._carried = self._carried, []
+        return outs
+
+    def _read_step(self, step: overlap.InFlight) -> list[RequestOutput]:
+        """Apply an in-flight step's greedy picks (each replacing its request's placeholder, if any)."""
+        toks, fins = overlap.read_picks(step)
+        touched: dict[str, None] = {}
+        bad = None
+        for row, si in step.batch.sample_rows:
+            req = step.schedule[si].req
+            overlap.drop_placeholder(req)
+            if req.finished:  # aborted (or failed) while in flight
+                continue
+            if not fins[row]:
+                bad = bad or req
+                continue
+            req.append_token(toks[row], None, None)
+            touched[req.request_id] = None
+        outs = self._finish_step(step.schedule, touched)
+        if bad is not None:  # as the per-row sampler reports it; the others' outputs go out next call
+            self._carried += outs
+            raise FloatingPointError(f"request {bad.request_id}: non-finite logits at output token "
+                                     f"{len(bad.output_token_ids)}")
+        return outs
+
+    def _run_step(self, schedule) -> list[RequestOutput]:
         batch, logits = self.runner.run(schedule)
         touched: dict[str, None] = {}
         for si in batch.prompt_logprob_seqs:  # (prompt rows are only made for these requests)
@@ -252,6 +326,10 @@ class LLMEngine:
                 req.prompt_logits = None
                 req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
         self._sample(schedule, batch, logits, touched)
+        return self._finish_step(schedule, touched)
+
+    def _finish_step(self, schedule, touched: dict) -> list[RequestOutput]:
+        """After a step's tokens are appended: prefix-cache blocks, finished requests freed, outputs."""
         kv, remove = self.kv, self.scheduler.remove
         for sc in schedule:
             req = sc.req
@@ -310,6 +388,9 @@ class LLMEngine:
                 if out.finished and out.request_id in pending:
                     done[out.request_id] = out
                     pending.discard(out.request_id)
+        if self._inflight is not None and not self._inflight_live():  # read the step past the end now
+            step, self._inflight = self._inflight, None
+            self._carried += self._read_step(step)
         return done
 
 

@@ -114,13 +114,17 @@ class ModelRunner:
         token_ids, *tables = self.staging.upload([(ids, (b,))] + tables, into=buf)
         return token_ids, tables
 
-    @torch.no_grad()
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:
         """The step's batch and its logits rows [rows, V], left on the model's device in its dtype
         (the engine copies to the host only the rows it must)."""
         batch = self.build(schedule)
+        return batch, self.execute(batch)
+
+    @torch.no_grad()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """One forward of a built batch (a captured decode graph where one takes it): its logits rows."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return batch, self.graphs.run(batch)
+            return self.graphs.run(batch)
         extra = {} if batch.paged is None else {"paged": batch.paged}
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
-        return batch, out.logits
+        return out.logits
