@@ -191,7 +191,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (CUDA graphs + batch-invariant tiles: the default), eager (no graphs; profiled),
-    fastest (graphs + per-M tiles: what batch invariance costs), reference (the per-request
+    fastest (graphs + per-M tiles: what batch invariance costs), async (graphs + async scheduling:
+    the next step launched before this one's greedy picks are read), reference (the per-request
     attention of the oracle: the old path)."""
     from dsv4 import LLM, SamplingParams
     from dsv4.engine.engine import LLMEngine
@@ -216,7 +217,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     for variant in variants:
         if variant != "graphs":
             set_batch_invariant(variant != "fastest")
-            eng = engine(enforce_eager=variant == "eager", attention="reference" if variant == "reference" else "auto")
+            eng = engine(enforce_eager=variant == "eager", async_scheduling=variant == "async",
+                         attention="reference" if variant == "reference" else "auto")
         for B in batches:
             if variant == "reference" and B > 8:
                 continue  # the per-request path takes seconds per step at 64
