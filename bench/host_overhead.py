@@ -10,6 +10,7 @@ so what is timed is the host side; cProfile splits it by function (ms per step, 
     python bench/host_overhead.py --ckpt /tmp/tiny --context 1024 --generated 4096   # output_kind
     python bench/host_overhead.py --ckpt /tmp/tiny --logits-width 1024   # without the CPU greedy pick
     python bench/host_overhead.py --ckpt /tmp/tiny --logits-width 1024 --graphs --repeats 7   # the GPU's path
+    python bench/host_overhead.py --ckpt /tmp/tiny --logits-width 1024 --graphs --async-scheduling   # its host cost
 
 Each case prints the ms per step without the profiler first, then under cProfile. On the GPU the
 greedy pick is device work (an argmax over [batch, vocab]); on the CPU it is most of the step, so
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-WATCH = ("engine.py:", "runner.py:", "paged_attention.py:", "manager.py:", "scheduler.py:", "sampler.py:",
+WATCH = ("engine.py:", "overlap.py:", "runner.py:", "paged_attention.py:", "manager.py:", "scheduler.py:", "sampler.py:",
          "request.py:")
 
 
@@ -55,7 +56,8 @@ class StandIn:
 
 
 def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: int = 0,
-        output_kind: str = "cumulative", width: int | None = None, graphs: bool = False, repeats: int = 1) -> None:
+        output_kind: str = "cumulative", width: int | None = None, graphs: bool = False, repeats: int = 1,
+        async_scheduling: bool = False) -> None:
     from dsv4 import SamplingParams
     from dsv4.config import load_config
     from dsv4.engine.engine import EngineConfig, LLMEngine
@@ -64,7 +66,8 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: in
     live = generated + (repeats + 1) * steps  # tokens each request generates (prefill, repeats, profile)
     eng = LLMEngine(EngineConfig(model=ckpt, kv_cache_dtype="fp8_ds_mla", max_model_len=context + live + 64,
                                  max_num_seqs=batch, max_num_batched_tokens=batch * context,
-                                 kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu"),
+                                 kv_cache_memory=4 << 30, attention="batched", backend="torch", device="cpu",
+                                 async_scheduling=async_scheduling),
                     backend=StandIn(cfg, torch.device("cpu"), width))
     if graphs:  # the GPU's decode path: inputs staged into a graph's static buffer (emulated on the CPU)
         eng.capture_decode_graphs()
@@ -90,7 +93,7 @@ def run(ckpt: str, batch: int, context: int, steps: int, top: int, generated: in
     prof.disable()
     ms = (time.perf_counter() - t0) / steps * 1e3
     print(f"\nbatch {batch}, context {context}, {generated} tokens generated, output_kind {output_kind}"
-          f"{', decode graphs' if graphs else ''}: {plain:.3f} ms/step (best of {repeats}: "
+          f"{', decode graphs' if graphs else ''}{', async scheduling' if async_scheduling else ''}: {plain:.3f} ms/step (best of {repeats}: "
           f"{' '.join(f'{t:.3f}' for t in times)}; thread CPU best {min(cpu):.3f}), "
           f"{ms:.2f} under cProfile (host only)")
     rows = []
@@ -143,6 +146,8 @@ def main() -> None:
     p.add_argument("--graphs", action="store_true",
                    help="decode through the (CPU-emulated) CUDA-graph path: inputs staged into the graph's buffer")
     p.add_argument("--repeats", type=int, default=1, help="time the plain steps this many times (best is shown)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's async scheduling (on the CPU nothing overlaps: this is its host cost)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: the stand-in's tiny ops never wait on a busy second core)")
     a = p.parse_args()
@@ -157,7 +162,8 @@ def main() -> None:
         write_checkpoint(a.ckpt, preset="tiny", progress=False)
     for n in (int(x) for x in a.context.split(",")):
         for kind in a.output_kind.split(","):
-            run(a.ckpt, a.batch, n, a.steps, a.top, a.generated, kind, a.logits_width, a.graphs, a.repeats)
+            run(a.ckpt, a.batch, n, a.steps, a.top, a.generated, kind, a.logits_width, a.graphs, a.repeats,
+                a.async_scheduling)
 
 
 if __name__ == "__main__":

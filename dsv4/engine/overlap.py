@@ -99,7 +99,9 @@ def launch(runner: ModelRunner, schedule: list, prev: InFlight | None) -> InFlig
     if plan is None:
         return None
     batch = runner.build(schedule)
-    if plan:
+    if plan and all(d == i and s == i for i, (d, s) in enumerate(plan)):  # steady decode: same order
+        batch.token_ids[:len(plan)].copy_(prev.picks[:len(plan)])
+    elif plan:
         dst = _to_device([d for d, _ in plan], batch.token_ids.device)
         src = _to_device([s for _, s in plan], prev.picks.device)
         batch.token_ids.index_copy_(0, dst, prev.picks.index_select(0, src))
