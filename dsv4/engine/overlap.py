@@ -28,7 +28,7 @@ import torch
 
 from .request import Request
 from .runner import ModelRunner, StepBatch
-from .sampler import plain_greedy
+from .sampler import device_picks, plain_greedy
 
 PENDING = -1  # placeholder output token of a request whose next token is still on the device
 
@@ -108,8 +108,8 @@ def launch(runner: ModelRunner, schedule: list, prev: InFlight | None) -> InFlig
     logits = runner.execute(batch)
     if [row for row, _ in batch.sample_rows] != list(range(logits.shape[0])):
         raise RuntimeError("a deferred step's logits rows must be its sampled rows, in order")
-    picks = logits.argmax(dim=-1)  # the first maximal index, as greedy_picks
-    both = torch.stack([picks, torch.isfinite(logits).all(dim=-1).long()])
+    both = device_picks(logits)  # the picks and finite flags greedy_picks reads, left on the device
+    picks = both[0]
     event = None
     if both.device.type == "cuda":
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
