@@ -19,3 +19,46 @@ for k in ("top_kernels_prefill_8192",):
     print(k); [print("  %8.3f %4d %s" % (r[0], r[1], r[2][:90])) for r in d.get(k, [])[:int(sys.argv[2])]]
 PY
 }
+# The steps the bench/h200x2_session*.sh calls share (GPU 0 timings, GPU 1 tests); their time limits
+# come from TEST_S, GPU_S, DIAG_S, E2E_S and GPU0_S (a script sets its own defaults first).
+# gpu1_tests KERNEL_TESTS GPU_TESTS: in the background on GPU 1, DIAG first if set, then the kernel test
+# files, then the tests/gpu files (an empty list skips them), all into $OUT/tests1.log.
+gpu1_tests() {
+  ( export CUDA_VISIBLE_DEVICES=1
+    if [ -n "${DIAG-}" ]; then
+      timeout ${DIAG_S:-120} bash -c "$DIAG" > "$OUT/diag.log" 2>&1
+      echo "diag exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/diag.log"
+    fi
+    timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rf $1 > "$OUT/tests1.log" 2>&1
+    echo "kernel tests exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests1.log"
+    if [ -n "$2" ]; then
+      timeout ${GPU_S:-300} python3 -m pytest -q -p no:cacheprovider -rf $2 >> "$OUT/tests1.log" 2>&1
+      echo "tests/gpu (GPU 1 part) exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests1.log"
+    fi ) &
+}
+# fw4_checkpoint: the 4-layer flash-width checkpoint at /tmp/fw4, written on GPU 0.
+fw4_checkpoint() {
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -m dsv4.cli make-checkpoint --preset flash-width --layers 4 --out /tmp/fw4 --device cuda --quiet
+  echo "checkpoint at $(( $(date +%s) - T0 )) s"
+}
+# e2e_graphs [N]: bench/e2e.py on /tmp/fw4 (graphs; E2E_ARGS, else batches 1,8,64 and 1K/8K prefill), its
+# summary and profile (N largest 8K kernels).
+e2e_graphs() {
+  timeout ${E2E_S:-230} python3 bench/e2e.py --ckpt /tmp/fw4 --layers 4 --variants graphs \
+    ${E2E_ARGS:---batches 1,8,64 --prefill 1024,8192 --skip-transformers} --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+  echo "e2e exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn|^ +[0-9.]+ ms" "$OUT/e2e.log" | cut -c1-240 | tail -9
+  e2e_profile "$OUT/e2e.json" "${1:-14}"
+}
+# gpu0_tests: the files in GPU0_TESTS (none: nothing) on GPU 0, into $OUT/tests0.log.
+gpu0_tests() {
+  if [ -n "${GPU0_TESTS-}" ]; then
+    timeout ${GPU0_S:-300} python3 -m pytest -q -p no:cacheprovider -rf $GPU0_TESTS > "$OUT/tests0.log" 2>&1
+    echo "tests/gpu (GPU 0 part) exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests0.log"
+  fi
+}
+# tests_summary: after `wait`, the diagnostic's output and the tests' result lines.
+tests_summary() {
+  [ -f "$OUT/diag.log" ] && { echo "== diag"; grep -vE "Warning|warn" "$OUT/diag.log" | cut -c1-220; }
+  echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT/tests1.log" "$OUT"/tests0.log 2>/dev/null | cut -c1-300 | tail -20
+}
