@@ -153,6 +153,7 @@ def run(device, results: list, small: bool = False) -> list:
     import triton
 
     from dsv4.formats import OCP
+    from dsv4.ops.torch_indexer import ascending_picks
     from dsv4.ops.triton import indexer as tri
 
     dev = torch.device(device)
@@ -188,7 +189,12 @@ def run(device, results: list, small: bool = False) -> list:
                       flops),
             "sort": (lambda: torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k],
                      t * n_cols * 4 + t * k * 8, 0),  # the reference's stable sort, for comparison
+            # what the batched attention reads: the picks in ascending order (topk + a second sort before)
+            "topk+asc": (lambda: ascending_picks(tri.indexer_topk(logits, k), n_cols), t * n_cols * 4 + t * k * 8, 0),
+            "select": (lambda: tri.select_topk_ascending(logits, k), t * n_cols * 4 + t * k * 8, 0),
         }
+        if not torch.equal(tri.select_topk_ascending(logits, k), ascending_picks(tri.indexer_topk(logits, k), n_cols)):
+            check = "FAIL: select_topk_ascending differs from topk + sort"
         for stage, (fn, nbytes, fl) in stages.items():
             ms, how = _time_ms(fn, cuda)
             bound_ms = max(nbytes / bw, fl / peak) * 1e3

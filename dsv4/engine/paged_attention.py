@@ -286,7 +286,5 @@ class PagedBatch:
         key = (attn.layer, "index")
         n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
         k = min(cfg.index_topk, n_max)
-        sel = self.ops["indexer"](q, w, self.seq_ids, visible, kvc.comp[key], self.block_table,
-                                  kvc.per_block(key), n_cols, k, fmt)
-        order = torch.sort(torch.where(sel >= 0, sel, n_cols), dim=1).values
-        return torch.where(order >= n_cols, -1, order)
+        return self.ops["indexer"](q, w, self.seq_ids, visible, kvc.comp[key], self.block_table,
+                                   kvc.per_block(key), n_cols, k, fmt, ascending=True)

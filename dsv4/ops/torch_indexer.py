@@ -84,8 +84,16 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     return idx
 
 
+def ascending_picks(sel: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """``indexer_topk``'s picks in ascending column order, −1 last."""
+    order = torch.sort(torch.where(sel >= 0, sel, n_cols), dim=1).values
+    return torch.where(order >= n_cols, -1, order)
+
+
 def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
-                       n_cols: int, k: int, fmt, **_) -> torch.Tensor:
-    """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded."""
-    return indexer_topk(indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table,
-                                       entries_per_block, n_cols, fmt), k)
+                       n_cols: int, k: int, fmt, *, ascending: bool = False, **_) -> torch.Tensor:
+    """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded;
+    ``ascending``: the same set in ascending column order, −1 last."""
+    sel = indexer_topk(indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table,
+                                      entries_per_block, n_cols, fmt), k)
+    return ascending_picks(sel, n_cols) if ascending else sel

@@ -325,3 +325,40 @@ def test_errors_name_the_wrong_argument():
         tri.indexer_logits(*_args(c, 64), None)
     with pytest.raises(ValueError, match="unknown FP8 format"):
         tri.indexer_logits(*_args(c, 64), "e5m2")
+
+
+@pytest.mark.parametrize("n,k,rows", [(64, 512, 4), (600, 512, 4), (2048, 512, 3), (200, 40, 5), (1, 1, 2),
+                                      (64, 8, 6)])
+def test_select_topk_ascending_equals_topk_then_sort(n, k, rows):
+    """The selection kernel gives the set of ``indexer_topk``'s picks in ascending order, exactly:
+    many tied maxima (small integers), −inf tails (invisible columns), NaN (above +inf, as torch.sort),
+    −0 against +0 ties, k above and below the row width; then fresh normal logits."""
+    g = gen(50 + n)
+    x = torch.randint(-3, 3, (rows, n), generator=g).float()
+    x[0, : n // 2] = float("-inf")
+    x[1, 3 % n] = x[1, 5 % n] = float("nan")
+    if rows > 2:
+        x[2] = 0.0
+        x[2, ::3] = -0.0
+    if rows > 3:
+        x[3, n // 3:] = float("-inf")
+    for logits in (x, torch.randn(rows, n, generator=g)):
+        want = ref.ascending_picks(ref.indexer_topk(logits, k), n)
+        got = tri.select_topk_ascending(logits.to(DEV), k).cpu()
+        assert torch.equal(got, want), (n, k)
+
+
+def test_select_topk_ascending_wide_rows_sort_in_torch(monkeypatch):
+    g = gen(60)
+    x = torch.randn(2, 300, generator=g)
+    monkeypatch.setattr(tri, "SELECT_MAX_COLS", 256)
+    assert torch.equal(tri.select_topk_ascending(x.to(DEV), 40).cpu(), ref.ascending_picks(ref.indexer_topk(x, 40), 300))
+
+
+def test_paged_indexer_ascending_triton_equals_torch():
+    c = _case("ocp", seed=5, entries=(150, 70), queries=[(0, 150), (1, 70), (0, 3), (1, 0)])
+    for k in (16, 64):
+        got = tri.paged_indexer_topk(*_args(c, 192), k, c["fmt"], ascending=True).cpu()
+        want = ref.paged_indexer_topk(*_args(c, 192), k, c["fmt"], ascending=True).cpu()
+        assert torch.equal(got, want)
+        assert torch.equal(want, ref.ascending_picks(ref.paged_indexer_topk(*_args(c, 192), k, c["fmt"]).cpu(), 192))

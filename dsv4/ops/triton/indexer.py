@@ -34,7 +34,7 @@ from ...formats import get_fp8_format
 from ...formats.indexer_record import INDEXER_DIM, INDEXER_RECORD_BYTES, INDEXER_VALUE_BYTES
 from ._common import fp8_to_f32, interpreting, native_fp8, num_sms
 
-__all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk", "pick_config"]
+__all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk", "pick_config", "select_topk_ascending"]
 
 BLOCK_E = 64  # entries per tile: fixed, so results never depend on the configuration
 NUM_WARPS = 4  # fixed: the head-sum reduction order follows the layout
@@ -197,9 +197,63 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     return idx
 
 
+SELECT_MAX_COLS = 16384  # a row in registers (16 warps: 32 values a thread); wider rows sort in torch
+
+
+@triton.jit
+def _select_kernel(x_ptr, out_ptr, n, k, stride_x, stride_o, BLOCK: tl.constexpr, KB: tl.constexpr):
+    """One row: the columns of its k largest logits (ties to the lowest column, NaN above +inf as in
+    torch.sort, −0 = +0), minus −inf picks, in ascending column order, then −1."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x == 0.0, 0, bits)
+    bits = tl.where(x != x, 0x7FC00000, bits)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # float order, in [0, 2^32)
+    key = tl.where(ok, key, -1)
+    # the k-th largest key: the largest tau with #(key >= tau) >= k, decided bit by bit from the top
+    tau = tl.zeros((1,), tl.int64)
+    for b in tl.static_range(32):
+        cand = tau | (tl.full((1,), 1, tl.int64) << (31 - b))
+        cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+        tau = tl.where(cnt >= k, cand, tau)
+    gt = key > tau
+    eq = (key == tau).to(tl.int32)
+    need = k - tl.sum(gt.to(tl.int32), axis=0)
+    sel = ok & (x != float("-inf")) & (gt | ((eq == 1) & (tl.cumsum(eq, axis=0) - eq < need)))
+    si = sel.to(tl.int32)
+    pos = tl.cumsum(si, axis=0) - si
+    row = out_ptr + t * stride_o
+    tl.store(row + pos, cols.to(tl.int64), mask=sel)
+    j = tl.arange(0, KB)
+    tl.store(row + j, tl.full((KB,), -1, tl.int64), mask=(j >= tl.sum(si, axis=0)) & (j < k))
+
+
+def select_topk_ascending(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [T, k]: the set of ``indexer_topk``'s picks (−1 dropped) in ascending column order, −1
+    last — what the batched attention reads. One program per row (rows up to SELECT_MAX_COLS
+    columns), instead of a stable sort of the logits and a sort of the picks."""
+    t, n = logits.shape
+    if n > SELECT_MAX_COLS or not logits.is_contiguous():
+        sel = indexer_topk(logits, k)
+        order = torch.sort(torch.where(sel >= 0, sel, n), dim=1).values
+        return torch.where(order >= n, -1, order)
+    out = torch.empty((t, k), dtype=torch.long, device=logits.device)
+    if t == 0 or k == 0:
+        return out
+    block = max(16, triton.next_power_of_2(n))
+    _select_kernel[(t,)](logits, out, n, k, logits.stride(0), out.stride(0), BLOCK=block,
+                         KB=max(16, triton.next_power_of_2(k)), num_warps=min(16, max(4, block // 512)))
+    return out
+
+
 def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
-                       n_cols: int, k: int, fmt, *, config: dict | None = None) -> torch.Tensor:
-    """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded."""
+                       n_cols: int, k: int, fmt, *, ascending: bool = False,
+                       config: dict | None = None) -> torch.Tensor:
+    """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded;
+    ``ascending``: the same set in ascending column order, −1 last (``select_topk_ascending``)."""
     logits = indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block, n_cols,
                             fmt, config=config)
-    return indexer_topk(logits, k)
+    return select_topk_ascending(logits, k) if ascending else indexer_topk(logits, k)
