@@ -190,10 +190,11 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tupl
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
-    graphs (CUDA graphs + batch-invariant tiles: the default), eager (no graphs; profiled),
-    fastest (graphs + per-M tiles: what batch invariance costs), async (graphs + async scheduling:
-    the next step launched before this one's greedy picks are read), reference (the per-request
-    attention of the oracle: the old path)."""
+    graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
+    scheduling: the next step launched before this one's greedy picks are read), sync (graphs
+    without async scheduling), async (async scheduling asked for explicitly), eager (no graphs;
+    profiled), fastest (graphs + per-M tiles: what batch invariance costs), reference (the
+    per-request attention of the oracle: the old path)."""
     from dsv4 import LLM, SamplingParams
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
@@ -206,6 +207,7 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     eng, llm.engine = llm.engine, None
     model, tok, cfg0 = eng.model, eng.tokenizer, eng.config
     res["graph_capture_s"] = getattr(eng.runner.graphs, "capture_seconds", None)
+    res["async_scheduling_default"] = cfg0.async_scheduling  # what the "graphs" variant ran with
 
     def engine(**changes):
         nonlocal eng
@@ -217,7 +219,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     for variant in variants:
         if variant != "graphs":
             set_batch_invariant(variant != "fastest")
-            eng = engine(enforce_eager=variant == "eager", async_scheduling=variant == "async",
+            eng = engine(enforce_eager=variant == "eager",
+                         async_scheduling={"sync": False, "async": True}.get(variant, cfg0.async_scheduling),
                          attention="reference" if variant == "reference" else "auto")
         for B in batches:
             if variant == "reference" and B > 8:
@@ -355,7 +358,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="1024,8192")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--variants", default="graphs,eager,fastest", help="decode-path variants (see bench_dsv4)")
+    ap.add_argument("--variants", default="graphs,sync,eager,fastest", help="decode-path variants (see bench_dsv4)")
     ap.add_argument("--long-context", type=int, default=0, help="also prefill+decode one prompt of this length")
     ap.add_argument("--long-repeat", type=int, default=1, help="prefill that many long prompts (the first compiles)")
     ap.add_argument("--long-profile", action="store_true", help="profile the last long prompt's last chunk")

@@ -4,6 +4,12 @@
 # (if INDEXER is non-empty), `bench/kernels.py $BENCH` (if BENCH is set), bench/e2e.py (E2E_ARGS), then the
 # tests/gpu files in GPU0_TESTS with whatever time is left before DEADLINE_S (default 570 s after the start).
 # Call 1 (indexer selection kernel + async scheduling measured): as is.
+# Call 2 (MXFP4 scales as int32 words; async scheduling on by default): TESTS="tests/ops/test_ops_moe_experts_triton.py
+# tests/ops/test_ops_batch_invariant_tiles.py" TEST_S=150 GPU1_TESTS="tests/gpu/test_gpu_batch_invariance.py
+# tests/gpu/test_gpu_prefill_invariance.py tests/gpu/test_gpu_path_vs_torch.py" GPU_S=400 INDEXER= BENCH="--sweep --only
+# moe_scale32" BENCH_S=120 E2E_ARGS="--variants graphs,sync --batches 1,8,64 --prefill 1024,8192 --skip-transformers"
+# E2E_S=260 GPU0_TESTS="tests/gpu/test_gpu_engine_vs_torch.py tests/engine/test_engine_async_scheduling.py
+# tests/serve/test_serve_async_scheduling.py".
 source bench/device_env.sh
 : "${TEST_S:=200}" "${GPU_S:=380}" "${E2E_S:=300}" "${DEADLINE_S:=570}"
 gpu1_tests "${TESTS-tests/ops/test_ops_indexer_triton.py tests/engine/test_engine_async_scheduling.py tests/serve/test_serve_async_scheduling.py}" \

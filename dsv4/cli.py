@@ -77,9 +77,10 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
                    help="batched: one step's attention over the paged cache at once (the GPU default); "
                         "reference: per request through the oracle")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch the next step while this one runs, when its samples are plain greedy "
-                        "(outputs are reported one step later; not with tensor parallelism)")
+                        "(outputs are reported one step later). Default: on for a single-process CUDA engine, "
+                        "off on the CPU and with tensor parallelism")
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ class LLM:
                  tensor_parallel_size: int = 1, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  fp8_format: str = "auto", device: str | None = None, act_quant: bool = False, backend: str = "auto",
-                 tokenizer=None, attention: str = "auto", enforce_eager: bool = False, async_scheduling: bool = False,
+                 tokenizer=None, attention: str = "auto", enforce_eager: bool = False,
+                 async_scheduling: bool | None = None,
                  enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, distributed_timeout: float = 300.0):
         """The parallel arguments (``tensor_parallel_size`` > 1 and the ones after ``async_scheduling``)

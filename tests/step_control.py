@@ -17,6 +17,8 @@ def step_with(engine, reqs, tokens: list[int] | None = None) -> dict[int, torch.
     """One engine step over exactly ``reqs`` (each takes all its uncomputed tokens, or
     ``tokens[i]`` of them: a prefill chunk); returns id(request) → the logits row it sampled from
     (float32, on the host; a partial prefill chunk samples nothing)."""
+    if engine.config.async_scheduling:
+        raise RuntimeError("step_with runs one synchronous step: build the engine with async_scheduling=False")
     sched = []
     for i, r in enumerate(reqs):
         n = r.num_tokens - r.num_computed if tokens is None else tokens[i]

@@ -51,8 +51,9 @@ class EngineConfig:
     act_quant: bool = False
     backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's --enforce-eager)
-    async_scheduling: bool = False  # schedule and launch the next step before this one's greedy picks reach
-    #                                 the host (vLLM's --async-scheduling; engine/overlap.py)
+    async_scheduling: bool | None = None  # schedule and launch the next step before this one's greedy picks
+    #   reach the host (vLLM's --async-scheduling; engine/overlap.py). None: on for a single-process CUDA
+    #   engine (the host's work then overlaps the GPU's), off elsewhere (resolve_async_scheduling)
     attention: str = "auto"  # batched: one step's attention over the pages at once; reference: per request;
     #                          auto: batched with the fast backend, reference with the torch one
 
@@ -100,6 +101,13 @@ class EngineConfig:
         return table[self.dtype]
 
 
+def _graph_capturable(ops: dict) -> bool:
+    """Whether a CUDA graph can capture the batched attention with these ops: the torch ones
+    (``dsv4.ops.torch_*``, ``backend="torch"``) check page bounds on the host, a synchronization
+    that stream capture forbids, so their decode steps run eagerly."""
+    return not any(getattr(fn, "__module__", "").startswith("dsv4.ops.torch") for fn in ops.values())
+
+
 def _shutdown_tp(runner: ModelRunner, dist) -> None:
     """Rank 0's tensor-parallel teardown: captured NCCL launches go before the group does (a live
     graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
@@ -107,6 +115,22 @@ def _shutdown_tp(runner: ModelRunner, dist) -> None:
         runner.graphs.release()
         runner.graphs = None
     dist.shutdown()
+
+
+def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """``config.async_scheduling`` made definite. None (the default) turns it on where it pays: one
+    process on a CUDA device, whose kernels run asynchronously to the host, so the next step's
+    scheduling and the previous step's bookkeeping run under the current step (H200, 4-layer
+    flash-width checkpoint: 10-20 % per decode step, docs/perf.md). On the CPU the model runs on the
+    host thread and nothing overlaps; tensor parallelism does not support it (an explicit True there
+    is an error)."""
+    tp = config.tensor_parallel_size > 1 or config.nnodes > 1
+    if config.async_scheduling is None:
+        return device.type == "cuda" and not tp
+    if config.async_scheduling and tp:
+        raise ValueError("async_scheduling is not supported with tensor parallelism "
+                         f"(tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes})")
+    return bool(config.async_scheduling)
 
 
 class LLMEngine:
@@ -122,10 +146,8 @@ class LLMEngine:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = config.torch_dtype(device)
         self.dist = None  # TPDriver when tensor-parallel (dsv4/dist): this process is rank 0
+        config.async_scheduling = resolve_async_scheduling(config, device)
         if config.tensor_parallel_size > 1 or config.nnodes > 1:
-            if config.async_scheduling:
-                raise ValueError("async_scheduling is not supported with tensor parallelism "
-                                 f"(tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes})")
             if backend is not None:
                 raise ValueError("a custom model backend cannot run at tensor_parallel_size > 1")
             from ..dist.driver import TPDriver
@@ -159,7 +181,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, config.resolve_attention_ops(device))
         if self.dist is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._tp_finalizer = weakref.finalize(self, _shutdown_tp, self.runner, self.dist)
-        if device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager:
+        if (device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager
+                and _graph_capturable(self.runner.attention_ops)):
             self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))

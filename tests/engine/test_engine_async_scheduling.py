@@ -28,7 +28,8 @@ def _results(outs) -> list[tuple]:
 
 
 def _pair(tiny_ckpt, kv_dtype="auto", **kw):
-    return make_llm(tiny_ckpt, kv_dtype, **kw), make_llm(tiny_ckpt, kv_dtype, async_scheduling=True, **kw)
+    return (make_llm(tiny_ckpt, kv_dtype, async_scheduling=False, **kw),
+            make_llm(tiny_ckpt, kv_dtype, async_scheduling=True, **kw))
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_ds_mla"])
@@ -86,9 +87,12 @@ def test_async_under_preemption(tiny_ckpt):
     from dsv4.config import load_config
     from dsv4.model.cache import CacheNumerics
 
+    from dsv4.engine.engine import EngineConfig
+
     cfg, num = load_config(tiny_ckpt), CacheNumerics("auto")
-    blk, swa, _ = unit_bytes(cfg, num, torch.float32)
-    big = plan_budget(cfg, num, torch.float32, 1 << 34, 2, 64, 512)
+    dtype = EngineConfig(model=str(tiny_ckpt)).torch_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    blk, swa, _ = unit_bytes(cfg, num, dtype)  # the engine's compute dtype sizes its pages
+    big = plan_budget(cfg, num, dtype, 1 << 34, 2, 64, 512)
     mem = big.total_bytes - (big.num_blocks - 3) * (blk + 2 * swa)
     kw = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=512, kv_cache_memory=mem)
     sync, asy = _pair(tiny_ckpt, **kw)
@@ -128,8 +132,12 @@ def test_async_abort_while_in_flight(tiny_ckpt):
 
 def test_async_through_the_emulated_decode_graphs(tiny_ckpt):
     """The graph path stages a decode step's ids into the graph's static tensors; the placeholders'
-    tokens are then written there on the device."""
+    tokens are then written there on the device. (On CUDA the engines capture real graphs: the other
+    tests here run through them.)"""
     from dsv4.engine.cuda_graphs import DecodeGraphs
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU emulation of the decode graphs; on CUDA every engine here replays captured graphs")
 
     prompts = rand_prompts(46, [30, 126, 254])
     kw = dict(attention="batched", backend="torch", max_num_seqs=8)
@@ -175,3 +183,34 @@ def test_async_non_finite_logits_name_the_request(tiny_ckpt):
 def test_async_refuses_tensor_parallel(tiny_ckpt):
     with pytest.raises(ValueError, match="async_scheduling is not supported with tensor parallelism"):
         make_llm(tiny_ckpt, "auto", async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_async_default_is_on_for_one_cuda_process_only():
+    """None (the default) resolves to on for a single-process CUDA engine, off on the CPU and with
+    tensor parallelism; an explicit choice stands (True with tensor parallelism is refused)."""
+    from dsv4.cli import build_parser
+    from dsv4.engine.engine import EngineConfig, resolve_async_scheduling
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig(model="m").async_scheduling is None
+    assert resolve_async_scheduling(EngineConfig(model="m"), cuda) is True
+    assert resolve_async_scheduling(EngineConfig(model="m"), cpu) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2), cuda) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", nnodes=2), cuda) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=False), cuda) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True), cpu) is True
+    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+        resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2), cuda)
+    parse = build_parser().parse_args
+    assert parse(["generate", "--prompt", "x"]).async_scheduling is None
+    assert parse(["generate", "--prompt", "x", "--async-scheduling"]).async_scheduling is True
+    assert parse(["generate", "--prompt", "x", "--no-async-scheduling"]).async_scheduling is False
+
+
+def test_step_control_refuses_an_async_engine(tiny_ckpt):
+    """The batch-invariance harness fixes one synchronous step's batch: an async engine is refused by name."""
+    from step_control import step_with
+
+    llm = make_llm(tiny_ckpt, "auto", async_scheduling=True)
+    with pytest.raises(RuntimeError, match="async_scheduling=False"):
+        step_with(llm.engine, [])

@@ -43,7 +43,7 @@ def test_batched_decode_is_batch_invariant(tiny_ckpt):
     def engine():
         return LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
                                       max_num_seqs=8, kv_cache_memory=256 << 20, enable_prefix_caching=False,
-                                      attention="batched", backend="torch"))
+                                      attention="batched", backend="torch", async_scheduling=False))
 
     target = rand_prompts(9, [254])[0]  # decoding crosses the 256-token block end and HCA/CSA entries
     e1 = engine()
@@ -158,3 +158,18 @@ def test_block_boundary_snapshot_reads_the_ring_and_the_held_chunk(tiny_ckpt, mo
     assert any(mixed), "no snapshot took rows from both the ring and the held chunk"
     assert fast.engine.kv.hits >= 256
     assert got == want
+
+
+def test_decode_graphs_only_with_graph_safe_ops():
+    """The torch attention ops check page bounds on the host (a sync stream capture forbids): with
+    them a CUDA engine decodes eagerly instead of failing at capture; kernel ops are captured."""
+    from dsv4.engine.engine import EngineConfig, _graph_capturable
+
+    torch_ops = EngineConfig(model="m", backend="torch", attention="batched").resolve_attention_ops(torch.device("cpu"))
+    assert not _graph_capturable(torch_ops)
+
+    def kernel(*a):
+        return None
+
+    kernel.__module__ = "dsv4.ops.triton.sparse_attention"
+    assert _graph_capturable({op: kernel for op in torch_ops})

@@ -320,14 +320,14 @@ def test_eos_min_tokens_and_ignore_eos(llm, prompts, monkeypatch):
     """With EOS made the argmax at every step: EOS stops, min_tokens holds it off, ignore_eos runs on."""
     engine = llm.engine
     eos = engine.model_config.eos_token_id
-    run = engine.runner.run
+    execute = engine.runner.execute
 
-    def eos_wins(schedule):
-        batch, logits = run(schedule)
+    def eos_wins(batch):  # (the forward both the synchronous and the async step call)
+        logits = execute(batch)
         logits[:, eos] = logits.max(dim=-1).values + 100.0  # probability 1 at any temperature
-        return batch, logits
+        return logits
 
-    monkeypatch.setattr(engine.runner, "run", eos_wins)
+    monkeypatch.setattr(engine.runner, "execute", eos_wins)
     p = prompts[2]
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None

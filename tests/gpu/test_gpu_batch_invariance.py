@@ -19,7 +19,8 @@ def _engine(ckpt, kv_cache_dtype):
 
     return LLMEngine(EngineConfig(model=str(ckpt), kv_cache_dtype=kv_cache_dtype, max_model_len=1024,
                                   max_num_seqs=64, max_num_batched_tokens=4096, kv_cache_memory=2 << 30,
-                                  enable_prefix_caching=False))
+                                  enable_prefix_caching=False,
+                                  async_scheduling=False))  # step_with drives synchronous steps
 
 
 def _prompts(n, seed):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# nvidia-h200 (one GPU) calls of the thirteenth session (issue 8), when the two-GPU machine was not lent.
+# Optional first step alone on the GPU (for its timings): `bench/kernels.py $BENCH` (BENCH set), then the
+# flash-width checkpoint and bench/e2e.py (if E2E_ARGS is set); then test groups in parallel on the same GPU
+# (correctness only): each of TESTS_A, TESTS_B, TESTS_C (space-separated files; empty: skipped) in its own
+# pytest process, all stopped DEADLINE_S (default 560) s after the start.
+# Call 2 (MXFP4 scales as int32 words): BENCH="--sweep --only moe_scale32" TESTS_A="tests/ops/test_ops_moe_experts_triton.py
+# tests/ops/test_ops_batch_invariant_tiles.py" TESTS_B="tests/gpu/test_gpu_batch_invariance.py
+# tests/gpu/test_gpu_prefill_invariance.py" TESTS_C="tests/gpu/test_gpu_path_vs_torch.py".
+source bench/device_env.sh
+: "${DEADLINE_S:=560}"
+export CUDA_VISIBLE_DEVICES=0
+if [ -n "${BENCH-}" ]; then
+  timeout ${BENCH_S:-120} python3 bench/kernels.py $BENCH --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+  echo "kernels bench exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/kernels.log" | cut -c1-250
+fi
+if [ -n "${E2E_ARGS-}" ]; then
+  fw4_checkpoint
+  e2e_graphs 10
+fi
+left=$(( DEADLINE_S - ($(date +%s) - T0) )); echo "tests get ${left} s"
+for part in A B C; do
+  var="TESTS_$part"; files="${!var-}"
+  if [ -n "$files" ]; then
+    ( timeout $left python3 -m pytest -q -p no:cacheprovider -rf $files > "$OUT/tests_$part.log" 2>&1
+      echo "tests $part exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests_$part.log" ) &
+  fi
+done
+wait
+echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300 | tail -24
