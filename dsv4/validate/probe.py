@@ -483,19 +483,19 @@ class Probe:
                                   pad_token_id=getattr(self.tok, "pad_token_id", None), **self.o.verdict)
         # logits are checked on every step (cheap: [rows, vocab] on the host); the sampler raises on
         # non-finite rows it samples from, this also covers rows it does not
-        inner = eng.runner.run
+        inner = eng.runner.execute  # the forward both the synchronous and the async step call
 
-        def checked_run(schedule):
-            batch, logits = inner(schedule)
+        def checked_execute(batch):
+            logits = inner(batch)
             self.logit_rows += int(logits.shape[0])
             if logits.numel() and not bool(logits.isfinite().all()):
                 bad = int((~logits.isfinite()).any(dim=-1).sum())
                 self.bad_logit_rows.append(f"{bad} of {logits.shape[0]} logits rows non-finite during {self.context}")
             if self.monitor is not None:
                 self.monitor.check_logits(logits)
-            return batch, logits
+            return logits
 
-        eng.runner.run = checked_run
+        eng.runner.execute = checked_execute
         if self.o.validate:
             from .finite import FiniteMonitor
 

@@ -234,3 +234,16 @@ def test_fault_b_in_bf16_is_not_forgiven_by_the_float32_reference(tiny_ckpt, bf1
     ref = report.stage("reference agreement")
     assert ref.status == "FAIL" and report.verdict == "FAIL", text
     assert "exact_oracle" in ref.data  # asked, and the engine is far from the float32 reference too
+
+
+def test_logits_checked_under_async_scheduling(tiny_ckpt, validate_model):
+    """Without logprobs, greedy steps stay on the device under async scheduling (the default on one
+    GPU): the probe's logits check sits on the forward both step kinds call, so it sees every row."""
+    rows = {}
+    for mode in (False, True):
+        report, text = probe(tiny_ckpt, validate_model, top_logprobs=None, engine=dict(async_scheduling=mode))
+        assert report.verdict == "PASS", text
+        rows[mode] = report.stage("generate").data["logits_rows_checked"]
+        if mode:
+            assert report.stage("engine init").status == "PASS"
+    assert rows[True] == rows[False] > 0
