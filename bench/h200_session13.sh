@@ -7,6 +7,11 @@
 # Call 2 (MXFP4 scales as int32 words): BENCH="--sweep --only moe_scale32" TESTS_A="tests/ops/test_ops_moe_experts_triton.py
 # tests/ops/test_ops_batch_invariant_tiles.py" TESTS_B="tests/gpu/test_gpu_batch_invariance.py
 # tests/gpu/test_gpu_prefill_invariance.py" TESTS_C="tests/gpu/test_gpu_path_vs_torch.py".
+# Call 3 (e2e of the kept tree, async tests): E2E_ARGS="--variants graphs,sync --batches 1,8,64 --prefill 1024,8192
+# --skip-transformers" E2E_S=240 TESTS_A="tests/gpu/test_gpu_engine_vs_torch.py tests/serve/test_serve_async_scheduling.py"
+# TESTS_B="tests/engine/test_engine_async_scheduling.py" DEADLINE_S=555. Call 4 (the two tests fixed after call 3 and the
+# graph-safety check): TESTS_A="tests/engine/test_engine_async_scheduling.py" TESTS_B="three engine tests" DEADLINE_S=300.
+# Call 5 (the MoE kernels' K step): BENCH="--sweep --only moe_block_k" BENCH_S=230.
 source bench/device_env.sh
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0

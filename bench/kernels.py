@@ -16,7 +16,9 @@ slot grouping (torch vs Triton) at T = 1, 8, 64.
 ``--sweep`` times tile candidates instead (CUDA-graph medians, each checked against the default):
 ``--only route`` moe_route's BLOCK_T × num_warps at T = 1, 8, 64, 8192; ``moe`` / ``moe_decode``
 the expert GEMM tiles; ``linear`` the FP8 linear tiles; ``moe_prefill`` / ``linear_prefill`` the
-prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (and 1024):
+prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (and 1024); ``moe_block_k``
+the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight bytes per row and step) at
+decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -240,6 +242,8 @@ def sweep(dev, only=("linear", "moe")):
                   flush=True)
     if "route" in only:
         out.update(sweep_route(dev, g))
+    if "moe_block_k" in only:
+        out.update(sweep_moe_block_k(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -406,6 +410,63 @@ def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 
                           for times, c, check in rows], "moe_route_T": list(t_list)}
 
 
+MOE_BLOCK_K_TILES = {  # T -> (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates at every K step
+    1: ((16, 64, 4, 3), (16, 64, 8, 3)), 8: ((16, 64, 4, 3), (16, 64, 8, 3)), 64: ((16, 64, 4, 3), (16, 64, 8, 3)),
+    1024: ((32, 64, 4, 3), (32, 64, 4, 2)), 8192: ((128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3))}
+
+
+def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
+    """The grouped MXFP4 kernels' K step. Each program reads BLOCK_K/2 bytes of each of its weight
+    rows per step (64 at the engine's 128), rows 2 KiB apart: short DRAM bursts. A wider step reads
+    longer runs but changes the sum's grouping, so it must be the same at the decode and the prefill
+    tiles (batch invariance): every prefill candidate is bit-compared with the first decode
+    candidate of its K step run on the same tokens. CUDA-graph µs, the bound, the check vs torch."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    bw, peak = measure_bandwidth(dev), measure_peak(dev)
+    print(f"moe_block_k: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    per_expert = w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel()
+    rows = []
+    for t, tiles in MOE_BLOCK_K_TILES.items():
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        ref = torch_ops.moe_experts(x, ids, wts, w13, s13, w2, s2)
+        used = int(torch.unique(ids).numel())
+        nbytes = used * per_expert + 2 * t * HID * 2 + t * TOPK * HID * 2 * 2 + t * TOPK * INTER * 2 * 2
+        flops = t * TOPK * 6 * HID * INTER
+        bound = max(nbytes / bw, flops / peak) * 1e3
+        for bk in block_ks:
+            dec = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), MOE_BLOCK_K_TILES[1][0]),
+                       direct=False, BLOCK_K=bk)
+            want = None
+            if t > 64:
+                try:
+                    want = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dec)
+                except Exception as e:  # noqa: BLE001
+                    print(f"moe_block_k T={t} BLOCK_K={bk}: decode tile fails: {type(e).__name__}", flush=True)
+            for tile in tiles:
+                c = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), tile), direct=False, BLOCK_K=bk)
+                run = lambda c=c: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=c)  # noqa: E731
+                try:
+                    y = run()
+                    chk = check_close(y, ref)
+                    inv = "decode tile" if want is None else (
+                        "same bits as decode tile" if torch.equal(y, want) else "DIFFERS from decode tile")
+                    ms = bench_graph(run, 60)
+                except Exception as e:  # noqa: BLE001
+                    ms, chk, inv = None, f"{type(e).__name__}: {str(e)[:80]}", "-"
+                rows.append(dict(T=t, BLOCK_K=bk, tile=tile, us=ms and ms * 1e3, bound_us=bound * 1e3, check=chk,
+                                 invariance=inv))
+                txt = f"{ms * 1e3:9.1f} us ({bound / ms:5.1%} of {bound * 1e3:.1f})" if ms else f"{'-':>30}"
+                print(f"moe_block_k T={t:5d} BLOCK_K={bk:3d} {tile}: {txt}  {chk}  {inv}", flush=True)
+    return {"moe_block_k": rows, "bandwidth_Bps": bw, "bf16_peak_flops": peak}
+
+
 def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
     """The batch-invariant decode tile of the grouped MoE kernels (``pick_moe_config``: one tile for
     every T ≤ DECODE_MAX_ROWS, so a token's rows are computed the same way in any batch): each
@@ -455,7 +516,7 @@ def main(argv=None):
                     help="comma list of: linear, route, group, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill)")
+                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
