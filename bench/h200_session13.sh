@@ -12,7 +12,15 @@
 # TESTS_B="tests/engine/test_engine_async_scheduling.py" DEADLINE_S=555. Call 4 (the two tests fixed after call 3 and the
 # graph-safety check): TESTS_A="tests/engine/test_engine_async_scheduling.py" TESTS_B="three engine tests" DEADLINE_S=300.
 # Call 5 (the MoE kernels' K step): BENCH="--sweep --only moe_block_k" BENCH_S=230.
+# Call 6 (the OpenAI server over the async engine; carry .whl_serve too, the server's wheels for Python 3.12:
+# `pip download --platform manylinux2014_x86_64 --python-version 3.12 --only-binary=:all: -d .whl_serve fastapi uvicorn
+# "pydantic>=2" prometheus-client`): SERVE_WHEELS=1 TESTS_A="tests/serve/test_serve_async_scheduling.py" DEADLINE_S=200.
 source bench/device_env.sh
+if [ -n "${SERVE_WHEELS-}" ]; then  # after the device's own packages on the path: only what it lacks comes from here
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_serve .whl_serve/*.whl \
+    >/dev/null 2>&1 || echo "installing .whl_serve/*.whl failed (was .whl_serve carried?)"
+  export PYTHONPATH=$PYTHONPATH:/tmp/site_serve
+fi
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0
 if [ -n "${BENCH-}" ]; then
