@@ -46,7 +46,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node only)
     distributed_timeout: float = 300.0  # seconds a collective may wait before the engine is declared dead
-    device: str | None = None
+    device: str | None = None  # None: the device of a model passed to LLMEngine, else the GPU if there is one
     seed: int = 0
     act_quant: bool = False
     backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
@@ -143,7 +143,9 @@ class LLMEngine:
 
             config.fp8_format = detect_platform().fp8_format or "ocp"
         self.config = config
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # a model passed in fixes the device (its weights are there); else the GPU when there is one
+        device = torch.device(config.device or getattr(backend, "device", None)
+                              or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = config.torch_dtype(device)
         self.dist = None  # TPDriver when tensor-parallel (dsv4/dist): this process is rank 0
         config.async_scheduling = resolve_async_scheduling(config, device)
