@@ -18,7 +18,8 @@ slot grouping (torch vs Triton) at T = 1, 8, 64.
 the expert GEMM tiles; ``linear`` the FP8 linear tiles; ``moe_prefill`` / ``linear_prefill`` the
 prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (and 1024); ``moe_block_k``
 the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight bytes per row and step) at
-decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step:
+decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step; ``moe_maxnreg``
+the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -244,6 +245,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     if "moe_block_k" in only:
         out.update(sweep_moe_block_k(dev, g))
+    if "moe_maxnreg" in only:
+        out.update(sweep_moe_maxnreg(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -467,6 +470,35 @@ def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
     return {"moe_block_k": rows, "bandwidth_Bps": bw, "bf16_peak_flops": peak}
 
 
+MOE_MAXNREG = ({"maxnreg": 96}, {"maxnreg": 80}, {"down_maxnreg": 80}, {"down_maxnreg": 64},
+               {"maxnreg": 96, "down_maxnreg": 80})
+
+
+def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
+    """The grouped MXFP4 kernels at the engine's tiles with register caps (``maxnreg`` for the up
+    kernel, ``down_maxnreg`` for the down one): at the decode tile the up kernel takes 119 registers
+    (4 programs of 4 warps per SM; ptxas, sm_90a: 96 spills 4 bytes, 80 spills 104). CUDA-graph µs
+    against the uncapped launch, whose bits each capped one must give (the PTX is the same)."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    rows = []
+    for t in t_list:
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        base = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)
+        for cap in ({},) + MOE_MAXNREG:
+            ms, same = _bitwise_trial(lambda cap=cap: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=cap), base)
+            rows.append(dict(T=t, config=cap, us=ms and ms * 1e3, bits=same))
+            txt = f"{ms * 1e3:9.1f} us" if ms else f"{'-':>12}"
+            print(f"moe_maxnreg T={t:5d} {str(cap):40s} {txt}  {same}", flush=True)
+    return {"moe_maxnreg": rows}
+
+
 def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
     """The batch-invariant decode tile of the grouped MoE kernels (``pick_moe_config``: one tile for
     every T ≤ DECODE_MAX_ROWS, so a token's rows are computed the same way in any batch): each
@@ -516,7 +548,8 @@ def main(argv=None):
                     help="comma list of: linear, route, group, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k)")
+                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
+                    "moe_maxnreg)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

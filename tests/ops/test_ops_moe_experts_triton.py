@@ -81,6 +81,33 @@ def test_fp4_grouped_mode_configs_and_padding(fp4_layer, cfg):
     assert (y[valid].abs().sum(-1) > 0).all()
 
 
+def test_register_caps_reach_the_launch_and_keep_the_bits(fp4_layer, monkeypatch):
+    """``maxnreg`` / ``down_maxnreg`` (tuning keys) go to the grouped kernels' launches and nowhere
+    else; the output is the uncapped launch's (compiled, only register allocation differs)."""
+    g = gen(13)
+    x = randn((5, H), g)
+    ids, w = _route(5, g)
+    cfg = {"direct": False, "BLOCK_N": 128}
+    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
+    seen = {}
+    for name in ("_moe_up_kernel", "_moe_down_kernel"):
+        kern = getattr(tmoe, name)
+
+        class Spy:
+            def __getitem__(self, grid, kern=kern, name=name):
+                def launch(*args, **kw):
+                    seen[name] = kw.get("maxnreg")
+                    return kern[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(tmoe, name, Spy())
+    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, maxnreg=96, down_maxnreg=64))
+    assert seen == {"_moe_up_kernel": 96, "_moe_down_kernel": 64}
+    assert torch.equal(got, want)
+    tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
+    assert seen == {"_moe_up_kernel": None, "_moe_down_kernel": None}
+
+
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 

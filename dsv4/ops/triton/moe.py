@@ -568,7 +568,11 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     otherwise BLOCK_M from the mean rows per expert. BLOCK_K is 128 in grouped mode (one FP8 scale
     block; four MXFP4 scale groups) and 256 in direct MXFP4 mode (128 for FP8 experts).
     ``down_BLOCK_N`` / ``down_num_warps`` / ``down_num_stages``: the down kernel's own launch (the
-    up kernel's by default); neither changes a row's bits: every tile reduces K in the same steps."""
+    up kernel's by default); neither changes a row's bits: every tile reduces K in the same steps.
+    ``maxnreg`` / ``down_maxnreg`` (grouped kernels, for tuning; default: ptxas decides): a cap on
+    registers per thread, so more programs fit on an SM (at the decode tile the up kernel takes 119,
+    i.e. 4 programs of 4 warps per SM). Only register allocation changes (the PTX is the same), so the
+    bits do not."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -684,12 +688,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
             s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, **g)
     else:
+        up = dict(common, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
         _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
             x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
             x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
             s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-            BLOCK_N=bn, **common)
-        down = dict(common, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"])
+            BLOCK_N=bn, **up)
+        down = dict(common, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
+                    **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}))
         _moe_down_kernel[(nblocks, triton.cdiv(hdim, cfg["down_BLOCK_N"]))](
             h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
             h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
