@@ -45,6 +45,16 @@ ROUTE_T = (1, 64, 1024, 8192)
 N_EXP, TOPK, HID, INTER = 256, 6, 4096, 2048
 
 
+def random_fp4_experts(dev, g):
+    """(w13, s13, w2, s2): random MXFP4 experts at Flash's shapes in the stacked checkpoint layout (3 GiB
+    of packed weights), scale codes 118..121."""
+    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    return w13, s13, w2, s2
+
+
 def bench(fn, rep_ms=60, warmup_ms=15):
     import triton.testing
 
@@ -184,11 +194,7 @@ def bench_moe(tab, dev, t_list):
     from dsv4.ops.triton import moe as tmoe
 
     g = torch.Generator(device=dev).manual_seed(2)
-    # random MXFP4 experts in the stacked checkpoint layout (3 GiB of packed weights)
-    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
     per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
     bias = torch.randn(N_EXP, device=dev, generator=g) * 0.1
     for t in t_list:
@@ -251,10 +257,7 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
         return out
-    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
     for t in ((1, 8, 64, 1024) if "moe" in only else ()):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
         ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
@@ -312,10 +315,7 @@ def sweep_prefill(dev, g, only):
 
     out = {}
     if "moe_prefill" in only:
-        w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-        s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-        w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-        s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+        w13, s13, w2, s2 = random_fp4_experts(dev, g)
         dec = tmoe.pick_moe_config(1, TOPK, N_EXP, "fp4")
         for t in (8192, 1024):
             x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
@@ -429,10 +429,7 @@ def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
 
     bw, peak = measure_bandwidth(dev), measure_peak(dev)
     print(f"moe_block_k: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
-    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
     per_expert = w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel()
     rows = []
     for t, tiles in MOE_BLOCK_K_TILES.items():
@@ -482,10 +479,7 @@ def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
 
-    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
     rows = []
     for t in t_list:
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)

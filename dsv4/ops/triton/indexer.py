@@ -237,9 +237,9 @@ def select_topk_ascending(logits: torch.Tensor, k: int) -> torch.Tensor:
     columns), instead of a stable sort of the logits and a sort of the picks."""
     t, n = logits.shape
     if n > SELECT_MAX_COLS or not logits.is_contiguous():
-        sel = indexer_topk(logits, k)
-        order = torch.sort(torch.where(sel >= 0, sel, n), dim=1).values
-        return torch.where(order >= n, -1, order)
+        from ..torch_indexer import ascending_picks
+
+        return ascending_picks(indexer_topk(logits, k), n)
     out = torch.empty((t, k), dtype=torch.long, device=logits.device)
     if t == 0 or k == 0:
         return out
