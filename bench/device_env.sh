@@ -62,3 +62,46 @@ tests_summary() {
   [ -f "$OUT/diag.log" ] && { echo "== diag"; grep -vE "Warning|warn" "$OUT/diag.log" | cut -c1-220; }
   echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT/tests1.log" "$OUT"/tests0.log 2>/dev/null | cut -c1-300 | tail -20
 }
+# parallel_tests: each of TESTS_A, TESTS_B, TESTS_C (space-separated test files; empty: skipped) in its own
+# pytest process on the visible GPU, all stopped DEADLINE_S s after T0; then their result lines.
+parallel_tests() {
+  local left=$(( DEADLINE_S - ($(date +%s) - T0) ))
+  [ -n "${TESTS_A-}${TESTS_B-}${TESTS_C-}" ] || return 0
+  echo "tests get ${left} s"
+  [ "$left" -gt 0 ] || return 0
+  for part in A B C; do
+    local var="TESTS_$part"; local files="${!var-}"
+    if [ -n "$files" ]; then
+      ( timeout $left python3 -m pytest -q -p no:cacheprovider -rf $files > "$OUT/tests_$part.log" 2>&1
+        echo "tests $part exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests_$part.log" ) &
+    fi
+  done
+  wait
+  echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300 | tail -24
+}
+# ncu_moe T_LIST [CONFIG_JSON]: Nsight Compute on one launch of each grouped MoE kernel per T
+# (bench/moe_ncu.py), clocks left alone; the stall reasons, occupancy and throughput into $OUT/ncu_moe.log.
+ncu_moe() {
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "ncu_moe: no ncu on this machine"; return 0; }
+  timeout ${NCU_S:-240} "$ncu" --clock-control none --profile-from-start off -k regex:_moe_up_kernel\|_moe_down_kernel \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \
+    python3 bench/moe_ncu.py --t "$1" ${2:+--config "$2"} > "$OUT/ncu_moe.log" 2>&1
+  echo "ncu exit $? at $(( $(date +%s) - T0 )) s"
+  grep -E "^  [a-z_]+_kernel|T=|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Memory Throughput|DRAM Throughput|Compute \(SM\)|stalled_[a-z_]+_per_issue_active|==PROF==|==ERROR==|==WARNING==" \
+    "$OUT/ncu_moe.log" | grep -vE " 0(\.0+)?$" | cut -c1-160 | head -${NCU_LINES:-150}
+}
+# serve_wheels: the OpenAI server's wheels (.whl_serve, carried) to /tmp/site_serve, after the device's own
+# packages on the path (only what it lacks comes from there).
+serve_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_serve .whl_serve/*.whl \
+    >/dev/null 2>&1 || echo "installing .whl_serve/*.whl failed (was .whl_serve carried?)"
+  export PYTHONPATH=$PYTHONPATH:/tmp/site_serve
+}
+# kernels_bench: bench/kernels.py $BENCH (BENCH_S s at most) into $OUT/kernels.{json,log}, and its lines.
+kernels_bench() {
+  timeout ${BENCH_S:-120} python3 bench/kernels.py $BENCH --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+  echo "kernels bench exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/kernels.log" | cut -c1-250
+}

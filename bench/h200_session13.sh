@@ -16,31 +16,12 @@
 # `pip download --platform manylinux2014_x86_64 --python-version 3.12 --only-binary=:all: -d .whl_serve fastapi uvicorn
 # "pydantic>=2" prometheus-client`): SERVE_WHEELS=1 TESTS_A="tests/serve/test_serve_async_scheduling.py" DEADLINE_S=200.
 source bench/device_env.sh
-if [ -n "${SERVE_WHEELS-}" ]; then  # after the device's own packages on the path: only what it lacks comes from here
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_serve .whl_serve/*.whl \
-    >/dev/null 2>&1 || echo "installing .whl_serve/*.whl failed (was .whl_serve carried?)"
-  export PYTHONPATH=$PYTHONPATH:/tmp/site_serve
-fi
+[ -n "${SERVE_WHEELS-}" ] && serve_wheels
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0
-if [ -n "${BENCH-}" ]; then
-  timeout ${BENCH_S:-120} python3 bench/kernels.py $BENCH --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
-  echo "kernels bench exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/kernels.log" | cut -c1-250
-fi
+[ -n "${BENCH-}" ] && kernels_bench
 if [ -n "${E2E_ARGS-}" ]; then
   fw4_checkpoint
   e2e_graphs 10
 fi
-left=$(( DEADLINE_S - ($(date +%s) - T0) ))
-[ -n "${TESTS_A-}${TESTS_B-}${TESTS_C-}" ] || exit 0
-echo "tests get ${left} s"
-[ "$left" -gt 0 ] || exit 0
-for part in A B C; do
-  var="TESTS_$part"; files="${!var-}"
-  if [ -n "$files" ]; then
-    ( timeout $left python3 -m pytest -q -p no:cacheprovider -rf $files > "$OUT/tests_$part.log" 2>&1
-      echo "tests $part exit $? at $(( $(date +%s) - T0 )) s" >> "$OUT/tests_$part.log" ) &
-  fi
-done
-wait
-echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300 | tail -24
+parallel_tests

@@ -19,7 +19,8 @@ the expert GEMM tiles; ``linear`` the FP8 linear tiles; ``moe_prefill`` / ``line
 prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (and 1024); ``moe_block_k``
 the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight bytes per row and step) at
 decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step; ``moe_maxnreg``
-the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch:
+the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch;
+``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -253,6 +254,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_moe_block_k(dev, g))
     if "moe_maxnreg" in only:
         out.update(sweep_moe_maxnreg(dev, g))
+    if "moe_scale_ahead" in only:
+        out.update(sweep_moe_scale_ahead(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -469,6 +472,8 @@ def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
 
 MOE_MAXNREG = ({"maxnreg": 96}, {"maxnreg": 80}, {"down_maxnreg": 80}, {"down_maxnreg": 64},
                {"maxnreg": 96, "down_maxnreg": 80})
+MOE_SCALE_AHEAD = ({"scale_ahead": True}, {"scale_ahead": True, "maxnreg": 96},
+                   {"scale_ahead": True, "maxnreg": 96, "down_maxnreg": 80})
 
 
 def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
@@ -476,6 +481,19 @@ def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
     kernel, ``down_maxnreg`` for the down one): at the decode tile the up kernel takes 119 registers
     (4 programs of 4 warps per SM; ptxas, sm_90a: 96 spills 4 bytes, 80 spills 104). CUDA-graph µs
     against the uncapped launch, whose bits each capped one must give (the PTX is the same)."""
+    return {"moe_maxnreg": _sweep_moe_variants(dev, g, "moe_maxnreg", MOE_MAXNREG, t_list)}
+
+
+def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
+    """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
+    during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
+    ``cp.async``'s 4-byte minimum), alone and with the register caps. CUDA-graph µs against the
+    default launch, whose bits each variant must give (the same values reach the same instructions)."""
+    return {"moe_scale_ahead": _sweep_moe_variants(dev, g, "moe_scale_ahead", MOE_SCALE_AHEAD, t_list)}
+
+
+def _sweep_moe_variants(dev, g, name, variants, t_list):
+    """Each config override in ``variants`` at each T against the engine's default launch: µs and bits."""
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
 
@@ -485,12 +503,12 @@ def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
         ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
         base = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)
-        for cap in ({},) + MOE_MAXNREG:
+        for cap in ({},) + tuple(variants):
             ms, same = _bitwise_trial(lambda cap=cap: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=cap), base)
             rows.append(dict(T=t, config=cap, us=ms and ms * 1e3, bits=same))
             txt = f"{ms * 1e3:9.1f} us" if ms else f"{'-':>12}"
-            print(f"moe_maxnreg T={t:5d} {str(cap):40s} {txt}  {same}", flush=True)
-    return {"moe_maxnreg": rows}
+            print(f"{name} T={t:5d} {str(cap):60s} {txt}  {same}", flush=True)
+    return rows
 
 
 def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
@@ -543,7 +561,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg)")
+                    "moe_maxnreg,moe_scale_ahead)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

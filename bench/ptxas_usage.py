@@ -18,6 +18,7 @@ Each case is ``kernel:BLOCK_M,BLOCK_N,num_warps,num_stages`` (sparse_attention: 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -93,6 +94,9 @@ def usage(name: str, a: int, b: int, warps: int, stages: int) -> dict:
     fn, ptrs, floats, ones, nodiv, consts_of = _kernels()[name]
     consts = consts_of(a, b)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    for prm in fn.params:  # constexprs left at their defaults (a new tuning flag) stay constexprs
+        if prm.is_constexpr and prm.name not in consts and prm.default is not inspect.Parameter.empty:
+            consts[prm.name] = prm.default
     if ones is None:  # every stride_*_d / stride_*_dim of the attention: innermost, 1
         ones = {n for n in fn.arg_names if n.startswith("s_") and n.endswith("dim")}
     for n in ones:

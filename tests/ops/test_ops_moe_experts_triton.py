@@ -108,6 +108,26 @@ def test_register_caps_reach_the_launch_and_keep_the_bits(fp4_layer, monkeypatch
     assert seen == {"_moe_up_kernel": None, "_moe_down_kernel": None}
 
 
+@pytest.mark.parametrize("block_k,dtype", [(64, torch.float32), (64, torch.bfloat16), (128, torch.bfloat16)])
+def test_scale_look_ahead_gives_the_same_bits(fp4_layer, block_k, dtype):
+    """``scale_ahead`` loads each K step's MXFP4 scale bytes one step early (the last load runs past
+    the scales, masked): the same values reach the same instructions, so the output is the default
+    loop's bit for bit, and the torch op's within the bf16 tolerance. BLOCK_K 64 gives the up kernel
+    two K steps (H = 128), so a step really uses the bytes the step before loaded."""
+    g = gen(21)
+    t = 9
+    x = randn((t, H), g, dtype=dtype)
+    valid = torch.ones(t, dtype=torch.bool, device=DEV)
+    valid[4] = False
+    ids, w = _route(t, g, valid=valid)
+    cfg = {"direct": False, "BLOCK_N": 128, "BLOCK_K": block_k}
+    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
+    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, scale_ahead=True))
+    assert torch.equal(got, want)
+    _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
+    assert (got[~valid] == 0).all()
+
+
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 
@@ -236,7 +256,8 @@ import triton.language as tl  # noqa: E402
 def _decode_tile_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, KH, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PTX: tl.constexpr):
     rows = tl.arange(0, BLOCK_N)
-    lo, hi = tmoe._w_tile_fp4(w_ptr, s_ptr, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1, BLOCK_K // 32, 1,
+    sb = tmoe._fp4_scale_bytes(s_ptr, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 32, 1, BLOCK_K)
+    lo, hi = tmoe._w_tile_fp4(w_ptr, sb, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1,
                               BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX)
     j = tl.arange(0, BLOCK_K // 2)
     off = rows[:, None] * (BLOCK_K // 2) + j[None, :]

@@ -306,21 +306,34 @@ def _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _w_tile_fp4(w_base, s_base, rows, r_mask, k0, KH, stride_wn, stride_wk, stride_sn, stride_sk,
+def _fp4_scale_bytes(s_base, rows, r_mask, k0, KH, stride_sn, stride_sk, BLOCK_K: tl.constexpr):
+    """The BLOCK_K/32 UE8M0 scale bytes [R, BLOCK_K/32] of the MXFP4 rows ``rows`` at K step k0
+    (127, i.e. 1.0, past the end: a look-ahead load one step past the last one is harmless)."""
+    gi = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    return tl.load(s_base + rows[:, None] * stride_sn + gi[None, :] * stride_sk,
+                   mask=r_mask[:, None] & (gi < KH // 32)[None, :], other=127)
+
+
+@triton.jit
+def _w_tile_fp4(w_base, sb, rows, r_mask, k0, KH, stride_wn, stride_wk,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
-                PTX: tl.constexpr = False):
+                PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """(even-k, odd-k) tiles [BLOCK_N, BLOCK_K/2] in DTYPE of the MXFP4 rows ``rows``, K range
     k0..k0+BLOCK_K: byte j holds k0+2j (low nibble) and k0+2j+1 (high nibble), both in scale
-    group (k0 + 2j) // 32; the BLOCK_K/32 scales of a row are loaded once and broadcast.
+    group (k0 + 2j) // 32; ``sb``, the rows' BLOCK_K/32 scale bytes (``_fp4_scale_bytes``), is
+    broadcast over the groups.
     PTX (bf16, CUDA sm_80+): the same bits from ``e2m1_bytes_to_bf16_ptx`` (the decode is the
-    grouped kernels' bottleneck at decode batch sizes: ~11 integer/convert ops per nibble)."""
+    grouped kernels' bottleneck at decode batch sizes: ~11 integer/convert ops per nibble).
+    EVEN_K (K a multiple of BLOCK_K): no K mask. The mask ``kb < KH // 2`` is constant over only 8
+    bytes when all Triton knows of KH is that it is a multiple of 16, which caps the weight loads at
+    8-byte ``cp.async.ca`` (through L1) instead of 16-byte ``cp.async.cg``."""
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j
-    m = r_mask[:, None] & (kb < KH // 2)[None, :]
+    if EVEN_K:
+        m = r_mask[:, None]
+    else:
+        m = r_mask[:, None] & (kb < KH // 2)[None, :]
     byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0)
-    gi = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    sb = tl.load(s_base + rows[:, None] * stride_sn + gi[None, :] * stride_sk,
-                 mask=r_mask[:, None] & (gi < KH // 32)[None, :], other=127)
     sc = ue8m0_to_f32(sb)
     if PTX:
         sc = sc.to(tl.bfloat16)  # exact: powers of two 2^-127..2^127 and NaN
@@ -351,10 +364,16 @@ def _w_tile_fp8(w_base, s_base, rows, srow0, r_mask, k0, KH, stride_wn, stride_w
 
 
 @triton.jit
-def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """Activation rows [BLOCK_M, BLOCK_K] at k0 (contiguous load); SPLIT: de-interleaved (even, odd)."""
+def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+               EVEN_K: tl.constexpr = False):
+    """Activation rows [BLOCK_M, BLOCK_K] at k0 (contiguous load); SPLIT: de-interleaved (even, odd);
+    EVEN_K: K a multiple of BLOCK_K, no K mask."""
     kk = k0 + tl.arange(0, BLOCK_K)
-    v = tl.load(row_ptrs + kk[None, :] * stride_k, mask=ok[:, None] & (kk < KH)[None, :], other=0.0)
+    if EVEN_K:
+        m = ok[:, None]
+    else:
+        m = ok[:, None] & (kk < KH)[None, :]
+    v = tl.load(row_ptrs + kk[None, :] * stride_k, mask=m, other=0.0)
     if SPLIT:
         return tl.split(tl.reshape(v, (BLOCK_M, BLOCK_K // 2, 2)))
     else:
@@ -381,7 +400,8 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    stride_hp, stride_hi,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                    SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                   DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr):
+                   DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
+                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -395,15 +415,27 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
         x_rows = x_ptr + tok[:, None] * stride_xt
         acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gate, [n, m]
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # up
+        sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
+        sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
         for k0 in range(0, H, BLOCK_K):
-            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4)
+            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4, EVEN_K)
             if FP4:
-                lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
+                if SCALE_AHEAD:  # next step's scale bytes now: the byte loads' latency overlaps this step
+                    nb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
+                    nb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k0 + BLOCK_K, H, stride_sn, stride_sk,
+                                           BLOCK_K)
+                else:
+                    sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
+                    sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
+                lo1, hi1 = _w_tile_fp4(w_base, sb1, offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc1 = _dot(hi1, xo, _dot(lo1, xe, acc1, DOT_F32), DOT_F32)
-                lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
+                lo3, hi3 = _w_tile_fp4(w_base, sb3, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc3 = _dot(hi3, xo, _dot(lo3, xe, acc3, DOT_F32), DOT_F32)
+                if SCALE_AHEAD:
+                    sb1 = nb1
+                    sb3 = nb3
             else:
                 w1 = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, H, stride_wn, stride_wk, stride_sn,
                                  stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
@@ -425,7 +457,8 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_ys, stride_yh,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                     DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr):
+                     DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
+                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -437,12 +470,19 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
         s_base = s_ptr + e.to(tl.int64) * stride_se
         h_rows = h_ptr + tl.where(ok, hrow, 0).to(tl.int64)[:, None] * stride_hp
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        sb = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, I, stride_sn, stride_sk, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
-            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4)
+            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K)
             if FP4:
-                lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4)
+                if SCALE_AHEAD:
+                    nb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, I, stride_sn, stride_sk, BLOCK_K)
+                else:
+                    sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
+                lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
+                                     BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc = _dot(hi, ho, _dot(lo, he, acc, DOT_F32), DOT_F32)
+                if SCALE_AHEAD:
+                    sb = nb
             else:
                 w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
                                 stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
@@ -463,7 +503,7 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, H, I, TOPK, S3_ROW,
                         stride_hp, stride_hi,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                         SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr,
-                        PTX_FP4: tl.constexpr):
+                        PTX_FP4: tl.constexpr, EVEN_K: tl.constexpr = False):
     """Direct (decode) mode: one program = one slot × BLOCK_N columns of I, CUDA-core GEMV."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -482,11 +522,13 @@ def _moe_up_gemv_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, H, I, TOPK, S3_ROW,
                 ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
                 xe = tl.load(x_row + ke * stride_xh, mask=ke < H, other=0.0)
                 xo = tl.load(x_row + (ke + 1) * stride_xh, mask=ke < H, other=0.0)
-                lo1, hi1 = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
+                sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
+                lo1, hi1 = _w_tile_fp4(w_base, sb1, offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc1 += _gemv_rows(lo1, xe, INTERP) + _gemv_rows(hi1, xo, INTERP)
-                lo3, hi3 = _w_tile_fp4(w_base, s_base, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       stride_sn, stride_sk, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4)
+                sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
+                lo3, hi3 = _w_tile_fp4(w_base, sb3, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc3 += _gemv_rows(lo3, xe, INTERP) + _gemv_rows(hi3, xo, INTERP)
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -511,7 +553,7 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
                           stride_ys, stride_yh,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                           SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr,
-                        PTX_FP4: tl.constexpr):
+                          PTX_FP4: tl.constexpr, EVEN_K: tl.constexpr = False):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot)
@@ -528,8 +570,9 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
                 ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
                 he = tl.load(h_row + ke * stride_hi, mask=ke < I, other=0.0)
                 ho = tl.load(h_row + (ke + 1) * stride_hi, mask=ke < I, other=0.0)
-                lo, hi = _w_tile_fp4(w_base, s_base, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4)
+                sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
+                lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
+                                     BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K)
                 acc += _gemv_rows(lo, he, INTERP) + _gemv_rows(hi, ho, INTERP)
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -572,7 +615,9 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     ``maxnreg`` / ``down_maxnreg`` (grouped kernels, for tuning; default: ptxas decides): a cap on
     registers per thread, so more programs fit on an SM (at the decode tile the up kernel takes 119,
     i.e. 4 programs of 4 warps per SM). Only register allocation changes (the PTX is the same), so the
-    bits do not."""
+    bits do not. ``scale_ahead`` (grouped MXFP4 kernels): load the next K step's scale bytes during
+    this one (byte loads are below ``cp.async``'s 4-byte minimum, so the pipeliner leaves them in the
+    loop as loads the same step waits for); the same values reach the same instructions."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -675,6 +720,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
                   PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grouped_only = dict(SCALE_AHEAD=bool(cfg.get("scale_ahead", False)))
+    even = cfg.get("even_k", True)  # K masks dropped where K is a multiple of BLOCK_K (False: kept, for A/B)
+    even_up, even_down = even and hdim % cfg["BLOCK_K"] == 0, even and idim % cfg["BLOCK_K"] == 0
     bn = cfg["BLOCK_N"]
     if cfg["direct"]:
         g = dict(BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz,
@@ -682,25 +730,25 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
             x, w13b, s13b, h, ids32, hdim, idim, topk, s3_row, float(limit),
             x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1), BLOCK_N=bn, **g)
+            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1), BLOCK_N=bn, EVEN_K=even_up, **g)
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
             h, w2b, s2b, y, ids32, hdim, idim,
             h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
-            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, **g)
+            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, EVEN_K=even_down, **g)
     else:
-        up = dict(common, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+        up = dict(common, **grouped_only, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
         _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
             x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
             x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
             s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-            BLOCK_N=bn, **up)
-        down = dict(common, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
+            BLOCK_N=bn, EVEN_K=even_up, **up)
+        down = dict(common, **grouped_only, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
                     **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}))
         _moe_down_kernel[(nblocks, triton.cdiv(hdim, cfg["down_BLOCK_N"]))](
             h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
             h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
             s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
-            BLOCK_N=cfg["down_BLOCK_N"], **down)
+            BLOCK_N=cfg["down_BLOCK_N"], EVEN_K=even_down, **down)
     block_h = min(1024, triton.next_power_of_2(hdim))
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
         y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# nvidia-h200 (one GPU) calls of the fourteenth session (issue 8). Steps, each only when its variable is set:
+# `bench/kernels.py $BENCH` alone on the GPU (timings); Nsight Compute on the grouped MoE kernels at the Ts in
+# NCU_T (NCU_CONFIG: JSON overrides; bench/moe_ncu.py); the flash-width checkpoint and bench/e2e.py (E2E_ARGS);
+# then TESTS_A/B/C in parallel pytest processes (correctness only), stopped DEADLINE_S (default 560) s after the
+# start. SERVE_WHEELS=1 installs the server's wheels (carry .whl_serve; see bench/h200_session13.sh).
+# Call 1 (register caps, scale look-ahead, stall reasons, the server's async test over a GPU engine):
+# BENCH="--sweep --only moe_maxnreg,moe_scale_ahead" BENCH_S=300 NCU_T=1,64,8192 SERVE_WHEELS=1
+# TESTS_A="tests/serve/test_serve_async_scheduling.py tests/ops/test_ops_moe_experts_triton.py".
+source bench/device_env.sh
+[ -n "${SERVE_WHEELS-}" ] && serve_wheels
+: "${DEADLINE_S:=560}"
+export CUDA_VISIBLE_DEVICES=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+[ -n "${BENCH-}" ] && kernels_bench
+[ -n "${NCU_T-}" ] && ncu_moe "$NCU_T" "${NCU_CONFIG-}"
+if [ -n "${E2E_ARGS-}" ]; then
+  fw4_checkpoint
+  e2e_graphs 10
+fi
+parallel_tests
