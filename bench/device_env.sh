@@ -80,7 +80,8 @@ parallel_tests() {
   echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300 | tail -24
 }
 # ncu_moe T_LIST [CONFIG_JSON]: Nsight Compute on one launch of each grouped MoE kernel per T
-# (bench/moe_ncu.py), clocks left alone; the stall reasons, occupancy and throughput into $OUT/ncu_moe.log.
+# (bench/moe_ncu.py, with NCU_ARGS), clocks left alone; the stall reasons, occupancy and throughput into
+# $OUT/ncu_moe$NCU_TAG.log.
 ncu_moe() {
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "ncu_moe: no ncu on this machine"; return 0; }
@@ -88,10 +89,10 @@ ncu_moe() {
     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \
-    python3 bench/moe_ncu.py --t "$1" ${2:+--config "$2"} > "$OUT/ncu_moe.log" 2>&1
+    python3 bench/moe_ncu.py --t "$1" ${2:+--config "$2"} ${NCU_ARGS-} > "$OUT/ncu_moe${NCU_TAG-}.log" 2>&1
   echo "ncu exit $? at $(( $(date +%s) - T0 )) s"
-  grep -E "^  [a-z_]+_kernel|T=|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Memory Throughput|DRAM Throughput|Compute \(SM\)|stalled_[a-z_]+_per_issue_active|==PROF==|==ERROR==|==WARNING==" \
-    "$OUT/ncu_moe.log" | grep -vE " 0(\.0+)?$" | cut -c1-160 | head -${NCU_LINES:-150}
+  grep -E "^  [a-z_]+_kernel|T=|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Memory Throughput|DRAM Throughput|Compute \(SM\)|excessive|stalled_[a-z_]+_per_issue_active|==PROF==|==ERROR==|==WARNING==" \
+    "$OUT/ncu_moe${NCU_TAG-}.log" | grep -vE " 0(\.0+)?$" | cut -c1-160 | head -${NCU_LINES:-150}
 }
 # serve_wheels: the OpenAI server's wheels (.whl_serve, carried) to /tmp/site_serve, after the device's own
 # packages on the path (only what it lacks comes from there).

@@ -7,13 +7,17 @@
 # Call 1 (register caps, scale look-ahead, stall reasons, the server's async test over a GPU engine):
 # BENCH="--sweep --only moe_maxnreg,moe_scale_ahead" BENCH_S=300 NCU_T=1,64,8192 SERVE_WHEELS=1
 # TESTS_A="tests/serve/test_serve_async_scheduling.py tests/ops/test_ops_moe_experts_triton.py".
+# Call 2 (scale look-ahead on by default; the scales' layout): BENCH="--sweep --only moe_scale_layout" BENCH_S=200
+# NCU_T=64 NCU_SCALES="checkpoint rows-contiguous" NCU_LINES=80.
 source bench/device_env.sh
 [ -n "${SERVE_WHEELS-}" ] && serve_wheels
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
 [ -n "${BENCH-}" ] && kernels_bench
-[ -n "${NCU_T-}" ] && ncu_moe "$NCU_T" "${NCU_CONFIG-}"
+if [ -n "${NCU_T-}" ]; then  # one Nsight Compute run per scale layout in NCU_SCALES (default: the checkpoint's)
+  for sc in ${NCU_SCALES:-checkpoint}; do NCU_ARGS="--scales $sc" NCU_TAG="_$sc" ncu_moe "$NCU_T" "${NCU_CONFIG-}"; done
+fi
 if [ -n "${E2E_ARGS-}" ]; then
   fw4_checkpoint
   e2e_graphs 10

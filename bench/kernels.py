@@ -20,7 +20,8 @@ prefill tiles that give the decode tile's bits (batch invariance), at T = 8192 (
 the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight bytes per row and step) at
 decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step; ``moe_maxnreg``
 the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch;
-``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192):
+``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192);
+``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -256,6 +257,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_moe_maxnreg(dev, g))
     if "moe_scale_ahead" in only:
         out.update(sweep_moe_scale_ahead(dev, g))
+    if "moe_scale_layout" in only:
+        out.update(sweep_moe_scale_layout(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -492,6 +495,39 @@ def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     return {"moe_scale_ahead": _sweep_moe_variants(dev, g, "moe_scale_ahead", MOE_SCALE_AHEAD, t_list)}
 
 
+def rows_contiguous(s):
+    """The same scale values [E, rows, groups] stored groups-major: a K step's scale bytes of
+    consecutive rows are adjacent (a transposed view of a [E, groups, rows] tensor)."""
+    return s.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def sweep_moe_scale_layout(dev, g, t_list=(1, 8, 64, 1024, 8192)):
+    """The MXFP4 scales' memory layout. Stored as in the checkpoint ([rows, groups], a row's groups
+    adjacent), a K step's 64-row tile needs 4 bytes from each of 64 rows, 128 bytes apart: one
+    32-byte sector per row (ncu, T = 64: 45 % of the up kernel's L2 sector requests are excess).
+    Groups-major (``rows_contiguous``), the tile's bytes for one group are 64 adjacent bytes. Same
+    values, so each variant must give the default launch's bits. CUDA-graph µs."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
+    s13t, s2t = rows_contiguous(s13), rows_contiguous(s2)
+    rows = []
+    for t in t_list:
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        base = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)
+        for name, sa, sb, cfg in (("checkpoint", s13, s2, {}), ("checkpoint", s13, s2, {"scale_ahead": False}),
+                                  ("rows-contiguous", s13t, s2t, {}),
+                                  ("rows-contiguous", s13t, s2t, {"scale_ahead": False})):
+            ms, same = _bitwise_trial(lambda sa=sa, sb=sb, cfg=cfg: tmoe.moe_experts(x, ids, wts, w13, sa, w2, sb,
+                                                                                    config=cfg), base)
+            rows.append(dict(T=t, scales=name, config=cfg, us=ms and ms * 1e3, bits=same))
+            txt = f"{ms * 1e3:9.1f} us" if ms else f"{'-':>12}"
+            print(f"moe_scale_layout T={t:5d} {name:16s} {str(cfg):24s} {txt}  {same}", flush=True)
+    return {"moe_scale_layout": rows}
+
+
 def _sweep_moe_variants(dev, g, name, variants, t_list):
     """Each config override in ``variants`` at each T against the engine's default launch: µs and bits."""
     from dsv4.ops import torch_ops
@@ -561,7 +597,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

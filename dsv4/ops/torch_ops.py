@@ -17,7 +17,12 @@ Numerics follow ``dsv4.model`` (``linear.py``, ``moe.py``):
 Expert weights are stacked per layer (``stack_experts``) in their checkpoint encoding:
 
 * FP4 (MXFP4): w13 uint8 [E, 2I, H/2] (W1 rows then W3 rows; low nibble = even element),
-  s13 uint8 [E, 2I, H/32]; w2 uint8 [E, H, I/2], s2 uint8 [E, H, I/32] (UE8M0 bytes).
+  s13 uint8 [E, 2I, H/32]; w2 uint8 [E, H, I/2], s2 uint8 [E, H, I/32] (UE8M0 bytes). The scales
+  are stored groups-major (a transposed view of [E, H/32, 2I] storage, row stride 1): the grouped
+  Triton kernels read one K step's scale bytes for a block of adjacent rows, which are then
+  adjacent in memory instead of one 32-byte sector per row (H200: 11-12 % faster MoE at T = 1..1024,
+  docs/perf.md, fourteenth session). The values and logical shape are the checkpoint's; every op
+  indexes them through strides.
 * FP8 (Base checkpoint): w13 float8_e4m3fn [E, 2I, H], s13 [E, 2·ceil(I/128), ceil(H/128)]
   (W1's block rows then W3's; float32 or UE8M0 bytes); w2 [E, H, I], s2 [E, ceil(H/128), ceil(I/128)].
 """
@@ -192,9 +197,13 @@ def _stack(n: int, fetch: Callable[[int], tuple], device):
     device = torch.device(device) if device is not None else a1.device
     i, nb = a1.shape[0], b1.shape[0]
     w13 = torch.empty((n, 2 * i, *a1.shape[1:]), dtype=a1.dtype, device=device)
-    s13 = torch.empty((n, 2 * nb, *b1.shape[1:]), dtype=b1.dtype, device=device)
     w2s = torch.empty((n, *a2.shape), dtype=a2.dtype, device=device)
-    s2s = torch.empty((n, *b2.shape), dtype=b2.dtype, device=device)
+    if a1.dtype == torch.uint8:  # MXFP4: scales groups-major (module doc)
+        s13 = torch.empty((n, b1.shape[1], 2 * nb), dtype=b1.dtype, device=device).transpose(1, 2)
+        s2s = torch.empty((n, b2.shape[1], b2.shape[0]), dtype=b2.dtype, device=device).transpose(1, 2)
+    else:
+        s13 = torch.empty((n, 2 * nb, *b1.shape[1:]), dtype=b1.dtype, device=device)
+        s2s = torch.empty((n, *b2.shape), dtype=b2.dtype, device=device)
     for e in range(n):
         t1, c1, t3, c3, t2, c2 = first if e == 0 else [_u8(t) for t in fetch(e)]
         w13[e, :i].copy_(t1)

@@ -110,10 +110,11 @@ def test_register_caps_reach_the_launch_and_keep_the_bits(fp4_layer, monkeypatch
 
 @pytest.mark.parametrize("block_k,dtype", [(64, torch.float32), (64, torch.bfloat16), (128, torch.bfloat16)])
 def test_scale_look_ahead_gives_the_same_bits(fp4_layer, block_k, dtype):
-    """``scale_ahead`` loads each K step's MXFP4 scale bytes one step early (the last load runs past
-    the scales, masked): the same values reach the same instructions, so the output is the default
-    loop's bit for bit, and the torch op's within the bf16 tolerance. BLOCK_K 64 gives the up kernel
-    two K steps (H = 128), so a step really uses the bytes the step before loaded."""
+    """``scale_ahead`` (default) loads each K step's MXFP4 scale bytes one step early (the last load
+    runs past the scales, masked) and ``even_k`` (default) drops the K masks: the same values reach
+    the same instructions, so the output is the plain loop's bit for bit, and the torch op's within
+    the bf16 tolerance. BLOCK_K 64 gives the up kernel two K steps (H = 128), so a step really uses
+    the bytes the step before loaded."""
     g = gen(21)
     t = 9
     x = randn((t, H), g, dtype=dtype)
@@ -121,11 +122,30 @@ def test_scale_look_ahead_gives_the_same_bits(fp4_layer, block_k, dtype):
     valid[4] = False
     ids, w = _route(t, g, valid=valid)
     cfg = {"direct": False, "BLOCK_N": 128, "BLOCK_K": block_k}
-    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
-    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, scale_ahead=True))
+    assert tmoe.pick_moe_config(t, K, E, "fp4", cfg)["scale_ahead"]  # the default
+    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, scale_ahead=False, even_k=False))
+    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
     assert torch.equal(got, want)
     _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
     assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_groups_major_scales_give_the_same_bits(fp4_layer, dtype):
+    """MXFP4 scales stored groups-major (a transposed view: a K step's bytes of adjacent rows are
+    adjacent) hold the same values at other addresses: the kernels read them through the strides
+    and give the checkpoint layout's output bit for bit; so does the torch op."""
+    w13, s13, w2, s2 = fp4_layer
+    s13g, s2g = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (s13, s2))
+    assert s13g.stride(1) == 1 and torch.equal(s13g, s13)
+    g = gen(23)
+    t = 11
+    x = randn((t, H), g, dtype=dtype)
+    ids, w = _route(t, g)
+    cfg = {"direct": False, "BLOCK_N": 128, "BLOCK_K": 64}
+    want = tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config=cfg)
+    assert torch.equal(tmoe.moe_experts(x, ids, w, w13, s13g, w2, s2g, config=cfg), want)
+    assert torch.equal(torch_ops.moe_experts(x, ids, w, w13, s13g, w2, s2g), torch_ops.moe_experts(x, ids, w, *fp4_layer))
 
 
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):

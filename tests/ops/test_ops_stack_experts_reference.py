@@ -22,7 +22,10 @@ def test_stack_fp4_keeps_bytes():
     assert (w13.dtype, s13.dtype, w2.dtype, s2.dtype) == (torch.uint8,) * 4
     assert w13.shape == (n, 2 * inter, hidden // 2) and s13.shape == (n, 2 * inter, hidden // 32)
     assert w2.shape == (n, hidden, inter // 2) and s2.shape == (n, hidden, inter // 32)
+    # scales groups-major: a K step's bytes of adjacent rows adjacent (what the grouped kernels read)
+    assert s13.stride()[1:] == (1, 2 * inter) and s2.stride()[1:] == (1, hidden)
     for e in range(n):
+        assert torch.equal(s13[e, :inter], parts["s1"][e].view(torch.uint8))
         assert torch.equal(w13[e, :inter], parts["w1"][e].view(torch.uint8))
         assert torch.equal(w13[e, inter:], parts["w3"][e].view(torch.uint8))
         assert torch.equal(s13[e, inter:], parts["s3"][e].view(torch.uint8))

@@ -615,9 +615,10 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     ``maxnreg`` / ``down_maxnreg`` (grouped kernels, for tuning; default: ptxas decides): a cap on
     registers per thread, so more programs fit on an SM (at the decode tile the up kernel takes 119,
     i.e. 4 programs of 4 warps per SM). Only register allocation changes (the PTX is the same), so the
-    bits do not. ``scale_ahead`` (grouped MXFP4 kernels): load the next K step's scale bytes during
-    this one (byte loads are below ``cp.async``'s 4-byte minimum, so the pipeliner leaves them in the
-    loop as loads the same step waits for); the same values reach the same instructions."""
+    bits do not. ``scale_ahead`` (grouped MXFP4 kernels; default on): load the next K step's scale
+    bytes during this one (byte loads are below ``cp.async``'s 4-byte minimum, so the pipeliner leaves
+    them in the loop as loads the same step waits for); the same values reach the same instructions.
+    ``even_k`` (default on): no K masks where K is a multiple of BLOCK_K."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -647,6 +648,7 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         cfg["BLOCK_K"] = 128
     if expert_dtype == "fp8" and cfg["BLOCK_K"] != 128:
         raise ValueError("FP8 experts need BLOCK_K = 128 (one scale block per K step)")
+    cfg.setdefault("scale_ahead", expert_dtype == "fp4")  # H200: 1-4 % faster at every tile, same bits
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
     return cfg
@@ -720,7 +722,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
                   PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    grouped_only = dict(SCALE_AHEAD=bool(cfg.get("scale_ahead", False)))
+    grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]))
     even = cfg.get("even_k", True)  # K masks dropped where K is a multiple of BLOCK_K (False: kept, for A/B)
     even_up, even_down = even and hdim % cfg["BLOCK_K"] == 0, even and idim % cfg["BLOCK_K"] == 0
     bn = cfg["BLOCK_N"]
