@@ -15,8 +15,8 @@ source bench/device_env.sh
 export CUDA_VISIBLE_DEVICES=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
 [ -n "${BENCH-}" ] && kernels_bench
-if [ -n "${NCU_T-}" ]; then  # one Nsight Compute run per scale layout in NCU_SCALES (default: the checkpoint's)
-  for sc in ${NCU_SCALES:-checkpoint}; do NCU_ARGS="--scales $sc" NCU_TAG="_$sc" ncu_moe "$NCU_T" "${NCU_CONFIG-}"; done
+if [ -n "${NCU_T-}" ]; then  # one Nsight Compute run per scale layout in NCU_SCALES (default: the engine's)
+  for sc in ${NCU_SCALES:-rows-contiguous}; do NCU_ARGS="--scales $sc" NCU_TAG="_$sc" ncu_moe "$NCU_T" "${NCU_CONFIG-}"; done
 fi
 if [ -n "${E2E_ARGS-}" ]; then
   fw4_checkpoint

@@ -48,13 +48,19 @@ N_EXP, TOPK, HID, INTER = 256, 6, 4096, 2048
 
 
 def random_fp4_experts(dev, g):
-    """(w13, s13, w2, s2): random MXFP4 experts at Flash's shapes in the stacked checkpoint layout (3 GiB
-    of packed weights), scale codes 118..121."""
+    """(w13, s13, w2, s2): random MXFP4 experts at Flash's shapes as the engine stacks them (3 GiB of
+    packed weights; ``stack_experts``: scales groups-major, see ``rows_contiguous``), scale codes 118..121."""
     w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
     s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
     s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
-    return w13, s13, w2, s2
+    return w13, rows_contiguous(s13), w2, rows_contiguous(s2)
+
+
+def rows_contiguous(s):
+    """The same scale values [E, rows, groups] stored groups-major, as ``stack_experts`` stores them: a
+    K step's scale bytes of adjacent rows are adjacent (a transposed view of a [E, groups, rows] tensor)."""
+    return s.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def bench(fn, rep_ms=60, warmup_ms=15):
@@ -495,12 +501,6 @@ def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     return {"moe_scale_ahead": _sweep_moe_variants(dev, g, "moe_scale_ahead", MOE_SCALE_AHEAD, t_list)}
 
 
-def rows_contiguous(s):
-    """The same scale values [E, rows, groups] stored groups-major: a K step's scale bytes of
-    consecutive rows are adjacent (a transposed view of a [E, groups, rows] tensor)."""
-    return s.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 def sweep_moe_scale_layout(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The MXFP4 scales' memory layout. Stored as in the checkpoint ([rows, groups], a row's groups
     adjacent), a K step's 64-row tile needs 4 bytes from each of 64 rows, 128 bytes apart: one
@@ -510,13 +510,13 @@ def sweep_moe_scale_layout(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
 
-    w13, s13, w2, s2 = random_fp4_experts(dev, g)
-    s13t, s2t = rows_contiguous(s13), rows_contiguous(s2)
+    w13, s13t, w2, s2t = random_fp4_experts(dev, g)  # groups-major (the engine's layout)
+    s13, s2 = s13t.contiguous(), s2t.contiguous()  # the checkpoint's layout
     rows = []
     for t in t_list:
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
         ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
-        base = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)
+        base = tmoe.moe_experts(x, ids, wts, w13, s13t, w2, s2t)
         for name, sa, sb, cfg in (("checkpoint", s13, s2, {}), ("checkpoint", s13, s2, {"scale_ahead": False}),
                                   ("rows-contiguous", s13t, s2t, {}),
                                   ("rows-contiguous", s13t, s2t, {"scale_ahead": False})):

@@ -22,15 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import HID, N_EXP, TOPK, random_fp4_experts, rows_contiguous  # noqa: E402
+from kernels import HID, N_EXP, TOPK, random_fp4_experts  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--t", default="1,64,8192", help="token counts, one profiled launch each")
     ap.add_argument("--config", default=None, help="JSON config overrides for moe_experts")
-    ap.add_argument("--scales", choices=("checkpoint", "rows-contiguous"), default="checkpoint",
-                    help="the MXFP4 scales' memory layout (bench/kernels.py rows_contiguous)")
+    ap.add_argument("--scales", choices=("checkpoint", "rows-contiguous"), default="rows-contiguous",
+                    help="the MXFP4 scales' memory layout: the checkpoint's, or groups-major as the engine stacks "
+                         "them (bench/kernels.py rows_contiguous)")
     a = ap.parse_args(argv)
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
@@ -38,8 +39,8 @@ def main(argv=None):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w13, s13, w2, s2 = random_fp4_experts(dev, g)
-    if a.scales == "rows-contiguous":
-        s13, s2 = rows_contiguous(s13), rows_contiguous(s2)
+    if a.scales == "checkpoint":
+        s13, s2 = s13.contiguous(), s2.contiguous()
     cfg = json.loads(a.config) if a.config else None
     for t in (int(v) for v in a.t.split(",")):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
