@@ -8,7 +8,12 @@
 # BENCH="--sweep --only moe_maxnreg,moe_scale_ahead" BENCH_S=300 NCU_T=1,64,8192 SERVE_WHEELS=1
 # TESTS_A="tests/serve/test_serve_async_scheduling.py tests/ops/test_ops_moe_experts_triton.py".
 # Call 2 (scale look-ahead on by default; the scales' layout): BENCH="--sweep --only moe_scale_layout" BENCH_S=200
-# NCU_T=64 NCU_SCALES="checkpoint rows-contiguous" NCU_LINES=80.
+# NCU_T=64 NCU_SCALES="checkpoint rows-contiguous" NCU_LINES=80. Call 3 (GPU tests of the kept tree): TESTS_A=batch invariance
+# TESTS_B=prefill invariance TESTS_C="engine vs torch, path vs torch, stacking and MoE kernel tests" DEADLINE_S=540. Call 4: BENCH="--only
+# moe" E2E_ARGS="--batches 1,8,64 --prefill 1024,8192 --skip-transformers" E2E_S=300. Call 5: BENCH="--only moe" NCU_T=1,8192 (this
+# ran the checkpoint layout: the NCU_SCALES default was changed after it), then --sweep --only moe_scale_layout.
+# Call 6 (gate and up in separate programs): BENCH="--sweep --only moe_split_gu" BENCH_S=200
+# TESTS_A="tests/ops/test_ops_moe_experts_triton.py".
 source bench/device_env.sh
 [ -n "${SERVE_WHEELS-}" ] && serve_wheels
 : "${DEADLINE_S:=560}"
