@@ -12,8 +12,10 @@
 # TESTS_B=prefill invariance TESTS_C="engine vs torch, path vs torch, stacking and MoE kernel tests" DEADLINE_S=540. Call 4: BENCH="--only
 # moe" E2E_ARGS="--batches 1,8,64 --prefill 1024,8192 --skip-transformers" E2E_S=300. Call 5: BENCH="--only moe" NCU_T=1,8192 (this
 # ran the checkpoint layout: the NCU_SCALES default was changed after it), then --sweep --only moe_scale_layout.
-# Call 6 (gate and up in separate programs): BENCH="--sweep --only moe_split_gu" BENCH_S=200
-# TESTS_A="tests/ops/test_ops_moe_experts_triton.py".
+# Call 6 (gate and up in separate programs; not kept: apply docs/results/moe_split_gu_session14.patch to rerun):
+# BENCH="--sweep --only moe_split_gu" BENCH_S=200
+# TESTS_A="tests/ops/test_ops_moe_experts_triton.py". Call 7 (the peer in the same run): E2E_ARGS="--batches 1,8,64
+# --prefill 1024,8192" E2E_S=500.
 source bench/device_env.sh
 [ -n "${SERVE_WHEELS-}" ] && serve_wheels
 : "${DEADLINE_S:=560}"

@@ -21,8 +21,7 @@ the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight by
 decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step; ``moe_maxnreg``
 the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch;
 ``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192);
-``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent);
-``moe_split_gu`` the up GEMM's W1 and W3 columns in separate programs (twice the programs):
+``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -266,8 +265,6 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_moe_scale_ahead(dev, g))
     if "moe_scale_layout" in only:
         out.update(sweep_moe_scale_layout(dev, g))
-    if "moe_split_gu" in only:
-        out.update(sweep_moe_split_gu(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -496,15 +493,6 @@ def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
     return {"moe_maxnreg": _sweep_moe_variants(dev, g, "moe_maxnreg", MOE_MAXNREG, t_list)}
 
 
-def sweep_moe_split_gu(dev, g, t_list=(1, 8, 64, 1024, 8192)):
-    """The grouped MXFP4 up GEMM with W1 and W3 columns in separate programs (``split_gu``: twice the
-    programs, one accumulator each, then the SwiGLU epilogue in its own launch) at the engine's tiles,
-    alone and with a register cap. CUDA-graph µs against the default launch, whose bits each must give."""
-    return {"moe_split_gu": _sweep_moe_variants(
-        dev, g, "moe_split_gu", ({"split_gu": True}, {"split_gu": True, "num_stages": 4},
-                                 {"split_gu": True, "maxnreg": 80}), t_list)}
-
-
 def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
     during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
@@ -609,7 +597,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_split_gu)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

@@ -148,35 +148,6 @@ def test_groups_major_scales_give_the_same_bits(fp4_layer, dtype):
     assert torch.equal(torch_ops.moe_experts(x, ids, w, w13, s13g, w2, s2g), torch_ops.moe_experts(x, ids, w, *fp4_layer))
 
 
-@pytest.mark.parametrize("t,dtype,block_m", [(1, torch.bfloat16, 16), (9, torch.float32, 16), (9, torch.bfloat16, 32)])
-def test_split_gate_up_gives_the_same_bits(fp4_layer, t, dtype, block_m):
-    """``split_gu``: W1 and W3 columns in separate programs (twice the programs: the decode batches'
-    grouped launch fills more of the GPU), each output the same dot rounded to x.dtype, then the
-    fused kernel's SwiGLU epilogue in its own launch: the fused launch's output bit for bit. A
-    padding row stays exactly zero."""
-    g = gen(31 + t)
-    x = randn((t, H), g, dtype=dtype)
-    valid = torch.ones(t, dtype=torch.bool, device=DEV)
-    valid[t - 1] = t == 1
-    ids, w = _route(t, g, valid=valid)
-    cfg = {"direct": False, "BLOCK_M": block_m, "BLOCK_N": 64}
-    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=cfg)
-    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, split_gu=True))
-    assert torch.equal(got, want)
-    _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
-    assert (got[~valid] == 0).all()
-
-
-def test_split_gate_up_fp8_experts_gives_the_same_bits():
-    w13, s13, w2, s2 = stack_experts(*fp8_experts(E, H, I, gen(41)))
-    g = gen(42)
-    x = randn((6, H), g, dtype=torch.bfloat16)
-    ids, w = _route(6, g)
-    cfg = {"direct": False, "BLOCK_N": 64}
-    want = tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config=cfg)
-    assert torch.equal(tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config=dict(cfg, split_gu=True)), want)
-
-
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 

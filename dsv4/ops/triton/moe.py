@@ -452,73 +452,6 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
 
 
 @triton.jit
-def _moe_half_up_kernel(x_ptr, w_ptr, s_ptr, gu_ptr, slot_ptr, bexp_ptr,
-                        H, I, TOPK, S3_ROW, N_TILES,
-                        stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                        stride_gp, stride_gi,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                        SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                        DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
-                        SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False):
-    """``split_gu`` mode: one program = (block, BLOCK_N columns of W1 *or* W3), twice the programs of
-    ``_moe_up_kernel`` (at T = 1 its 224 programs fill 10 % of the H200's warp slots). Each output is the
-    same dot over the same K steps, rounded to x.dtype and stored in gu[row, half·I + n];
-    ``_moe_swiglu_kernel`` then applies the fused kernel's epilogue: the same bits."""
-    b = tl.program_id(0)
-    half = tl.program_id(1) // N_TILES
-    pid_n = tl.program_id(1) % N_TILES
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
-    if e >= 0:
-        x_dtype = x_ptr.dtype.element_ty
-        tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < I
-        rows = half * I + offs_n
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        s_base = s_ptr + e.to(tl.int64) * stride_se
-        x_rows = x_ptr + tok[:, None] * stride_xt
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        sb = _fp4_scale_bytes(s_base, rows, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
-        for k0 in range(0, H, BLOCK_K):
-            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4, EVEN_K)
-            if FP4:
-                if SCALE_AHEAD:
-                    nb = _fp4_scale_bytes(s_base, rows, n_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
-                else:
-                    sb = _fp4_scale_bytes(s_base, rows, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
-                lo, hi = _w_tile_fp4(w_base, sb, rows, n_mask, k0, H, stride_wn, stride_wk,
-                                     BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
-                acc = _dot(hi, xo, _dot(lo, xe, acc, DOT_F32), DOT_F32)
-                if SCALE_AHEAD:
-                    sb = nb
-            else:
-                w = _w_tile_fp8(w_base + half * I * stride_wn, s_base, offs_n, half * S3_ROW, n_mask, k0, H,
-                                stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ,
-                                x_dtype, INTERP)
-                acc = _dot(w, xe, acc, DOT_F32)
-        gp = gu_ptr + hrow.to(tl.int64)[None, :] * stride_gp + rows[:, None] * stride_gi
-        tl.store(gp, cast(acc, gu_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
-
-
-@triton.jit
-def _moe_swiglu_kernel(gu_ptr, h_ptr, slot_ptr, I, limit, stride_gp, stride_gi, stride_hp, stride_hi,
-                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, INTERP: tl.constexpr):
-    """h = silu(min(g, limit)) · clamp(u, ±limit) of the x.dtype-rounded g and u ``_moe_half_up_kernel``
-    stored: ``_moe_up_kernel``'s epilogue, operation for operation. Rows of unused slots are skipped."""
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = tl.load(slot_ptr + r) >= 0
-    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    m = ok[:, None] & (offs < I)[None, :]
-    row = gu_ptr + r.to(tl.int64)[:, None] * stride_gp
-    g = tl.minimum(tl.load(row + offs[None, :] * stride_gi, mask=m, other=0.0).to(tl.float32), limit)
-    u = tl.load(row + (I + offs)[None, :] * stride_gi, mask=m, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    hv = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + r.to(tl.int64)[:, None] * stride_hp + offs[None, :] * stride_hi,
-             cast(hv, h_ptr.dtype.element_ty, INTERP), mask=m)
-
-
-@triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_ys, stride_yh,
@@ -806,24 +739,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, EVEN_K=even_down, **g)
     else:
         up = dict(common, **grouped_only, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-        if cfg.get("split_gu"):  # gate and up columns in separate programs, then the epilogue: same bits
-            n_tiles = triton.cdiv(idim, bn)
-            gu = torch.empty((nblocks * bm, 2 * idim), dtype=x.dtype, device=dev)
-            _moe_half_up_kernel[(nblocks, 2 * n_tiles)](
-                x, w13b, s13b, gu, slot_ids, bexp, hdim, idim, topk, s3_row, n_tiles,
-                x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-                s13b.stride(0), s13b.stride(1), s13b.stride(2), gu.stride(0), gu.stride(1),
-                BLOCK_N=bn, EVEN_K=even_up, **up)
-            rb, block_i = min(bm, 16), min(256, triton.next_power_of_2(idim))
-            _moe_swiglu_kernel[(nblocks * bm // rb, triton.cdiv(idim, block_i))](
-                gu, h, slot_ids, idim, float(limit), gu.stride(0), gu.stride(1), h.stride(0), h.stride(1),
-                BLOCK_M=rb, BLOCK_I=block_i, INTERP=interpreting(), num_warps=4)
-        else:
-            _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
-                x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
-                x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-                s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-                BLOCK_N=bn, EVEN_K=even_up, **up)
+        _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
+            x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
+            x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
+            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
+            BLOCK_N=bn, EVEN_K=even_up, **up)
         down = dict(common, **grouped_only, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
                     **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}))
         _moe_down_kernel[(nblocks, triton.cdiv(hdim, cfg["down_BLOCK_N"]))](
