@@ -15,7 +15,9 @@
 # Call 6 (gate and up in separate programs; not kept: apply docs/results/moe_split_gu_session14.patch to rerun):
 # BENCH="--sweep --only moe_split_gu" BENCH_S=200
 # TESTS_A="tests/ops/test_ops_moe_experts_triton.py". Call 7 (the peer in the same run): E2E_ARGS="--batches 1,8,64
-# --prefill 1024,8192" E2E_S=500.
+# --prefill 1024,8192" E2E_S=470. Call 8 (the MMA operands in the register operand's K order, on by default): BENCH="--sweep
+# --only moe_kperm" BENCH_S=90 TESTS_A=batch invariance TESTS_B=prefill invariance TESTS_C="engine vs torch, MoE kernel and
+# invariant-tile tests" DEADLINE_S=300.
 source bench/device_env.sh
 [ -n "${SERVE_WHEELS-}" ] && serve_wheels
 : "${DEADLINE_S:=560}"

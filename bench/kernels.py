@@ -21,7 +21,8 @@ the grouped MXFP4 kernels' K step (128, 256, 512: 64 to 256 contiguous weight by
 decode and prefill tiles, each prefill tile bit-compared with the decode tile of its K step; ``moe_maxnreg``
 the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch;
 ``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192);
-``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent):
+``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent);
+``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -265,6 +266,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_moe_scale_ahead(dev, g))
     if "moe_scale_layout" in only:
         out.update(sweep_moe_scale_layout(dev, g))
+    if "moe_kperm" in only:
+        out.update(sweep_moe_kperm(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):
@@ -493,6 +496,36 @@ def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
     return {"moe_maxnreg": _sweep_moe_variants(dev, g, "moe_maxnreg", MOE_MAXNREG, t_list)}
 
 
+def sweep_moe_kperm(dev, g, t_list=(1, 8, 64, 1024, 8192)):
+    """The grouped MXFP4 kernels with the K order of the MMA operands permuted (``kperm``, default)
+    against the memory order (``kperm=False``): CUDA-graph µs; the two differ in bits (another
+    summation order), so each is checked against the torch op, and at T > 64 the default prefill
+    tile is bit-compared with the decode tile run on the same tokens (batch invariance)."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import moe as tmoe
+
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
+    dec = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    rows = []
+    for t in t_list:
+        x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
+        ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
+        ref = torch_ops.moe_experts(x, ids, wts, w13, s13, w2, s2) if t <= 1024 else None
+        for cfg in ({}, {"kperm": False}):
+            run = lambda cfg=cfg: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=cfg)  # noqa: E731
+            y = run()
+            chk = check_close(y, ref) if ref is not None else "-"
+            inv = "-"
+            if t > 64:
+                y_dec = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dict(dec, **cfg))
+                inv = ("same bits as decode tile" if torch.equal(y, y_dec) else
+                       f"DIFFERS from decode tile ({(y != y_dec).sum().item()} values)")
+            ms = bench_graph(run, 60)
+            rows.append(dict(T=t, config=cfg, us=ms and ms * 1e3, check=chk, invariance=inv))
+            print(f"moe_kperm T={t:5d} {str(cfg):18s} {ms * 1e3:9.1f} us  {chk}  {inv}", flush=True)
+    return {"moe_kperm": rows}
+
+
 def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
     during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
@@ -597,7 +630,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

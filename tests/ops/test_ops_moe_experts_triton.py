@@ -148,6 +148,24 @@ def test_groups_major_scales_give_the_same_bits(fp4_layer, dtype):
     assert torch.equal(torch_ops.moe_experts(x, ids, w, w13, s13g, w2, s2g), torch_ops.moe_experts(x, ids, w, *fp4_layer))
 
 
+@pytest.mark.parametrize("kperm,dtype", [(False, torch.bfloat16), (True, torch.float32), (True, torch.bfloat16)])
+def test_k_order_of_the_mma_operands(fp4_layer, kperm, dtype):
+    """``kperm`` (the default) feeds the MMA the weight bytes and activation columns in the register
+    operand's order; off, in memory order. Both are the torch op within the bf16 tolerance; with
+    several K steps (BLOCK_K 64) and a padding row."""
+    assert tmoe.pick_moe_config(9, K, E, "fp4")["kperm"] and not tmoe.pick_moe_config(9, K, E, "fp8")["kperm"]
+    g = gen(51)
+    t = 9
+    x = randn((t, H), g, dtype=dtype)
+    valid = torch.ones(t, dtype=torch.bool, device=DEV)
+    valid[2] = False
+    ids, w = _route(t, g, valid=valid)
+    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": False, "BLOCK_N": 128, "BLOCK_K": 64,
+                                                          "kperm": kperm})
+    _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
+    assert (got[~valid] == 0).all()
+
+
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 

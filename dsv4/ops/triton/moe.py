@@ -315,9 +315,19 @@ def _fp4_scale_bytes(s_base, rows, r_mask, k0, KH, stride_sn, stride_sk, BLOCK_K
 
 
 @triton.jit
+def _kperm(v, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns of a [R, BLOCK_K/2] tile (one per MXFP4 byte of a K step) in the wgmma register
+    operand's order: within each 16-byte group, memory bytes 4c..4c+3 become columns 2c, 2c+1,
+    2c+8, 2c+9 — the four a thread holds per k16 chunk — so one 32-bit load feeds one decode call.
+    Applied to the weights and to the activations alike: the same products, summed in another order."""
+    v = tl.reshape(v, (R, BLOCK_K // 32, 4, 2, 2))
+    return tl.reshape(tl.permute(v, (0, 1, 3, 2, 4)), (R, BLOCK_K // 2))
+
+
+@triton.jit
 def _w_tile_fp4(w_base, sb, rows, r_mask, k0, KH, stride_wn, stride_wk,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr,
-                PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                PTX: tl.constexpr = False, EVEN_K: tl.constexpr = False, KPERM: tl.constexpr = False):
     """(even-k, odd-k) tiles [BLOCK_N, BLOCK_K/2] in DTYPE of the MXFP4 rows ``rows``, K range
     k0..k0+BLOCK_K: byte j holds k0+2j (low nibble) and k0+2j+1 (high nibble), both in scale
     group (k0 + 2j) // 32; ``sb``, the rows' BLOCK_K/32 scale bytes (``_fp4_scale_bytes``), is
@@ -334,6 +344,8 @@ def _w_tile_fp4(w_base, sb, rows, r_mask, k0, KH, stride_wn, stride_wk,
     else:
         m = r_mask[:, None] & (kb < KH // 2)[None, :]
     byte = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :] * stride_wk, mask=m, other=0)
+    if KPERM:
+        byte = _kperm(byte, BLOCK_N, BLOCK_K)
     sc = ue8m0_to_f32(sb)
     if PTX:
         sc = sc.to(tl.bfloat16)  # exact: powers of two 2^-127..2^127 and NaN
@@ -365,7 +377,7 @@ def _w_tile_fp8(w_base, s_base, rows, srow0, r_mask, k0, KH, stride_wn, stride_w
 
 @triton.jit
 def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-               EVEN_K: tl.constexpr = False):
+               EVEN_K: tl.constexpr = False, KPERM: tl.constexpr = False):
     """Activation rows [BLOCK_M, BLOCK_K] at k0 (contiguous load); SPLIT: de-interleaved (even, odd);
     EVEN_K: K a multiple of BLOCK_K, no K mask."""
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -375,7 +387,11 @@ def _load_rows(row_ptrs, ok, k0, KH, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: t
         m = ok[:, None] & (kk < KH)[None, :]
     v = tl.load(row_ptrs + kk[None, :] * stride_k, mask=m, other=0.0)
     if SPLIT:
-        return tl.split(tl.reshape(v, (BLOCK_M, BLOCK_K // 2, 2)))
+        ve, vo = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_K // 2, 2)))
+        if KPERM:
+            ve = _kperm(ve, BLOCK_M, BLOCK_K)
+            vo = _kperm(vo, BLOCK_M, BLOCK_K)
+        return ve, vo
     else:
         return v, v
 
@@ -401,7 +417,8 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                    SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
-                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                   KPERM: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -418,7 +435,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
         sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
         sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
         for k0 in range(0, H, BLOCK_K):
-            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4, EVEN_K)
+            xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
             if FP4:
                 if SCALE_AHEAD:  # next step's scale bytes now: the byte loads' latency overlaps this step
                     nb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
@@ -428,10 +445,10 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                     sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
                     sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
                 lo1, hi1 = _w_tile_fp4(w_base, sb1, offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM)
                 acc1 = _dot(hi1, xo, _dot(lo1, xe, acc1, DOT_F32), DOT_F32)
                 lo3, hi3 = _w_tile_fp4(w_base, sb3, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
-                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K)
+                                       BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM)
                 acc3 = _dot(hi3, xo, _dot(lo3, xe, acc3, DOT_F32), DOT_F32)
                 if SCALE_AHEAD:
                     sb1 = nb1
@@ -458,7 +475,8 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
-                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                     KPERM: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
@@ -472,14 +490,14 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sb = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, I, stride_sn, stride_sk, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
-            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K)
+            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
             if FP4:
                 if SCALE_AHEAD:
                     nb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, I, stride_sn, stride_sk, BLOCK_K)
                 else:
                     sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
                 lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                     BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K)
+                                     BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K, KPERM)
                 acc = _dot(hi, ho, _dot(lo, he, acc, DOT_F32), DOT_F32)
                 if SCALE_AHEAD:
                     sb = nb
@@ -618,7 +636,10 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     bits do not. ``scale_ahead`` (grouped MXFP4 kernels; default on): load the next K step's scale
     bytes during this one (byte loads are below ``cp.async``'s 4-byte minimum, so the pipeliner leaves
     them in the loop as loads the same step waits for); the same values reach the same instructions.
-    ``even_k`` (default on): no K masks where K is a multiple of BLOCK_K."""
+    ``even_k`` (default on): no K masks where K is a multiple of BLOCK_K. ``kperm`` (grouped MXFP4;
+    default on): the weight bytes and the activations' columns in the wgmma register operand's order
+    (``_kperm``): one 32-bit load per decode call instead of repacking 2-byte pieces; the same
+    products summed in another order, so every grouped tile must use the same setting."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -649,6 +670,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     if expert_dtype == "fp8" and cfg["BLOCK_K"] != 128:
         raise ValueError("FP8 experts need BLOCK_K = 128 (one scale block per K step)")
     cfg.setdefault("scale_ahead", expert_dtype == "fp4")  # H200: 1-4 % faster at every tile, same bits
+    # K order of the MMA operands (``_kperm``): decode and prefill tiles must share it (batch invariance)
+    cfg.setdefault("kperm", expert_dtype == "fp4" and cfg["BLOCK_K"] % 32 == 0)
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
     return cfg
@@ -722,7 +745,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
                   SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
                   PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]))
+    grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]), KPERM=bool(cfg["kperm"]))
     even = cfg.get("even_k", True)  # K masks dropped where K is a multiple of BLOCK_K (False: kept, for A/B)
     even_up, even_down = even and hdim % cfg["BLOCK_K"] == 0, even and idim % cfg["BLOCK_K"] == 0
     bn = cfg["BLOCK_N"]
