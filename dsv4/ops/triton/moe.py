@@ -22,7 +22,10 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     decoded to E2M1 × 2^(b-127) with the row's 4 scale bytes broadcast over their 32-k groups (or
     FP8 bytes × the 128×128 block scale), rounded to x.dtype — then tl.dot(W_even, x_evenᵀ) +
     tl.dot(W_odd, x_oddᵀ) into fp32 [BLOCK_N, BLOCK_M] accumulators (swap-AB: the decoded weight
-    is the register operand). Epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u
+    is the register operand; with ``kperm``, the default, both operands' columns are permuted within
+    each 16-byte group into that operand's register order, ``_kperm``). The scale bytes of the next
+    K step are loaded during this one (``scale_ahead``), from the groups-major scales ``stack_experts``
+    stores. Epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u
     rounded to x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype. With bf16
     activations on CUDA sm_80+ the MXFP4 decode runs in PTX (``e2m1_bytes_to_bf16_ptx``, same bits,
     about a third of the instructions; config ``ptx_fp4=False`` turns it off).
