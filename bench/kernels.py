@@ -258,16 +258,11 @@ def sweep(dev, only=("linear", "moe")):
                   flush=True)
     if "route" in only:
         out.update(sweep_route(dev, g))
-    if "moe_block_k" in only:
-        out.update(sweep_moe_block_k(dev, g))
-    if "moe_maxnreg" in only:
-        out.update(sweep_moe_maxnreg(dev, g))
-    if "moe_scale_ahead" in only:
-        out.update(sweep_moe_scale_ahead(dev, g))
-    if "moe_scale_layout" in only:
-        out.update(sweep_moe_scale_layout(dev, g))
-    if "moe_kperm" in only:
-        out.update(sweep_moe_kperm(dev, g))
+    for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
+                     ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
+                     ("moe_kperm", sweep_moe_kperm)):  # the grouped MXFP4 kernels' single-knob sweeps
+        if name in only:
+            out.update(fn(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
         out.update(sweep_prefill(dev, g, set(only)))
     if not {"moe", "moe_decode", "moe_decode_narrow"} & set(only):

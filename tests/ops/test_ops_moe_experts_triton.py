@@ -38,6 +38,16 @@ def _check(y, ref, x_dtype):
     assert bool((d <= lim).all()), f"max |diff| {d.max().item():.3g} (output scale {scale:.3g})"
 
 
+def _padded_batch(t, seed, dtype, pad_row):
+    """(x, ids, weights, valid) of t tokens with row ``pad_row`` a padding row (id -1)."""
+    g = gen(seed)
+    x = randn((t, H), g, dtype=dtype)
+    valid = torch.ones(t, dtype=torch.bool, device=DEV)
+    valid[pad_row] = False
+    ids, w = _route(t, g, valid=valid)
+    return x, ids, w, valid
+
+
 @pytest.fixture(scope="module")
 def fp4_layer():
     return stack_experts(*mxfp4_experts(E, H, I, gen(1)))
@@ -115,12 +125,8 @@ def test_scale_look_ahead_gives_the_same_bits(fp4_layer, block_k, dtype):
     the same instructions, so the output is the plain loop's bit for bit, and the torch op's within
     the bf16 tolerance. BLOCK_K 64 gives the up kernel two K steps (H = 128), so a step really uses
     the bytes the step before loaded."""
-    g = gen(21)
     t = 9
-    x = randn((t, H), g, dtype=dtype)
-    valid = torch.ones(t, dtype=torch.bool, device=DEV)
-    valid[4] = False
-    ids, w = _route(t, g, valid=valid)
+    x, ids, w, valid = _padded_batch(t, 21, dtype, pad_row=4)
     cfg = {"direct": False, "BLOCK_N": 128, "BLOCK_K": block_k}
     assert tmoe.pick_moe_config(t, K, E, "fp4", cfg)["scale_ahead"]  # the default
     want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(cfg, scale_ahead=False, even_k=False))
@@ -154,12 +160,7 @@ def test_k_order_of_the_mma_operands(fp4_layer, kperm, dtype):
     operand's order; off, in memory order. Both are the torch op within the bf16 tolerance; with
     several K steps (BLOCK_K 64) and a padding row."""
     assert tmoe.pick_moe_config(9, K, E, "fp4")["kperm"] and not tmoe.pick_moe_config(9, K, E, "fp8")["kperm"]
-    g = gen(51)
-    t = 9
-    x = randn((t, H), g, dtype=dtype)
-    valid = torch.ones(t, dtype=torch.bool, device=DEV)
-    valid[2] = False
-    ids, w = _route(t, g, valid=valid)
+    x, ids, w, valid = _padded_batch(9, 51, dtype, pad_row=2)
     got = tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": False, "BLOCK_N": 128, "BLOCK_K": 64,
                                                           "kperm": kperm})
     _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
