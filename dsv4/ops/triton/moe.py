@@ -337,9 +337,8 @@ def _w_tile_fp4(w_base, sb, rows, r_mask, k0, KH, stride_wn, stride_wk,
     broadcast over the groups.
     PTX (bf16, CUDA sm_80+): the same bits from ``e2m1_bytes_to_bf16_ptx`` (the decode is the
     grouped kernels' bottleneck at decode batch sizes: ~11 integer/convert ops per nibble).
-    EVEN_K (K a multiple of BLOCK_K): no K mask. The mask ``kb < KH // 2`` is constant over only 8
-    bytes when all Triton knows of KH is that it is a multiple of 16, which caps the weight loads at
-    8-byte ``cp.async.ca`` (through L1) instead of 16-byte ``cp.async.cg``."""
+    EVEN_K (K a multiple of BLOCK_K): no K mask (a few instructions per step; the weight loads' width
+    is set by the decode's register layout, see ``_kperm``, not by this mask)."""
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j
     if EVEN_K:
@@ -478,7 +477,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
-                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                     SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -674,7 +673,7 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         raise ValueError("FP8 experts need BLOCK_K = 128 (one scale block per K step)")
     cfg.setdefault("scale_ahead", expert_dtype == "fp4")  # H200: 1-4 % faster at every tile, same bits
     # K order of the MMA operands (``_kperm``): decode and prefill tiles must share it (batch invariance)
-    cfg.setdefault("kperm", expert_dtype == "fp4" and cfg["BLOCK_K"] % 32 == 0)
+    cfg.setdefault("kperm", expert_dtype == "fp4")
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
     return cfg
