@@ -79,20 +79,31 @@ parallel_tests() {
   wait
   echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300 | tail -24
 }
-# ncu_moe T_LIST [CONFIG_JSON]: Nsight Compute on one launch of each grouped MoE kernel per T
-# (bench/moe_ncu.py, with NCU_ARGS), clocks left alone; the stall reasons, occupancy and throughput into
-# $OUT/ncu_moe$NCU_TAG.log.
-ncu_moe() {
+# ncu_kernels REGEX TAG CMD...: Nsight Compute on the kernels matching REGEX that CMD launches inside its
+# cudaProfilerStart/Stop range, clocks left alone; the stall reasons, occupancy and throughput into
+# $OUT/ncu$TAG.log, and its main lines.
+ncu_kernels() {
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  [ -n "$ncu" ] || { echo "ncu_moe: no ncu on this machine"; return 0; }
-  timeout ${NCU_S:-240} "$ncu" --clock-control none --profile-from-start off -k regex:_moe_up_kernel\|_moe_down_kernel \
+  [ -n "$ncu" ] || { echo "ncu_kernels: no ncu on this machine"; return 0; }
+  local regex=$1 tag=$2; shift 2
+  timeout ${NCU_S:-240} "$ncu" --clock-control none --profile-from-start off -k "regex:$regex" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \
-    python3 bench/moe_ncu.py --t "$1" ${2:+--config "$2"} ${NCU_ARGS-} > "$OUT/ncu_moe${NCU_TAG-}.log" 2>&1
+    "$@" > "$OUT/ncu$tag.log" 2>&1
   echo "ncu exit $? at $(( $(date +%s) - T0 )) s"
-  grep -E "^  [a-z_]+_kernel|T=|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Memory Throughput|DRAM Throughput|Compute \(SM\)|excessive|stalled_[a-z_]+_per_issue_active|==PROF==|==ERROR==|==WARNING==" \
-    "$OUT/ncu_moe${NCU_TAG-}.log" | grep -vE " 0(\.0+)?$" | cut -c1-160 | head -${NCU_LINES:-150}
+  grep -E "^  [a-z_]+_kernel|T=|case |Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Memory Throughput|DRAM Throughput|Compute \(SM\)|excessive|stalled_[a-z_]+_per_issue_active|==PROF==|==ERROR==|==WARNING==" \
+    "$OUT/ncu$tag.log" | grep -vE " 0(\.0+)?$" | cut -c1-160 | head -${NCU_LINES:-150}
+}
+# ncu_moe T_LIST [CONFIG_JSON]: ncu_kernels on one launch of each grouped MoE kernel per T (bench/moe_ncu.py,
+# with NCU_ARGS) into $OUT/ncu_moe$NCU_TAG.log.
+ncu_moe() {
+  ncu_kernels "_moe_up_kernel|_moe_down_kernel" "_moe${NCU_TAG-}" python3 bench/moe_ncu.py --t "$1" ${2:+--config "$2"} ${NCU_ARGS-}
+}
+# ncu_attn CASES: ncu_kernels on one launch of the sparse attention per case (bench/attn_ncu.py) into
+# $OUT/ncu_attn$NCU_TAG.log.
+ncu_attn() {
+  ncu_kernels "_sparse_attn_kernel" "_attn${NCU_TAG-}" python3 bench/attn_ncu.py --cases "$1" ${NCU_ARGS-}
 }
 # serve_wheels: the OpenAI server's wheels (.whl_serve, carried) to /tmp/site_serve, after the device's own
 # packages on the path (only what it lacks comes from there).
