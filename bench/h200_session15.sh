@@ -12,7 +12,8 @@ export CUDA_VISIBLE_DEVICES=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
 [ -n "${BENCH-}" ] && kernels_bench
 if [ -n "${ATTN-}" ]; then
-  timeout ${ATTN_S:-200} python3 bench/kernels_attention.py $ATTN --out "$OUT/attn.json" > "$OUT/attn.log" 2>&1
+  timeout ${ATTN_S:-200} python3 bench/kernels_attention.py $ATTN ${ATTN_VARIANTS:+--variants "$ATTN_VARIANTS"} \
+    --out "$OUT/attn.json" > "$OUT/attn.log" 2>&1
   echo "attention bench exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/attn.log" | cut -c1-200 | tail -40
 fi
 [ -n "${NCU_ATTN-}" ] && ncu_attn "$NCU_ATTN"

@@ -124,7 +124,9 @@ VARIANTS = [dict(BASE, **kw) for kw in (dict(num_stages=2), dict(num_warps=8), d
 
 
 def _name(c):
-    return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c)
+    """The tile's four keys, then any other override (e.g. a patched kernel's knob) as key=value."""
+    extra = "".join(f" {k}={v}" for k, v in c.items() if k not in BASE)
+    return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c) + extra
 
 
 def other_attention(path: str):
@@ -141,9 +143,11 @@ def other_attention(path: str):
     return mod.paged_sparse_attention
 
 
-def run_prefill_seq(dev, results: list, small: bool = False, other: str | None = None) -> list:
-    """The whole-prompt prefill (one sequence) and two decode shapes for each variant of VARIANTS;
-    ``other``: another version of the kernel module (a file), whose default output each is compared with."""
+def run_prefill_seq(dev, results: list, small: bool = False, other: str | None = None,
+                    variants: list | None = None) -> list:
+    """The whole-prompt prefill (one sequence) and two decode shapes for each variant of VARIANTS (or
+    ``variants``: config overrides of BASE); ``other``: another version of the kernel module (a file),
+    whose default output each is compared with."""
     from dsv4.ops.triton import sparse_attention as tsa
 
     other_fn = other_attention(other) if other else None
@@ -161,7 +165,14 @@ def run_prefill_seq(dev, results: list, small: bool = False, other: str | None =
     for case, (args, flops) in cases:
         ref = tsa.paged_sparse_attention(*args, config=BASE)
         ref_other = other_fn(*args) if other_fn else None
-        for cfg in [BASE] + (VARIANTS[:1] if small else VARIANTS):
+        swept = [dict(BASE, **v) for v in variants] if variants else VARIANTS[:1] if small else VARIANTS
+        if other_fn:  # the other module's default, timed in the same run
+            us, how = time_call(lambda: other_fn(*args), dev)
+            print(f"{case:<24} {'other (default)':<24} {us:>9.1f} {flops / us / 1e6:>8.1f} "
+                  f"{'same' if torch.equal(ref_other, ref) else 'DIFF':>6} {'same':>6}", flush=True)
+            results.append(dict(kernel="sparse_attention", case=case, config="other", us=us, timing=how,
+                                tflops=flops / us / 1e6, same_bits=torch.equal(ref_other, ref)))
+        for cfg in [BASE] + swept:
             try:
                 y = tsa.paged_sparse_attention(*args, config=cfg)
                 same = torch.equal(y, ref)
@@ -346,6 +357,7 @@ def main(argv=None):
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
     ap.add_argument("--other", help="with --prefill-seq: another sparse_attention.py to compare bits with")
+    ap.add_argument("--variants", help="with --prefill-seq: a JSON list of tile overrides (default: VARIANTS)")
     ap.add_argument("--prefill-seq", action="store_true",
                     help="kernel variants (VARIANTS) at the whole-prompt prefill (one sequence) and two decode shapes")
     a = ap.parse_args(argv)
@@ -356,7 +368,8 @@ def main(argv=None):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results: list = []
     if a.prefill_seq:
-        run_prefill_seq(dev, results, small=a.small, other=a.other)
+        run_prefill_seq(dev, results, small=a.small, other=a.other,
+                        variants=json.loads(a.variants) if a.variants else None)
     else:
         run(dev, results, small=a.small, prefill_only=a.prefill_only)
     if a.out:
