@@ -5,7 +5,19 @@
 # checkpoint and bench/e2e.py (E2E_ARGS); then TESTS_A/B/C in parallel pytest processes (correctness only),
 # stopped DEADLINE_S (default 560) s after the start.
 # Call 1 (kperm end to end, with the peer; the attention's stall reasons): NCU_ATTN=csa-prefill,hca-prefill,csa-decode64
-# E2E_ARGS="--batches 1,8,64 --prefill 1024,8192" E2E_S=470.
+# E2E_ARGS="--batches 1,8,64 --prefill 1024,8192" E2E_S=470 (ran with NCU_S=170 E2E_S=400).
+# Call 2 (attention variants; needs docs/results/attn_{chunked,dc}_session15.patch applied and the committed kernel
+# as sa_head_tmp.py: `git show HEAD:dsv4/ops/triton/sparse_attention.py > sa_head_tmp.py`):
+# ATTN="--prefill-seq --other sa_head_tmp.py" ATTN_VARIANTS='[{"DC":true},{"DC":true,"BLOCK_H":64},...]' ATTN_S=330
+# TESTS_A="tests/ops/test_ops_sparse_attention_triton.py" TESTS_B="tests/gpu/test_gpu_batch_invariance.py" DEADLINE_S=570.
+# Call 3 (chunked patch; maxnreg and 32-head tiles): ATTN as call 2, ATTN_VARIANTS='[{"maxnreg":168},{"maxnreg":128},
+# {"BLOCK_H":32,"num_warps":8},{"BLOCK_H":32,"num_warps":8,"BLOCK_N":64},{"BLOCK_H":32,"num_warps":8,"maxnreg":128},
+# {"num_stages":2}]' ATTN_S=300 TESTS_A="tests/ops/test_ops_sparse_attention_triton.py" DEADLINE_S=420.
+# Call 4 (the greedy pick; run inline, its steps are these functions): serve_wheels; bench/kernels.py --only pick;
+# fw4_checkpoint; E2E_ARGS="--batches 1,8,64 --prefill 1024 --skip-transformers" E2E_S=250 e2e_graphs 6; TESTS_A="tests/ops/
+# test_ops_greedy_pick_triton.py tests/engine/test_engine_sampling.py" TESTS_B="tests/gpu/test_gpu_engine_vs_torch.py"
+# TESTS_C="tests/engine/test_engine_async_scheduling.py tests/serve/test_serve_async_scheduling.py" parallel_tests
+# (carry .whl and .whl_serve).
 source bench/device_env.sh
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0

@@ -46,6 +46,7 @@ LINEAR_M = (1, 8, 64, 1024, 8192)
 MOE_T = (1, 8, 64, 1024)
 ROUTE_T = (1, 64, 1024, 8192)
 N_EXP, TOPK, HID, INTER = 256, 6, 4096, 2048
+VOCAB = 129280  # the flash checkpoint's vocabulary (the greedy pick's row width)
 
 
 def random_fp4_experts(dev, g):
@@ -177,6 +178,22 @@ def bench_route(tab, dev):
                 lambda: torch_ops.moe_route(logits, bias, TOPK, 1.5, True, None, valid), nbytes, flops, chk)
         tab.add("moe_route", shape, "triton",
                 lambda: tmoe.moe_route(logits, bias, TOPK, 1.5, True, None, valid), nbytes, flops, chk)
+
+
+def bench_pick(tab, dev):
+    """The sampler's batched greedy pick at decode batch sizes over the model's vocabulary: torch's
+    argmax + isfinite().all() (one single-block reduction per row, then a second pass) vs the Triton
+    two-stage pick; checked for identical picks and flags."""
+    from dsv4.ops import torch_ops
+    from dsv4.ops.triton import greedy as tg
+
+    g = torch.Generator(device=dev).manual_seed(2)
+    for n in (1, 8, 64):
+        x = torch.randn(n, VOCAB, device=dev, generator=g)
+        chk = "ok" if torch.equal(tg.greedy_pick(x), torch_ops.greedy_pick(x)) else "FAIL"
+        shape = f"n={n} V={VOCAB}"
+        tab.add("greedy_pick", shape, "torch_op", lambda: torch_ops.greedy_pick(x), x.numel() * 4, 0, chk)
+        tab.add("greedy_pick", shape, "triton", lambda: tg.greedy_pick(x), x.numel() * 4, 0, chk)
 
 
 def bench_group(tab, dev):
@@ -620,8 +637,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
-    ap.add_argument("--only", default="linear,route,group,moe,attention,indexer,mhc",
-                    help="comma list of: linear, route, group, moe (this file), attention, indexer, mhc "
+    ap.add_argument("--only", default="linear,route,group,pick,moe,attention,indexer,mhc",
+                    help="comma list of: linear, route, group, pick, moe (this file), attention, indexer, mhc "
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
@@ -655,6 +672,8 @@ def main(argv=None):
         bench_route(tab, dev)
     if "group" in only:
         bench_group(tab, dev)
+    if "pick" in only:
+        bench_pick(tab, dev)
     if "moe" in only:
         bench_moe(tab, dev, (1, 64) if args.quick else MOE_T)
     extra = {}

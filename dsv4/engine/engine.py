@@ -77,6 +77,15 @@ class EngineConfig:
             log.info("op %-12s → %-7s (%s)", row["op"], row["backend"], row["reason"])
         return ops
 
+    def resolve_greedy_pick(self, device: torch.device):
+        """The batched greedy pick's backend (``greedy_pick``): the fast one where the model runs the
+        fast path, else None (the torch op)."""
+        if self.backend == "torch" or (self.backend == "auto" and device.type == "cpu"):
+            return None
+        from ..ops.registry import resolve
+
+        return resolve("greedy_pick", force=None if self.backend == "auto" else {"greedy_pick": "triton"})[1]
+
     def resolve_attention_ops(self, device: torch.device) -> dict | None:
         """Ops of the batched paged attention, or None for the reference's per-request attention."""
         if self.attention not in ("auto", "batched", "reference"):
@@ -188,6 +197,7 @@ class LLMEngine:
             self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
+        self.greedy_pick = config.resolve_greedy_pick(device)  # the plain greedy rows' batched pick (None: torch)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -296,7 +306,7 @@ class LLMEngine:
             schedule = self.scheduler.schedule()
             nxt = None
             if schedule and overlap.deferrable(schedule, self.sampler):
-                nxt = overlap.launch(self.runner, schedule, prev)
+                nxt = overlap.launch(self.runner, schedule, prev, self.greedy_pick)
         except Exception:
             if prev is not None:  # the placeholders get their tokens: the requests stay consistent
                 self._carried += self._read_step(prev)
@@ -384,7 +394,7 @@ class LLMEngine:
         rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):
-            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)])
+            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)], self.greedy_pick)
         if len(picked) == len(rows):  # all picked on the device (a greedy decode step): no host rows
             for row, req in rows:
                 req.append_token(picked[row], None, None)

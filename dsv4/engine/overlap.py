@@ -91,7 +91,7 @@ def device_token_plan(schedule: list, prev: InFlight | None) -> list[tuple[int, 
     return plan
 
 
-def launch(runner: ModelRunner, schedule: list, prev: InFlight | None) -> InFlight | None:
+def launch(runner: ModelRunner, schedule: list, prev: InFlight | None, pick=None) -> InFlight | None:
     """Build and run a deferrable step, its placeholder token ids taken from ``prev``'s picks on the
     device; its greedy picks stay there (copied to the host without waiting). None, with nothing
     built or run, when a placeholder cannot be filled that way."""
@@ -108,7 +108,7 @@ def launch(runner: ModelRunner, schedule: list, prev: InFlight | None) -> InFlig
     logits = runner.execute(batch)
     if [row for row, _ in batch.sample_rows] != list(range(logits.shape[0])):
         raise RuntimeError("a deferred step's logits rows must be its sampled rows, in order")
-    both = device_picks(logits)  # the picks and finite flags greedy_picks reads, left on the device
+    both = device_picks(logits, pick)  # the picks and finite flags greedy_picks reads, left on the device
     picks = both[0]
     event = None
     if both.device.type == "cuda":

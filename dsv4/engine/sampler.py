@@ -69,20 +69,23 @@ def plain_greedy(req: Request) -> bool:
             and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
 
 
-def device_picks(x: torch.Tensor) -> torch.Tensor:
-    """int64 [2, n] on ``x``'s device: each row's first-argmax token (torch.argmax returns the
-    first maximal index, as `_first_argmax` does) and whether the row is all finite."""
-    return torch.stack([x.argmax(dim=-1), torch.isfinite(x).all(dim=-1).long()])
+def device_picks(x: torch.Tensor, pick=None) -> torch.Tensor:
+    """int64 [2, n] on ``x``'s device: each row's first-argmax token (the lowest id among equal
+    maxima, as `_first_argmax` gives) and whether the row is all finite. ``pick``: the engine's
+    ``greedy_pick`` backend (None: the torch op)."""
+    if pick is None:
+        from ..ops.torch_ops import greedy_pick as pick
+    return pick(x)
 
 
-def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, int]:
+def greedy_picks(logits: torch.Tensor, rows: list[int], pick=None) -> dict[int, int]:
     """{row: first-argmax token} for the finite ``rows`` of ``logits`` [n, V] (``device_picks``,
     one small copy back); rows with NaN/Inf are left out (the per-row path reports them)."""
     if not rows:
         return {}
     # a decode step samples every row: no index copy to the device, no gather
     x = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-    both = device_picks(x).tolist()
+    both = device_picks(x, pick).tolist()
     return {r: t for r, t, ok in zip(rows, both[0], both[1]) if ok}
 
 

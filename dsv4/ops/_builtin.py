@@ -33,6 +33,9 @@ register("kv_norm_rope_insert", "torch", "dsv4.ops.torch_attention:kv_norm_rope_
 register("compressor_pool_insert", "torch", "dsv4.ops.torch_compressor:compressor_pool_insert", lambda p: True,
          TORCH_PRIORITY)
 
+# the sampler's plain greedy rows: logits [n, V] -> int64 [2, n] (first-argmax ids, all-finite flags)
+register("greedy_pick", "torch", torch_ops.greedy_pick, lambda p: True, TORCH_PRIORITY)
+
 register("fp8_linear", "triton", "dsv4.ops.triton.fp8_linear:fp8_linear", _triton_ok, TRITON_PRIORITY)
 register("moe_route", "triton", "dsv4.ops.triton.moe:moe_route", _triton_ok, TRITON_PRIORITY)
 register("moe_experts", "triton", "dsv4.ops.triton.moe:moe_experts", _triton_ok, TRITON_PRIORITY)
@@ -43,6 +46,7 @@ register("sparse_attention", "triton", "dsv4.ops.triton.sparse_attention:paged_s
          TRITON_PRIORITY)
 register("compressor_pool_insert", "triton", "dsv4.ops.triton.compressor:compressor_pool_insert", _triton_ok,
          TRITON_PRIORITY)
+register("greedy_pick", "triton", "dsv4.ops.triton.greedy:greedy_pick", _triton_ok, TRITON_PRIORITY)
 
 # Lightning Indexer over the paged indexer keys: (q, weights, seq_ids, n_visible, pages, block_table,
 # entries_per_block, n_cols, k, fmt) -> top-k entry ids [T, k] (-1 padded)

@@ -26,7 +26,7 @@ __all__ = ["OPS", "BackendError", "Backend", "register", "resolve", "describe", 
 
 OPS = ("fp8_linear", "moe_route", "moe_experts", "kv_insert", "kv_norm_rope_insert", "compressor_pool_insert",
        "sparse_attention", "indexer", "indexer_q_rope_quant", "mhc_pre", "mhc_post", "mhc_post_pre",
-       "dense_linear", "rms_norm", "unit_rms_norm", "apply_rope", "unit_norm_rope", "swiglu_act")
+       "dense_linear", "rms_norm", "unit_rms_norm", "apply_rope", "unit_norm_rope", "swiglu_act", "greedy_pick")
 ENV = "DSV4_OPS"
 
 

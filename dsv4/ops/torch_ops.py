@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ..formats import dequantize_block_fp8, dequantize_mxfp4, fake_quant_fp8_pow2, get_fp8_format
 from ..model.linear import rows_linear
 
-__all__ = ["fp8_linear", "moe_route", "moe_experts", "stack_experts", "stack_experts_from_checkpoint",
+__all__ = ["fp8_linear", "moe_route", "moe_experts", "greedy_pick", "stack_experts", "stack_experts_from_checkpoint",
            "expert_dtype_of", "act_format"]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -126,6 +126,12 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
 # ---------------------------------------------------------------------------------------------
 # MoE experts
 # ---------------------------------------------------------------------------------------------
+
+def greedy_pick(x: torch.Tensor) -> torch.Tensor:
+    """int64 [2, n] on ``x``'s device: each row of the logits [n, V] its first-argmax id (torch.argmax
+    returns the first maximal index: the lowest id among equal maxima) and whether it is all finite."""
+    return torch.stack([x.argmax(dim=-1), torch.isfinite(x).all(dim=-1).long()])
+
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
     """int8 packed FP4 and float8_e8m0fnu scales as raw uint8 bytes; everything else unchanged."""
