@@ -17,7 +17,9 @@
 # fw4_checkpoint; E2E_ARGS="--batches 1,8,64 --prefill 1024 --skip-transformers" E2E_S=250 e2e_graphs 6; TESTS_A="tests/ops/
 # test_ops_greedy_pick_triton.py tests/engine/test_engine_sampling.py" TESTS_B="tests/gpu/test_gpu_engine_vs_torch.py"
 # TESTS_C="tests/engine/test_engine_async_scheduling.py tests/serve/test_serve_async_scheduling.py" parallel_tests
-# (carry .whl and .whl_serve).
+# (carry .whl and .whl_serve). Call 5 (the final tree's GPU tests): DEADLINE_S=390 TESTS_A="tests/gpu/
+# test_gpu_batch_invariance.py" TESTS_B="tests/gpu/test_gpu_prefill_invariance.py tests/gpu/test_gpu_path_vs_torch.py"
+# parallel_tests (after sourcing bench/device_env.sh).
 source bench/device_env.sh
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0
