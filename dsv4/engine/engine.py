@@ -57,11 +57,15 @@ class EngineConfig:
     attention: str = "auto"  # batched: one step's attention over the pages at once; reference: per request;
     #                          auto: batched with the fast backend, reference with the torch one
 
+    def fast_path(self, device: torch.device) -> bool:
+        """Whether the model runs the fast (kernel) ops on ``device``: ``triton``, or ``auto`` off the CPU."""
+        return self.backend == "triton" or (self.backend == "auto" and device.type != "cpu")
+
     def resolve_ops(self, device: torch.device) -> dict | None:
         """Op name → function for the fast path, or None for the pure torch reference."""
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be auto, torch or triton; got {self.backend!r}")
-        if self.backend == "torch" or (self.backend == "auto" and device.type == "cpu"):
+        if not self.fast_path(device):
             return None
         from ..ops.registry import describe, resolve
 
@@ -80,7 +84,7 @@ class EngineConfig:
     def resolve_greedy_pick(self, device: torch.device):
         """The batched greedy pick's backend (``greedy_pick``): the fast one where the model runs the
         fast path, else None (the torch op)."""
-        if self.backend == "torch" or (self.backend == "auto" and device.type == "cpu"):
+        if not self.fast_path(device):
             return None
         from ..ops.registry import resolve
 
@@ -90,8 +94,7 @@ class EngineConfig:
         """Ops of the batched paged attention, or None for the reference's per-request attention."""
         if self.attention not in ("auto", "batched", "reference"):
             raise ValueError(f"attention must be auto, batched or reference; got {self.attention!r}")
-        fast = self.backend == "triton" or (self.backend == "auto" and device.type != "cpu")
-        if self.attention == "reference" or (self.attention == "auto" and not fast):
+        if self.attention == "reference" or (self.attention == "auto" and not self.fast_path(device)):
             return None
         from ..ops.registry import resolve
         from .paged_attention import ATTENTION_OPS
@@ -389,8 +392,8 @@ class LLMEngine:
 
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
         """Append each sampled request's next token. Plain greedy rows are picked on the logits'
-        device in one argmax; the other rows (and any non-finite one) are copied to the host at
-        once and go through the sampler row by row."""
+        device in one batched pick (the ``greedy_pick`` op); the other rows (and any non-finite one)
+        are copied to the host at once and go through the sampler row by row."""
         rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):

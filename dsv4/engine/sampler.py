@@ -2,7 +2,7 @@
 
 Each request's row is processed on its own, so a token never depends on the batch it was
 sampled in. Greedy picks the lowest token id among equal maxima. Plain greedy rows (no penalties,
-bans or logprobs) are picked where the logits are, in one batched argmax (`greedy_picks`), so a
+bans or logprobs) are picked where the logits are, in one batched pick (`greedy_picks`), so a
 decode step copies a few ids to the host instead of [batch, vocab] logits. Logprobs are those of the
 model's raw distribution (before penalties and temperature), as vLLM reports them.
 """
