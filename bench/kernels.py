@@ -22,7 +22,8 @@ decode and prefill tiles, each prefill tile bit-compared with the decode tile of
 the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared with the uncapped launch;
 ``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192);
 ``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent);
-``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check:
+``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check;
+``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -277,7 +278,7 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
-                     ("moe_kperm", sweep_moe_kperm)):  # the grouped MXFP4 kernels' single-knob sweeps
+                     ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold)):  # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
@@ -538,6 +539,18 @@ def sweep_moe_kperm(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     return {"moe_kperm": rows}
 
 
+def sweep_moe_fold(dev, g, t_list=(1, 8, 64, 1024, 8192)):
+    """The grouped MXFP4 kernels with the folded decode (``fold_scales``, the default where every scale
+    code is ≤ 128: one multiply per value pair by 2^(b-1)) against the two-multiply decode
+    (``fold_scales=False``). Same values, so the two must give the same bits. CUDA-graph µs."""
+    from dsv4.ops.triton import moe as tmoe
+
+    _, s13, _, s2 = random_fp4_experts(dev, g)
+    print(f"moe_fold: codes <= {tmoe.FOLD_MAX_CODE}: s13 {tmoe._fold_ok(s13, s13)}, s2 {tmoe._fold_ok(s2, s2)} "
+          f"(max codes {int(s13.max())}, {int(s2.max())})", flush=True)
+    return {"moe_fold": _sweep_moe_variants(dev, g, "moe_fold", ({"fold_scales": False},), t_list)}
+
+
 def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
     during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
@@ -642,7 +655,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

@@ -293,11 +293,11 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _decode_tile_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, KH, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PTX: tl.constexpr):
+                        PTX: tl.constexpr, FOLD: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_N)
     sb = tmoe._fp4_scale_bytes(s_ptr, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 32, 1, BLOCK_K)
     lo, hi = tmoe._w_tile_fp4(w_ptr, sb, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1,
-                              BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX)
+                              BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX, FOLD=FOLD)
     j = tl.arange(0, BLOCK_K // 2)
     off = rows[:, None] * (BLOCK_K // 2) + j[None, :]
     tl.store(lo_ptr + off, lo)
@@ -336,3 +336,55 @@ def test_ptx_fp4_experts_equal_the_portable_decode_bitwise(fp4_layer, t, direct)
     ys = [tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": direct, "ptx_fp4": p}) for p in (False, True)]
     assert torch.equal(ys[0], ys[1])
     _check(ys[1], torch_ops.moe_experts(x, ids, w, *fp4_layer), torch.bfloat16)
+
+
+@pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
+def test_folded_ptx_decode_is_the_portable_decode_bitwise():
+    """The folded decode (E2M1 bias in the scale) over every byte and every code it is used for,
+    0..128: the portable decode's bits (the emulated check of the same asm is
+    ``test_ops_fp4_ptx_emulated.py``)."""
+    n, kb = 64, 128
+    codes = torch.arange(129, dtype=torch.uint8)
+    w = (torch.arange(n * kb // 2) % 256).to(torch.uint8).view(n, kb // 2)
+    w = w[torch.randperm(n, generator=torch.Generator().manual_seed(1))].contiguous()
+    out = {}
+    for shift in (0, 128):  # 256 scale slots a tile: codes 0..128 all appear over the two tiles
+        s = codes[(torch.arange(n * kb // 32) + shift) % len(codes)].view(n, kb // 32).contiguous()
+        for mode in ("portable", "fold"):
+            lo = torch.empty(n, kb // 2, dtype=torch.bfloat16, device=DEV)
+            hi = torch.empty_like(lo)
+            _decode_tile_kernel[(1,)](w.to(DEV), s.to(DEV), lo, hi, kb, BLOCK_N=n, BLOCK_K=kb,
+                                      PTX=mode == "fold", FOLD=mode == "fold")
+            out[shift, mode] = (lo.cpu().view(torch.int16), hi.cpu().view(torch.int16))
+        assert all(torch.equal(a, b) for a, b in zip(out[shift, "portable"], out[shift, "fold"]))
+
+
+@pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
+@pytest.mark.parametrize("t,direct", [(1, False), (2, True), (40, False), (300, False)])
+def test_folded_scales_give_the_same_bits(fp4_layer, t, direct):
+    """moe_experts with the folded decode (the default where the codes allow it) and without it."""
+    s13, s2 = fp4_layer[1], fp4_layer[3]
+    assert tmoe._fold_ok(s13, s13.view(torch.uint8)) and tmoe._fold_ok(s2, s2.view(torch.uint8))
+    g = gen(70 + t)
+    x = randn((t, H), g, dtype=torch.bfloat16)
+    ids, w = _route(t, g)
+    ys = [tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": direct, "fold_scales": f}) for f in (False, True)]
+    assert torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
+def test_a_scale_code_above_128_keeps_the_two_multiply_decode():
+    """One expert's scale of 2^2 (code 129) in W1: the up kernel must not fold (2^128 is no bf16), the
+    down kernel still may; the output equals the portable decode's bit for bit."""
+    w13, s13, w2, s2 = (t.clone() for t in fp4_layer_tensors())
+    s13.view(torch.uint8)[3, 5, 1] = 129
+    assert not tmoe._fold_ok(s13, s13.view(torch.uint8)) and tmoe._fold_ok(s2, s2.view(torch.uint8))
+    g = gen(91)
+    x = randn((24, H), g, dtype=torch.bfloat16)
+    ids, w = _route(24, g)
+    ys = [tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config={"ptx_fp4": p}) for p in (False, True)]
+    assert torch.equal(ys[0], ys[1])
+
+
+def fp4_layer_tensors():
+    return stack_experts(*mxfp4_experts(E, H, I, gen(1)))
