@@ -23,7 +23,8 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 ``moe_scale_ahead`` the same kernels loading each K step's scale bytes one step early (also at T = 8192);
 ``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent);
 ``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check;
-``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one:
+``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one;
+``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels), each bit-compared with the default:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -278,7 +279,7 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
-                     ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold)):  # the grouped MXFP4 kernels' single-knob sweeps
+                     ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles)):  # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
@@ -551,6 +552,19 @@ def sweep_moe_fold(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     return {"moe_fold": _sweep_moe_variants(dev, g, "moe_fold", ({"fold_scales": False},), t_list)}
 
 
+MOE_TILES = ({"num_stages": 2}, {"num_stages": 4}, {"num_stages": 5}, {"BLOCK_N": 128},
+             {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
+             {"down_BLOCK_N": 128}, {"down_BLOCK_N": 128, "down_num_warps": 8}, {"down_num_stages": 4},
+             {"down_num_stages": 5})
+
+
+def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
+    """The batch-invariant decode tile after the folded decode changed its instruction mix: column width,
+    warps and stages of the up and down kernels (BLOCK_K and the K order fixed, so the bits must stay the
+    default's). CUDA-graph µs at T = 1, 8, 64."""
+    return {"moe_tiles": _sweep_moe_variants(dev, g, "moe_tiles", MOE_TILES, t_list)}
+
+
 def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
     during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
@@ -655,7 +669,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
