@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFILL_TIMED_RUNS = 3  # prefill: the median of this many runs after a warm-up run
 sys.path.insert(0, str(ROOT))
 
 
@@ -243,16 +245,21 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     if variants[-1] != "graphs":
         eng = engine()
     for L in prefill_lens:
-        ids = torch.randint(3, 120000, (L,), generator=g).tolist()
-        for rep in range(2):  # first run warms up kernels for this shape
+        runs = []
+        # run 0 warms up this shape's kernels; then the median of three (one 1K run moved by up to 30 %
+        # between device calls of one tree); a new prompt each run, so no prefix-cache hit
+        for rep in range(1 + PREFILL_TIMED_RUNS):
+            ids = torch.randint(3, 120000, (L,), generator=g).tolist()
             eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
             torch.cuda.synchronize()
             t = time.perf_counter()
             while eng.has_unfinished_requests():
                 eng.step()
             torch.cuda.synchronize()
-            dt = time.perf_counter() - t
+            runs.append(time.perf_counter() - t)
+        dt = statistics.median(runs[1:])
         res[f"prefill_tok_s_{L}"] = L / dt
+        res[f"prefill_ms_runs_{L}"] = [round(r * 1e3, 2) for r in runs]
         if L == max(prefill_lens):  # one more, profiled: where a prefill's device time goes
 
             def one_prefill():
