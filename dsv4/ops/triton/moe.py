@@ -28,7 +28,10 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     stores. Epilogue h = silu(min(g, limit)) · clamp(u, ±limit) with g, u
     rounded to x.dtype first (as the reference's x.dtype GEMMs), stored in x.dtype. With bf16
     activations on CUDA sm_80+ the MXFP4 decode runs in PTX (``e2m1_bytes_to_bf16_ptx``, same bits,
-    about a third of the instructions; config ``ptx_fp4=False`` turns it off).
+    about a third of the instructions; config ``ptx_fp4=False`` turns it off), and where every scale
+    code of the tensor is ≤ 128 (real checkpoints: scales far below 2) with the E2M1 bias folded into
+    the scale (``e2m1_bytes_to_bf16_ptx_folded``: one multiply per value pair instead of two; same bits;
+    ``fold_scales=False`` turns it off).
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
   * direct (decode) mode, T·topk ≤ 48: no grouping; one program per (slot, BLOCK_N columns) does
