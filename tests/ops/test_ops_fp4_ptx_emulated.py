@@ -183,3 +183,13 @@ def test_fold_answer_is_cached_until_the_tensor_changes(monkeypatch):
     s.fill_(200)
     assert not tmoe._fold_ok(s, s)
     assert len(calls) == 2
+
+
+def test_inference_mode_scales_are_checked_every_call():
+    """Inference tensors keep no version counter: nothing is cached, an in-place change is still seen."""
+    with torch.inference_mode():
+        s = torch.full((2, 4), 100, dtype=torch.uint8)
+        assert tmoe._fold_ok(s, s)
+        s[0, 0] = 200
+        assert not tmoe._fold_ok(s, s)
+    assert getattr(s, "_dsv4_fold_ok", None) is None

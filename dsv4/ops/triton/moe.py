@@ -646,18 +646,23 @@ def _fold_ok(s: torch.Tensor, raw: torch.Tensor) -> bool:
     (the caller's tensor, e.g. the model's expert stack) with its in-place version, so the one
     device-to-host read happens on the first call, not on every step; while a CUDA graph is being
     captured nothing can be read, so an unchecked tensor takes the two-multiply decode there (same
-    bits, slower)."""
-    key = (raw.data_ptr(), tuple(raw.shape), s._version)
+    bits, slower). An inference-mode tensor has no version counter, so its answer is not kept (an
+    in-place change could not be seen): it is read on every eager call."""
+    try:
+        key = (raw.data_ptr(), tuple(raw.shape), s._version)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        key = None
     hit = getattr(s, "_dsv4_fold_ok", None)
-    if hit is not None and hit[0] == key:
+    if key is not None and hit is not None and hit[0] == key:
         return hit[1]
     if raw.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     ok = raw.numel() == 0 or int(raw.max()) <= FOLD_MAX_CODE
-    try:
-        s._dsv4_fold_ok = (key, ok)
-    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: checked every call
-        pass
+    if key is not None:
+        try:
+            s._dsv4_fold_ok = (key, ok)
+        except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: checked every call
+            pass
     return ok
 
 
