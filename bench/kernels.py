@@ -546,10 +546,11 @@ def sweep_moe_fold(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     (``fold_scales=False``). Same values, so the two must give the same bits. CUDA-graph µs."""
     from dsv4.ops.triton import moe as tmoe
 
-    _, s13, _, s2 = random_fp4_experts(dev, g)
+    experts = random_fp4_experts(dev, g)
+    s13, s2 = experts[1], experts[3]
     print(f"moe_fold: codes <= {tmoe.FOLD_MAX_CODE}: s13 {tmoe._fold_ok(s13, s13)}, s2 {tmoe._fold_ok(s2, s2)} "
           f"(max codes {int(s13.max())}, {int(s2.max())})", flush=True)
-    return {"moe_fold": _sweep_moe_variants(dev, g, "moe_fold", ({"fold_scales": False},), t_list)}
+    return {"moe_fold": _sweep_moe_variants(dev, g, "moe_fold", ({"fold_scales": False},), t_list, experts)}
 
 
 MOE_TILES = ({"num_stages": 2}, {"num_stages": 4}, {"num_stages": 5}, {"BLOCK_N": 128},
@@ -600,12 +601,13 @@ def sweep_moe_scale_layout(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     return {"moe_scale_layout": rows}
 
 
-def _sweep_moe_variants(dev, g, name, variants, t_list):
-    """Each config override in ``variants`` at each T against the engine's default launch: µs and bits."""
+def _sweep_moe_variants(dev, g, name, variants, t_list, experts=None):
+    """Each config override in ``variants`` at each T against the engine's default launch: µs and bits
+    (``experts``: the (w13, s13, w2, s2) to run, else new random ones)."""
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
 
-    w13, s13, w2, s2 = random_fp4_experts(dev, g)
+    w13, s13, w2, s2 = experts if experts is not None else random_fp4_experts(dev, g)
     rows = []
     for t in t_list:
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)

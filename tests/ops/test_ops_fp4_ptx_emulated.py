@@ -109,7 +109,7 @@ def _expected(w, c):
         for pair in ((0, 1), (2, 3)):
             halves = [_f64_to_bf16_bits(vals[(w >> (8 * b + shift)) & 15] * scale) for b in pair]
             outs.append(halves[0] | halves[1] << 16)
-    return [outs[0], outs[1], outs[2], outs[3]]
+    return outs
 
 
 def _same_bits(got, want):

@@ -373,10 +373,10 @@ def test_folded_scales_give_the_same_bits(fp4_layer, t, direct):
 
 
 @pytest.mark.skipif(not _ptx_available(), reason="PTX MXFP4 decode needs a CUDA sm_80+ GPU (compiled)")
-def test_a_scale_code_above_128_keeps_the_two_multiply_decode():
+def test_a_scale_code_above_128_keeps_the_two_multiply_decode(fp4_layer):
     """One expert's scale of 2^2 (code 129) in W1: the up kernel must not fold (2^128 is no bf16), the
     down kernel still may; the output equals the portable decode's bit for bit."""
-    w13, s13, w2, s2 = (t.clone() for t in fp4_layer_tensors())
+    w13, s13, w2, s2 = (t.clone() for t in fp4_layer)  # the module's layer stays unchanged
     s13.view(torch.uint8)[3, 5, 1] = 129
     assert not tmoe._fold_ok(s13, s13.view(torch.uint8)) and tmoe._fold_ok(s2, s2.view(torch.uint8))
     g = gen(91)
@@ -384,7 +384,3 @@ def test_a_scale_code_above_128_keeps_the_two_multiply_decode():
     ids, w = _route(24, g)
     ys = [tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config={"ptx_fp4": p}) for p in (False, True)]
     assert torch.equal(ys[0], ys[1])
-
-
-def fp4_layer_tensors():
-    return stack_experts(*mxfp4_experts(E, H, I, gen(1)))
