@@ -7,8 +7,9 @@ the same inputs, and batch invariance: row 0 of the T/M-row launch == the row la
 then timed: median of CUDA-graph replays (no launch overhead) and of plain launches
 (``triton.testing.do_bench``). Copy bandwidth and the bf16 matmul peak are measured in the same
 run; bound = max(bytes / bandwidth, FLOPs / peak), "of bound" = bound / Triton graph time. The
-mHC mixes GEMM is IEEE fp32 (CUDA-core FMA, ~1/10 of the bf16 peak), so at T = 8192 its real
-ceiling is below the bf16-peak bound shown.
+mHC mixes GEMM of bf16 streams is three bf16 tensor-core dots (an exact split of the fp32 fn); of
+fp32 streams IEEE fp32 (CUDA-core FMA, ~1/10 of the bf16 peak), whose real ceiling at T = 8192 is
+below the bf16-peak bound shown.
 
     PYTHONPATH=. python3 bench/kernels_mhc.py [--out mhc.json]   # on the GPU
     PYTHONPATH=. python3 bench/kernels_mhc.py --small             # CPU interpreter smoke test
@@ -182,6 +183,7 @@ def bench_dense(results, dev, shapes, bw, peak):
 MIX_SWEEP = [dict(SPLIT=sp, MIX_BLOCK_T=bt, MIX_BLOCK_K=bk)
              for sp, bt, bk in ((512, 64, 16), (256, 64, 16), (128, 64, 16), (512, 64, 32), (256, 32, 32),
                                 (128, 32, 32), (128, 16, 32), (64, 16, 32), (256, 16, 64))]
+MIX_SWEEP += [dict(MIX_BF16X3=False)]  # the fp32 FMA mixes, against the default tensor-core ones
 
 
 def sweep_mix(results, dev, shapes):
@@ -215,13 +217,15 @@ def sweep_mix(results, dev, shapes):
 
 
 POST_MIX_SWEEP = [dict(MIX_BLOCK_T=bt, MIX_WARPS=w, POST_MIX_WARPS_PREFILL=w) for bt in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
+# the fp32 FMA mixes (other bits: timed against the default's tensor-core mixes in the same run)
+POST_MIX_SWEEP += [dict(MIX_BF16X3=False), dict(MIX_BF16X3=False, MIX_WARPS=4, POST_MIX_WARPS_PREFILL=4)]
 
 
 def sweep_post_mix(results, dev, shapes):
     """mhc_post_pre (the fused post + next pre, one launch pair per sub-layer) per POST_MIX_SWEEP
-    launch shape: tokens per mixes program and warps. Neither changes a token's summation order
-    (the FMA dot adds k in order inside one thread; SPLIT and MIX_BLOCK_K stay), so every output
-    must equal the default config's bitwise; CUDA-graph µs at each T."""
+    launch shape: tokens per mixes program, warps, the mixes dot. Every output is compared bitwise with the
+    default config's (warps up to 4 at the default tile keep the bits; ``MIX_BF16X3=False``, the fp32 FMA
+    mixes, changes them and is timed as the baseline); CUDA-graph µs at each T."""
     from dsv4.ops.triton import mhc as tm
 
     _, graph = _timers(dev)
@@ -311,6 +315,8 @@ def main(argv=None):
     ap.add_argument("--sweep-mix", action="store_true", help="time hc_pre's mixes tiles (MIX_SWEEP) instead")
     ap.add_argument("--sweep-post-mix", action="store_true",
                     help="time mhc_post_pre's launch shapes (POST_MIX_SWEEP, same bits) instead")
+    ap.add_argument("--configs", default=None,
+                    help="JSON list of configs: replaces the swept list (MIX_SWEEP / POST_MIX_SWEEP / DENSE_PREFILL_TILES)")
     ap.add_argument("--sweep-dense-prefill", action="store_true",
                     help="time dense_linear's prefill tiles (DENSE_PREFILL_TILES, same bits) instead")
     args = ap.parse_args(argv)
@@ -324,10 +330,15 @@ def main(argv=None):
     t0 = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  "
           f"{torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}")
-    if args.sweep_mix or args.sweep_post_mix or args.sweep_dense_prefill:
+    sweeps = [f for on, f in ((args.sweep_mix, sweep_mix), (args.sweep_post_mix, sweep_post_mix),
+                              (args.sweep_dense_prefill, sweep_dense_prefill)) if on]
+    if args.configs:
+        global MIX_SWEEP, POST_MIX_SWEEP, DENSE_PREFILL_TILES
+        MIX_SWEEP = POST_MIX_SWEEP = DENSE_PREFILL_TILES = json.loads(args.configs)
+    if sweeps:  # the asked sweeps, one after the other
         results: list = []
-        sweep = sweep_mix if args.sweep_mix else (sweep_post_mix if args.sweep_post_mix else sweep_dense_prefill)
-        sweep(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
+        for sweep in sweeps:
+            sweep(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
     else:
         results = run("cuda" if cuda else "cpu", [], small=args.small)
     fails = [r for r in results if str(r.get("check", "")).startswith("FAIL")]

@@ -61,7 +61,8 @@ def _kernels():
         "mhc_post_mix": (mhc._post_mix_kernel,  # tile = (MIX_BLOCK_T, MIX_BLOCK_K); SPLIT 256, n = 4
                          dict(s_ptr="*bf16", o_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", y_ptr="*bf16",
                               fn_ptr="*fp32", part_ptr="*fp32"), set(), set(), set(),
-                         lambda a, b: dict(N=4, NMIX=24, NMIX_P=32, SPLIT=256, BLOCK_T=a, BLOCK_K=b, INTERP=False)),
+                         lambda a, b: dict(N=4, NMIX=24, NMIX_P=32, SPLIT=256, BLOCK_T=a, BLOCK_K=b, BF16X3=True,
+                                           INTERP=False)),
         "sparse_attention": (sparse_attention._sparse_attn_kernel, _attn_ptrs(sparse_attention), {"scale_log2"},
                              None, set(), lambda a, b: _attn_consts(a, b)),
     }

@@ -28,6 +28,10 @@ from dsv4.model.linear import linear  # noqa: E402
 from dsv4.model.norms import unit_rms_norm  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import mhc as tm  # noqa: E402
+from dsv4.ops.triton._common import interpreting  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 ITERS, HC_EPS, RMS_EPS = 20, 1e-6, 1e-6
 ULP1 = 2.0 ** -23  # fp32 spacing at 1
@@ -194,3 +198,45 @@ def test_registry_and_errors():
                    torch.ones(2, 4, 4, device=s.device))
     empty = tm.hc_pre(s[:0], fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     assert [tuple(t.shape) for t in empty] == [(0, 64), (0, 4), (0, 4, 4)]
+
+
+@triton.jit
+def _split_probe(f_ptr, out_ptr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """out = I · f through ``_mix_dot``'s bf16x3 path: each output is (0 + f·lo) + f·mid + f·hi."""
+    r = tl.arange(0, BLOCK)
+    f = tl.load(f_ptr + r[:, None] * BLOCK + r[None, :])
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    acc = tm._mix_dot(eye, f, tl.zeros((BLOCK, BLOCK), dtype=tl.float32), True, INTERP)
+    tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+def test_mix_dot_bf16x3_split_is_exact():
+    """The three bf16 parts of every fp32 value sum back to it exactly (so a bf16 x times them loses
+    nothing): values of every sign and of magnitudes 2^-40..2^40, full 24-bit mantissas."""
+    g = gen(77)
+    b = 32
+    mant = 1.0 + torch.randint(0, 1 << 23, (b, b), generator=g).double() / (1 << 23)
+    f = (mant * torch.exp2(torch.randint(-40, 41, (b, b), generator=g).double())
+         * torch.where(torch.rand(b, b, generator=g) < 0.5, -1.0, 1.0)).float()
+    f[0, :4] = torch.tensor([0.0, -0.0, 1.0, -(2.0 ** -30)])
+    out = torch.empty_like(f, device=DEV)
+    _split_probe[(1,)](f.to(DEV).contiguous(), out, BLOCK=b, INTERP=interpreting(), num_warps=4)
+    assert torch.equal(out.cpu(), f), (out.cpu() - f).abs().max()
+
+
+@pytest.mark.parametrize("bf16x3", [True, False])
+def test_hc_pre_bf16_streams_both_mix_dots(bf16x3):
+    """bf16 streams through the tensor-core mixes (default) and the fp32 FMA dot (``MIX_BF16X3`` off):
+    both within the oracle bound of ``test_hc_pre_matches_oracle`` for post and comb."""
+    T, n, H = 16, 4, 256
+    s, fn, base, scale = _inputs(T, n, H, 31, torch.bfloat16, peaked=True)
+    col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config={"MIX_BF16X3": bf16x3})
+    o_col, o_post, o_comb = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
+    x = s.reshape(T, -1).double()
+    xh = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
+    dot_err = math.sqrt(n * H) * 2.0 ** -24 * (xh.abs() @ fn.double().abs().T)
+    seq = {"post": (0.5 * scale.double()[1] * dot_err[:, n:2 * n]).max().item() + ULP1,
+           "comb": n * (0.5 * scale.double()[2] * dot_err[:, 2 * n:]).max().item() + ULP1}
+    for name, k, o, e in (("post", post, o_post, e_post), ("comb", comb, o_comb, e_comb)):
+        assert _max(k, e) <= max(2 * _max(o, e) + 2 * ULP1, seq[name]), (name, _max(k, e), _max(o, e))

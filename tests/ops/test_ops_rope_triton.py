@@ -76,7 +76,7 @@ def test_apply_rope_in_place_on_a_strided_view_leaves_the_base_alone():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(6, 4, 512), (3, 2, 128), (9, 64)])
+@pytest.mark.parametrize("shape", [(6, 4, 512), (3, 2, 128), (9, 64), (5, 3, 96)])
 def test_unit_norm_rope_is_the_unfused_gpu_path_bitwise(dtype, shape):
     g = gen(hash((str(dtype), shape)) % 10_000)
     x = _x(shape, g, dtype, specials=False)

@@ -3,9 +3,12 @@
 hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in torch) with:
 
 1. ``_mix_kernel``, program = (BLOCK_T tokens, one SPLIT-column slice of the flattened streams
-   x [T, n·H]): partial mixes x·fnᵀ (fp32 IEEE dot, fn zero-padded from 2n+n² to NMIX_P rows) and
-   the partial Σx² in the spare column NMIX, stored to part [S, T, NMIX_P] fp32 (``dense.dot_acc``:
-   tl.dot compiled, a k-by-k sum in the interpreter).
+   x [T, n·H]): partial mixes x·fnᵀ (fn zero-padded from 2n+n² to NMIX_P rows) and the partial Σx²
+   in the spare column NMIX, stored to part [S, T, NMIX_P] fp32. The dot (``_mix_dot``): for bf16
+   streams three bf16 tensor-core dots against an exact three-way bf16 split of fn (every product
+   exact, fp32 accumulation; H200, 8K prompt: the fused post + mixes 1,223 → 881 µs a launch); for
+   fp16 / fp32 streams an IEEE fp32 dot (CUDA-core FMAs). ``dense.dot_acc``: tl.dot compiled, a
+   k-by-k sum in the interpreter.
 2. ``_gate_kernel``, program = (BLOCK_T tokens, one H_SLICE of the hidden size): the S partials
    summed in slice order, r = 1/sqrt(Σx²/(n·H) + eps) (IEEE fp32, as torch's rsqrt on CPU),
    mixes = r·(x·fnᵀ); then in **float64** like the oracle: pre = sigmoid + eps, post = 2·sigmoid,
@@ -20,7 +23,9 @@ rounding only (fp32 level). hc_eps enters the float64 math exactly, passed as th
 
 Batch invariance: the tile sizes, the slice width SPLIT and the order in which slices are summed
 are constants (S depends on n·H only), so a token's arithmetic never depends on T or on its row
-position. n need not be a power of two (padded to NP with masked lanes); n = 4 in the release.
+position. The warp count may differ with T (decode 4, prefill 1): at MIX_BLOCK_T = 32 every count up
+to 4 runs the same mma.sync tiles in the same k order (the H200 sweep found the same bits for 1, 2
+and 4 warps; 8 warps or another MIX_BLOCK_T change them). n need not be a power of two (padded to NP with masked lanes); n = 4 in the release.
 
 hc_post, program = (BLOCK_T tokens, BLOCK_H columns): R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out
 with the oracle's roundings in the stream dtype dt: post and comb rounded to dt, post·out rounded
@@ -60,9 +65,11 @@ CONFIG = dict(
     SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
     MIX_BLOCK_T=32,  # tokens per mixes program
     MIX_BLOCK_K=32,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
-    MIX_WARPS=4,     # warps per mixes program (the FMA dot sums k in order in one thread: same bits)
-    POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep,
-    # tenth session, same bits: T = 8192 1,222 vs 1,654 µs; at T = 1 4 warps stay faster, 28.6 vs 36.2)
+    MIX_WARPS=4,     # warps per mixes program (any count: the same bits, see the module docstring)
+    MIX_BF16X3=True,  # bf16 streams: the mixes as three exact bf16 tensor-core dots (``_mix_dot``)
+    POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep, same
+    # bits; seventeenth session, tensor-core mixes: T = 8192 in 881 µs at 1 warp, 895 at 2, 1,028 at 4, against
+    # 1,223 for the FMA mixes at 1 warp; at T ≤ 64, MIX_WARPS = 4: 25.1 / 28.4 µs at T = 1 / 64)
     GATE_BLOCK_T=8,  # tokens per gate/collapse program
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
@@ -84,9 +91,30 @@ def _f64_parts(v: float) -> tuple[float, float, float]:
 
 
 @triton.jit
+def _mix_dot(x, f, acc, BF16X3: tl.constexpr, INTERP: tl.constexpr):
+    """acc + x·f for the mixes, f [BLOCK_K, NMIX_P] fp32. BF16X3 (x holds bf16 values): f is split
+    exactly into three bf16 parts (f = hi + mid + lo: round to bf16, subtract, twice; 8 + 8 + 8 bits
+    cover fp32's 24), so every product x·part is exact in fp32 and the three tensor-core dots
+    (smallest part first) carry the whole fp32 product; else one IEEE fp32 dot (CUDA-core FMAs,
+    k in order in one thread). The interpreter sums each dot k by k (``dense.dot_acc``)."""
+    if BF16X3:
+        hi = f.to(tl.bfloat16)
+        r = f - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        xb = x.to(tl.bfloat16)
+        acc = dot_acc(xb, lo, acc, False, INTERP)
+        acc = dot_acc(xb, mid, acc, False, INTERP)
+        acc = dot_acc(xb, hi, acc, False, INTERP)
+    else:
+        acc = dot_acc(x, f, acc, True, INTERP)
+    return acc
+
+
+@triton.jit
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_ps, stride_pt,
                 NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -107,7 +135,7 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_ps, 
         f = tl.load(fn_ptr + offs_c[None, :] * stride_fn + kk[:, None],
                     mask=c_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
         sq += x * x
-        acc = dot_acc(x, f, acc, True, INTERP)
+        acc = _mix_dot(x, f, acc, BF16X3, INTERP)
     ss = tl.sum(sq, axis=1)
     acc = tl.where(offs_c[None, :] == NMIX, ss[:, None], acc)
     tl.store(part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + offs_c[None, :], acc,
@@ -196,6 +224,12 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
         tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], cast(acc, out_dtype, INTERP), mask=mh)
 
 
+def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
+    """The mixes on tensor cores (``_mix_dot``): bf16 streams only (their values are exact in bf16;
+    fp16 / fp32 streams keep the fp32 FMA dot), unless config ``MIX_BF16X3`` is False."""
+    return bool(cfg["MIX_BF16X3"]) and dtype == torch.bfloat16
+
+
 def _check_streams(streams: torch.Tensor, name: str = "streams") -> torch.Tensor:
     if streams.dim() != 3:
         raise ValueError(f"{name} must be [T, n, H], got shape {tuple(streams.shape)}")
@@ -264,7 +298,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     _mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
         streams, fn32, part, T, k, streams.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"], BLOCK_K=cfg["MIX_BLOCK_K"],
-        INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
+        BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
 
 
@@ -340,7 +374,7 @@ def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
                      stride_st, stride_sn, stride_ot, stride_pot, stride_ct, stride_ci, stride_yt,
                      stride_fn, stride_ps, stride_pt,
                      N: tl.constexpr, NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     """hc_post for one SPLIT slice of y [T, n·H] (``_post_kernel``'s arithmetic), then that slice's
     partial mixes and Σy² (``_mix_kernel``'s arithmetic, on the values it would read back)."""
     pid_t = tl.program_id(0)
@@ -378,7 +412,7 @@ def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         f = tl.load(fn_ptr + offs_c[None, :] * stride_fn + kk[:, None],
                     mask=c_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
         sq += x * x
-        acc = dot_acc(x, f, acc, True, INTERP)
+        acc = _mix_dot(x, f, acc, BF16X3, INTERP)
     ss = tl.sum(sq, axis=1)
     acc = tl.where(offs_c[None, :] == NMIX, ss[:, None], acc)
     tl.store(part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + offs_c[None, :], acc,
@@ -415,6 +449,6 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
         streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
         y.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"],
-        BLOCK_K=cfg["MIX_BLOCK_K"], INTERP=interpreting(),
+        BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
         num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["POST_MIX_WARPS_PREFILL"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))

@@ -3,7 +3,9 @@
 Why: the torch ``apply_rope`` is ~10 kernels (slice to fp32, four products, sub/add, stack, cast,
 cat) and its ``cat`` rewrites the whole tensor — at an 8K prefill the query's and the output's
 rotations moved ~12 ms of copies a step. Here one program per (row, head block) reads each value
-once.
+once; ``apply_rope`` loads the rope channels' (even, odd) pairs as one contiguous run and splits them
+in registers (two stride-2 loads and stores made the in-place inverse rotation of an 8K prefill's
+output 10x slower on the H200: 0.41 vs 0.04 ms a layer).
 
 Bits: the same as the torch code. ``apply_rope``'s products and sums are fp32 operations rounded
 one by one (torch runs them as separate kernels), so the kernels are compiled without FMA
@@ -56,13 +58,14 @@ def _rope_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, H, D, RD,
     s = tl.load(sin_ptr + t * stride_st + i, mask=im, other=0.0)
     if INVERSE:
         s = s * -1.0  # not -s: some Triton versions lower a float's unary minus as 0 - s (sin 0 -> +0, not -0)
-    ev = D - RD + 2 * i
-    m = hm[:, None] & im[None, :]
-    xe = tl.load(xrow + ev[None, :], mask=m, other=0.0).to(tl.float32)
-    xo = tl.load(xrow + ev[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+    # the (even, odd) pairs as one contiguous run, split in registers: two stride-2 loads and stores
+    # made the in-place inverse rotation of an 8K prefill's output 10x slower (H200: 0.41 vs 0.04 ms)
+    j = tl.arange(0, 2 * BLOCK_R)
+    m = hm[:, None] & (j < RD)[None, :]
+    pairs = tl.load(xrow + (D - RD) + j[None, :], mask=m, other=0.0).to(tl.float32)
+    xe, xo = tl.split(tl.reshape(pairs, (BLOCK_H, BLOCK_R, 2)))
     re, ro = _rotate(xe, xo, c[None, :], s[None, :], dt, INTERP)
-    tl.store(yrow + ev[None, :], re, mask=m)
-    tl.store(yrow + ev[None, :] + 1, ro, mask=m)
+    tl.store(yrow + (D - RD) + j[None, :], tl.reshape(tl.join(re, ro), (BLOCK_H, 2 * BLOCK_R)), mask=m)
 
 
 @triton.jit
