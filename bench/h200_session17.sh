@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # nvidia-h200 (one GPU) calls of the seventeenth session (issue 8). Steps, each only when its variable is set:
-# ROPE=1: bench/kernels_rope.py (the RoPE kernels); MHC: bench/kernels_mhc.py with these flags (and --configs
+# W16 (its arguments): bench/fp8_w16.py; ROPE=1: bench/kernels_rope.py (the RoPE kernels); MHC: bench/kernels_mhc.py with these flags (and --configs
 # "$MHC_CONFIGS" when set);
 # TRACE (prompt lengths, space-separated): bench/prefill_trace.py on the flash-width checkpoint (the GPU's idle
 # gaps in a prefill and what the host did in them); E2E_ARGS: bench/e2e.py (E2E_S s at most); then TESTS_A/B/C in
@@ -16,6 +16,10 @@
 # E2E_ARGS="--batches 1,8,64 --prefill 1024,8192" E2E_S=300 TESTS_A="tests/ops/test_ops_mhc_post_pre_triton.py
 # tests/gpu/test_gpu_prefill_invariance.py" TESTS_B="tests/gpu/test_gpu_batch_invariance.py"
 # TESTS_C="tests/gpu/test_gpu_engine_vs_torch.py tests/gpu/test_gpu_path_vs_torch.py" DEADLINE_S=590.
+# Call 5 (the experiment: the weight dequantized by torch ops, five shapes): W16="--m 8192" W16_S=270 DEADLINE_S=300.
+# Call 6 (w16 in the engine): W16="--m 8192" W16_S=110 E2E_ARGS="--batches 1 --prefill 1024,8192 --skip-transformers"
+# E2E_S=120 TESTS_A="tests/ops/test_ops_fp8_linear_triton.py tests/gpu/test_gpu_prefill_invariance.py"
+# TESTS_B="tests/gpu/test_gpu_engine_vs_torch.py" DEADLINE_S=330.
 POST_MIX_CONFIGS='[{}, {"POST_MIX_WARPS_PREFILL": 1}, {"POST_MIX_WARPS_PREFILL": 2}, {"POST_MIX_WARPS_PREFILL": 8},
  {"MIX_WARPS": 1}, {"MIX_WARPS": 2}, {"MIX_BLOCK_T": 16}, {"MIX_BF16X3": false, "POST_MIX_WARPS_PREFILL": 1}]'
 [ "${MHC_CONFIGS-}" = post ] && MHC_CONFIGS=$POST_MIX_CONFIGS
@@ -23,6 +27,10 @@ source bench/device_env.sh
 : "${DEADLINE_S:=560}"
 export CUDA_VISIBLE_DEVICES=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+if [ -n "${W16-}" ]; then
+  timeout ${W16_S:-200} python3 bench/fp8_w16.py $W16 --out "$OUT/w16.json" > "$OUT/w16.log" 2>&1
+  echo "w16 experiment exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/w16.log" | cut -c1-230
+fi
 if [ -n "${ROPE-}" ]; then
   timeout ${ROPE_S:-120} python3 bench/kernels_rope.py --out "$OUT/rope.json" > "$OUT/rope.log" 2>&1
   echo "rope bench exit $? at $(( $(date +%s) - T0 )) s"; grep -vE "Warning|warn" "$OUT/rope.log" | cut -c1-200

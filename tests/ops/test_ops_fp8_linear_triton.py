@@ -103,7 +103,10 @@ def test_decode_split_k_and_tile_overrides():
     pre = tfl.pick_config(300, n, k, torch.device(DEV))
     assert pre["BLOCK_M"] == 128 and pre["split_k"] == 1
     big = tfl.pick_config(8192, 4096, 8192, torch.device(DEV))
-    assert (big["BLOCK_M"], big["BLOCK_N"], big["split_k"]) == (256, 128, 1)
+    # wo_b's K is several chunks on the H200 (132 SMs): the bf16-weight tile; one chunk in the interpreter (8 "SMs")
+    chunked = tfl.invariant_chunk(4096, 8192, torch.device(DEV)) < 8192
+    want = (tfl.W16_TILE["BLOCK_M"], tfl.W16_TILE["BLOCK_N"], 1) if chunked else (256, 128, 1)
+    assert (big["BLOCK_M"], big["BLOCK_N"], big["split_k"]) == want and bool(big.get("w16")) == chunked
 
 
 def test_leading_dims_and_empty():
@@ -224,3 +227,59 @@ def test_grouped_block_diagonal(m, groups):
         tfl.fp8_linear(x[:, :k], wq, s, groups=groups)  # x too narrow for the groups
     with pytest.raises(ValueError, match="groups"):
         torch_ops.fp8_linear(x, wq[:r + 64], s[:2], groups=2)  # groups of 96 rows: not whole scale blocks
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", [(OCP, "ue8m0"), (FNUZ, "ue8m0"), (OCP, "fp32")])
+def test_dequant_weight_is_the_kernels_dequantization(fmt, scale_fmt):
+    """``dequant_weight``: the weight as the GEMM dequantizes it in registers (the format module's
+    block dequantization, rounded to the activation dtype), edge blocks and NaN codes included."""
+    g = gen(410)
+    wq, s = _weights(200, 300, g, scale_fmt=scale_fmt, fmt=fmt)
+    ref = dequantize_block_fp8(wq.cpu(), s.cpu(), out_dtype=torch.bfloat16)  # the format follows the dtype
+    got = tfl.dequant_weight(wq, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (200, 300)
+    torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("m,groups,act_quant,k", [(70, 1, False, 520), (130, 2, False, 520), (33, 1, True, 512)])
+def test_w16_path_gives_the_fp8_paths_bits(m, groups, act_quant, k):
+    """``config["w16"]``: the GEMM over the pre-dequantized weight (True: dequantized here, or the
+    tensor) equals the in-register decode bitwise, with K chunks, groups, act_quant and edge tiles."""
+    g = gen(420 + m)
+    wq, s = _weights(groups * 128 if groups > 1 else 200, k, g)
+    x = randn((m, groups * k), g).to(torch.bfloat16)
+    ref = tfl.fp8_linear(x, wq, s, groups=groups, act_quant=act_quant, config={"w16": False})
+    for w16 in (True, tfl.dequant_weight(wq, s, torch.bfloat16)):
+        y = tfl.fp8_linear(x, wq, s, groups=groups, act_quant=act_quant, config={"w16": w16})
+        assert torch.equal(y, ref)
+    with pytest.raises(ValueError, match="w16"):
+        tfl.fp8_linear(x, wq, s, groups=groups, config={"w16": torch.zeros(3, 3, dtype=torch.bfloat16, device=DEV)})
+
+
+def test_long_prefills_of_chunked_weights_take_the_w16_tile():
+    """pick_config: the bf16-weight tile for invariant prefills of ≥ W16_MIN_M rows whose K is several
+    chunks only; its rows have the decode tile's bits (a prompt's chunking cannot change them)."""
+    dev = torch.device(DEV)
+    n, k = 256, 512
+    assert tfl.invariant_chunk(n, k, dev) < k  # several chunks
+    cfg = tfl.pick_config(tfl.W16_MIN_M, n, k, dev)
+    assert cfg.get("w16") is True and cfg["BLOCK_M"] == tfl.W16_TILE["BLOCK_M"]
+    assert not tfl.pick_config(tfl.W16_MIN_M - 1, n, k, dev).get("w16")
+    assert not tfl.pick_config(64, n, k, dev).get("w16")  # decode
+    assert not tfl.pick_config(tfl.W16_MIN_M, n, k, dev, x_bytes=4).get("w16")  # fp32 activations
+    one = 128 * 8 * 64  # n so large that K is one chunk
+    assert tfl.invariant_chunk(one, 256, dev) >= 256 and not tfl.pick_config(tfl.W16_MIN_M, one, 256, dev).get("w16")
+    set_batch_invariant(False)
+    try:
+        assert not tfl.pick_config(tfl.W16_MIN_M, n, k, dev).get("w16")
+    finally:
+        set_batch_invariant(True)
+    g = gen(430)
+    wq, s = _weights(n, k, g)
+    x = randn((tfl.W16_MIN_M, k), g).to(torch.bfloat16)
+    # the interpreter's k-by-k dot materializes BLOCK_M·BLOCK_N·128 products: a smaller tile there (w16 stays on)
+    tile = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4) if INTERPRET else None
+    assert tfl.pick_config(tfl.W16_MIN_M, n, k, dev, tile).get("w16") is True
+    y = tfl.fp8_linear(x, wq, s, config=tile)
+    assert torch.equal(y[:64], tfl.fp8_linear(x[:64], wq, s))
+    assert torch.equal(y[-3:], tfl.fp8_linear(x[-3:], wq, s))
