@@ -56,6 +56,18 @@ BLOCK = 128
 
 
 @triton.jit
+def _dequant_tile(wb, sb, DTYPE: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """e4m3 bytes [rows, k] times their rows' block scales (UE8M0 bytes or float32), rounded to DTYPE:
+    the one expression both the GEMM (in registers) and ``dequant_weight`` (to memory) evaluate."""
+    if SCALE_UE8M0:
+        s = ue8m0_to_f32(sb)
+    else:
+        s = sb.to(tl.float32)
+    return cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], DTYPE, INTERP)
+
+
+@triton.jit
 def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
            stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
@@ -77,11 +89,7 @@ def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_m
             wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
                          mask=n_mask[:, None] & k_mask[None, :], other=0)
             sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-            if SCALE_UE8M0:
-                s = ue8m0_to_f32(sb)
-            else:
-                s = sb.to(tl.float32)
-            w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * s[:, None], x_dtype, INTERP)
+            w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
         if ACT_QUANT:
             x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
         if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
@@ -197,9 +205,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, GROUP_M=8, split_k=1)
     elif invariant and m >= W16_MIN_M and invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK:
         # long prefill of a weight whose K is several chunks (two fp32 tiles live): the weight dequantized
-        # to bf16 first (one launch, ~N·K·3 bytes), then a plain bf16 GEMM at 128 x 128 (same bits; H200,
-        # M = 8192, seventeenth session: wo_b 1,512 -> 1,155 us, shared w1 428 -> 322, wq_a 258 -> 191,
-        # wkv 180 -> 148, each against the best FP8-decoding tile; wq_b, one chunk, gains nothing)
+        # to x's dtype first (one launch, ~N·K·3 bytes), then a plain 16-bit GEMM at 128 x 128 (same bits;
+        # H200, M = 8192, seventeenth session, dequantization included, against the previous tile: wo_b
+        # 1,525 -> 1,197 us, wo_a 1,704 -> 1,259, shared w2 640 -> 401, indexer wq_b 683 -> 411, shared w1
+        # 432 -> 332, wq_a 257 -> 195, wkv 181 -> 148; wq_b, one chunk, keeps 256 x 128)
         cfg = dict(W16_TILE, GROUP_M=8, split_k=1, w16=True)
     elif invariant and n <= 2048 and math.ceil(m / 256) * math.ceil(n / 64) >= 96 and \
             invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK:
@@ -235,7 +244,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on, stride_ok,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
                     FNUZ: tl.constexpr, INTERP: tl.constexpr):
-    """out = the weight tile as ``_chunk`` dequantizes it in registers (the same expression)."""
+    """out = the weight tile as ``_chunk`` dequantizes it in registers (``_dequant_tile``)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -243,11 +252,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_wk, stride_sn
     rows = offs_n.to(tl.int64)[:, None]
     wb = tl.load(w_ptr + rows * stride_wn + kk[None, :] * stride_wk, mask=m, other=0)
     sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=offs_n < N, other=0)
-    if SCALE_UE8M0:
-        sc = ue8m0_to_f32(sb)
-    else:
-        sc = sb.to(tl.float32)
-    w = cast(fp8_to_f32(wb, NATIVE, FNUZ) * sc[:, None], out_ptr.dtype.element_ty, INTERP)
+    w = _dequant_tile(wb, sb, out_ptr.dtype.element_ty, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
     tl.store(out_ptr + rows * stride_on + kk[None, :] * stride_ok, w, mask=m)
 
 
