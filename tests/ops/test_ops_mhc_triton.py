@@ -77,6 +77,26 @@ def _oracle_pre(s, fn, base, scale):
     return (torch.sigmoid(mixes[:, :n] * scale.double()[0] + base.double()[:n]) + HC_EPS).float()
 
 
+def _sequential_bounds(s, fn, scale):
+    """(post, comb) error bounds from a sequential fp32 mixes sum.
+
+    post = 2·sigmoid(scale1·m + b): |∂post/∂m| ≤ scale1/2, so a mixes error δ moves it by ≤ scale1·δ/2.
+    The kernel sums its fp32 mixes GEMM sequentially (FMA over K = n·H), the oracle's cuBLAS in
+    blocks; their errors are different draws, so besides "≤ 2× the oracle's error" the kernel may
+    reach its own typical sequential-summation error √K·u·Σ|x̂||fn| (Higham, §2.8), measured here
+    on the H200: 7.6e-7 for post vs the oracle's 2.0e-7 (the interpreter's BLAS matched the oracle's).
+    comb: the softmax moves each entry by ≤ scale2·δ/2 (|∂p_i/∂z_j| summed over j ≤ 1/2), and to
+    first order the Sinkhorn's row/column normalisations (each a division by an n-term sum) pass on
+    at most n× that; measured on the H200 for bf16 peaked streams: 3.2e-6 vs the oracle's 6.0e-7."""
+    T, n, H = s.shape
+    x = s.reshape(T, -1).double()
+    xh = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
+    dot_err = math.sqrt(n * H) * 2.0 ** -24 * (xh.abs() @ fn.double().abs().T)  # [T, 2n+n²]
+    seq_post = (0.5 * scale.double()[1] * dot_err[:, n:2 * n]).max().item() + ULP1
+    seq_comb = n * (0.5 * scale.double()[2] * dot_err[:, 2 * n:]).max().item() + ULP1
+    return seq_post, seq_comb
+
+
 def _max(a, b):
     return (a.double() - b.double()).abs().max().item()
 
@@ -91,19 +111,7 @@ def test_hc_pre_matches_oracle(dtype, peaked):
     assert col.dtype == dtype and post.dtype == comb.dtype == torch.float32
     assert col.shape == (T, H) and post.shape == (T, n) and comb.shape == (T, n, n)
     e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
-    # post = 2·sigmoid(scale1·m + b): |∂post/∂m| ≤ scale1/2, so a mixes error δ moves it by ≤ scale1·δ/2.
-    # The kernel sums its fp32 mixes GEMM sequentially (FMA over K = n·H), the oracle's cuBLAS in
-    # blocks; their errors are different draws, so besides "≤ 2× the oracle's error" the kernel may
-    # reach its own typical sequential-summation error √K·u·Σ|x̂||fn| (Higham, §2.8), measured here
-    # on the H200: 7.6e-7 for post vs the oracle's 2.0e-7 (the interpreter's BLAS matched the oracle's).
-    x = s.reshape(T, -1).double()
-    xh = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
-    dot_err = math.sqrt(n * H) * 2.0 ** -24 * (xh.abs() @ fn.double().abs().T)  # [T, 2n+n²]
-    seq_post = (0.5 * scale.double()[1] * dot_err[:, n:2 * n]).max().item() + ULP1
-    # comb: the softmax moves each entry by ≤ scale2·δ/2 (|∂p_i/∂z_j| summed over j ≤ 1/2), and to
-    # first order the Sinkhorn's row/column normalisations (each a division by an n-term sum) pass on
-    # at most n× that; measured on the H200 for bf16 peaked streams: 3.2e-6 vs the oracle's 6.0e-7
-    seq_comb = n * (0.5 * scale.double()[2] * dot_err[:, 2 * n:]).max().item() + ULP1
+    seq_post, seq_comb = _sequential_bounds(s, fn, scale)
     for name, k, o, e in (("post", post, o_post, e_post), ("comb", comb, o_comb, e_comb)):
         err_k, err_o = _max(k, e), _max(o, e)
         print(f"\n{dtype} peaked={peaked} {name}: |kernel-exact| {err_k:.3g}, |oracle-exact| {err_o:.3g}, "
@@ -233,10 +241,6 @@ def test_hc_pre_bf16_streams_both_mix_dots(bf16x3):
     col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config={"MIX_BF16X3": bf16x3})
     o_col, o_post, o_comb = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
-    x = s.reshape(T, -1).double()
-    xh = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
-    dot_err = math.sqrt(n * H) * 2.0 ** -24 * (xh.abs() @ fn.double().abs().T)
-    seq = {"post": (0.5 * scale.double()[1] * dot_err[:, n:2 * n]).max().item() + ULP1,
-           "comb": n * (0.5 * scale.double()[2] * dot_err[:, 2 * n:]).max().item() + ULP1}
+    seq = dict(zip(("post", "comb"), _sequential_bounds(s, fn, scale)))
     for name, k, o, e in (("post", post, o_post, e_post), ("comb", comb, o_comb, e_comb)):
         assert _max(k, e) <= max(2 * _max(o, e) + 2 * ULP1, seq[name]), (name, _max(k, e), _max(o, e))

@@ -34,7 +34,9 @@ Long prefills (M ≥ W16_MIN_M) of a weight whose K is several chunks take the w
 x's dtype first (``dequant_weight``: one launch computing step 3's values) and load that tile as it is
 (``W16``): the two live fp32 tiles of the chunked sum left no registers for the in-register decode at
 the large tiles, and the plain bf16 tile runs 20-30 % faster at 128 × 128. The products and their
-order are the same, so are the bits (H200: every shape's rows equal the decode tile's).
+order are the same, so are the bits (H200: every shape's rows equal the decode tile's). The bf16 copy
+is made per launch (~28 µs for a 32M-weight matrix), not kept from load time: keeping one would double
+the memory of every FP8 linear weight for a prefill-only gain.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     Otherwise the fastest per-M choice (decode split-K from M; prefill one chunk)."""
     invariant = batch_invariant()
     decode = m <= DECODE_MAX_ROWS
+    chunked = invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK  # K in several chunks
     if invariant and decode:  # one tile shape for every M ≤ 64 (weight shape only)
         cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=_decode_block_n(n), num_warps=4, num_stages=3,
                    GROUP_M=1, split_k=None)
@@ -203,15 +206,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
     elif x_bytes > 2:  # fp32 activations: the tiles that fit in shared memory (see above)
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, GROUP_M=8, split_k=1)
-    elif invariant and m >= W16_MIN_M and invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK:
+    elif invariant and m >= W16_MIN_M and chunked:
         # long prefill of a weight whose K is several chunks (two fp32 tiles live): the weight dequantized
         # to x's dtype first (one launch, ~N·K·3 bytes), then a plain 16-bit GEMM at 128 x 128 (same bits;
         # H200, M = 8192, seventeenth session, dequantization included, against the previous tile: wo_b
         # 1,525 -> 1,197 us, wo_a 1,704 -> 1,259, shared w2 640 -> 401, indexer wq_b 683 -> 411, shared w1
         # 432 -> 332, wq_a 257 -> 195, wkv 181 -> 148; wq_b, one chunk, keeps 256 x 128)
         cfg = dict(W16_TILE, GROUP_M=8, split_k=1, w16=True)
-    elif invariant and n <= 2048 and math.ceil(m / 256) * math.ceil(n / 64) >= 96 and \
-            invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK:
+    elif invariant and n <= 2048 and math.ceil(m / 256) * math.ceil(n / 64) >= 96 and chunked:
         # prefill of a narrow weight whose K is several chunks (two fp32 tiles live): 256 x 64
         # (H200 sweep at M = 8192, tenth session: wq_a 258 vs 315 us, shared w1 436 vs 468, wkv 180 vs 239)
         cfg = dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, GROUP_M=8, split_k=1)

@@ -25,7 +25,8 @@ Batch invariance: the tile sizes, the slice width SPLIT and the order in which s
 are constants (S depends on n·H only), so a token's arithmetic never depends on T or on its row
 position. The warp count may differ with T (decode 4, prefill 1): at MIX_BLOCK_T = 32 every count up
 to 4 runs the same mma.sync tiles in the same k order (the H200 sweep found the same bits for 1, 2
-and 4 warps; 8 warps or another MIX_BLOCK_T change them). n need not be a power of two (padded to NP with masked lanes); n = 4 in the release.
+and 4 warps; 8 warps or another MIX_BLOCK_T change them). n need not be a power of two (padded to NP
+with masked lanes); n = 4 in the release.
 
 hc_post, program = (BLOCK_T tokens, BLOCK_H columns): R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out
 with the oracle's roundings in the stream dtype dt: post and comb rounded to dt, post·out rounded
@@ -64,7 +65,7 @@ CONFIG = dict(
     # 57 µs) for +3 % at T = 8192 (1.51 vs 1.47 ms)
     SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
     MIX_BLOCK_T=32,  # tokens per mixes program
-    MIX_BLOCK_K=32,  # columns per dot step (the FMA dot keeps a thread's K slice in registers)
+    MIX_BLOCK_K=32,  # columns per dot step (also the Σx² lanes: it sets that sum's order)
     MIX_WARPS=4,     # warps per mixes program (any count: the same bits, see the module docstring)
     MIX_BF16X3=True,  # bf16 streams: the mixes as three exact bf16 tensor-core dots (``_mix_dot``)
     POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep, same
