@@ -55,6 +55,20 @@ def _assert_same(got, want, what):
         assert torch.equal(a, b), (what, name, (a.double() - b.double()).abs().max().item())
 
 
+def _spy_fused_launches(monkeypatch) -> list:
+    """The grids of every ``_post_mix_kernel`` launch from now on (the launches still run)."""
+    calls = []
+    real = tm._post_mix_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tm, "_post_mix_kernel", Spy())
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H", [256, 96])  # slices within one stream / slices across two streams
 def test_post_pre_bitwise_equals_post_then_pre(dtype, H):
@@ -77,15 +91,7 @@ def test_post_pre_wide_h_and_other_tiles():
 def test_post_pre_fallback_when_h_not_a_multiple_of_block_k(monkeypatch):
     """H = 100: no fused launch; the op runs hc_post then hc_pre (bitwise the pair)."""
     assert not tm.fusable(100)
-    calls = []
-    real = tm._post_mix_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tm, "_post_mix_kernel", Spy())
+    calls = _spy_fused_launches(monkeypatch)
     for dtype in (torch.bfloat16, torch.float32):
         args = _inputs(6, 4, 100, 9, dtype)
         _assert_same(_fused(*args), _pair(*args), ("fallback", dtype))
@@ -93,6 +99,22 @@ def test_post_pre_fallback_when_h_not_a_multiple_of_block_k(monkeypatch):
     args = _inputs(3, 4, 64, 10, torch.bfloat16)
     _fused(*args)
     assert len(calls) == 1  # the spy sees the fused launch where H allows it
+
+
+def test_post_pre_runs_apart_above_fused_max_t(monkeypatch):
+    """Above POST_MIX_FUSED_MAX_T tokens (prefill: the two kernels apart were faster on the H200) the op
+    launches hc_post then hc_pre, bitwise the fused launch's results; at or below it, one fused launch."""
+    calls = _spy_fused_launches(monkeypatch)
+    cap = 4
+    args = _inputs(cap + 3, 4, 64, 11, torch.bfloat16)
+    apart = _fused(*args, config={"POST_MIX_FUSED_MAX_T": cap})
+    assert not calls
+    fused = _fused(*args, config={"POST_MIX_FUSED_MAX_T": None})
+    assert len(calls) == 1
+    _assert_same(apart, fused, "apart vs fused")
+    _fused(*_inputs(cap, 4, 64, 12, torch.bfloat16), config={"POST_MIX_FUSED_MAX_T": cap})
+    assert len(calls) == 2
+    assert tm.CONFIG["POST_MIX_FUSED_MAX_T"] == 64  # decode batches fused, prefill apart
 
 
 def test_post_pre_batch_invariant():

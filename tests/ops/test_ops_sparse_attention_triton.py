@@ -296,3 +296,49 @@ def test_an_explicit_tile_does_not_become_the_default(monkeypatch):
     assert all(c["BLOCK_H"] == 16 and c["BLOCK_N"] == 32 for c in tsa._WORKING.values())
     assert torch.equal(_run(tsa.paged_sparse_attention, sc, q, sink, 512 ** -0.5), default)
 
+
+
+@pytest.mark.parametrize("fmt", [OCP, FNUZ], ids=["ocp", "fnuz"])
+@pytest.mark.parametrize("kind,qdtype", [("csa", torch.bfloat16), ("hca", torch.float32), ("swa", torch.bfloat16)])
+def test_keys_decoded_once_give_the_same_bits(fmt, kind, qdtype):
+    """The prefill form (every listed record decoded to bf16 once, then dense pages) against the
+    in-register decode: the same MMA inputs in the same order, so bitwise the same output; both
+    within the oracle's bound."""
+    sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(20 + (kind == "hca")))
+    q, sink, inreg = _check(sc, 16, qdtype, 21, config={"predecode": False})
+    once = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"predecode": True}), sc, q, sink, 512 ** -0.5)
+    assert torch.equal(once, inreg)
+
+
+def test_decode_pages_compacts_the_table_and_decodes_each_record():
+    """``decode_pages``: entry (s, j) of the table becomes page s·n + j holding that page's records as
+    the torch codec decodes them (bf16-exact), and −1 entries stay −1."""
+    sc = Scene(OCP, "csa", LENS, QUERIES, 40, gen(22))
+    dec, tab = tsa.decode_pages(sc.swa_pages, sc.swa_table, SWA, False, False)
+    S, n = sc.swa_table.shape
+    assert dec.shape == (S * n, SWA, 512) and dec.dtype == torch.bfloat16
+    want_tab = torch.where(sc.swa_table >= 0, torch.arange(S * n, device=DEV).view(S, n), -1)
+    assert torch.equal(tab, want_tab)
+    for s in range(S):
+        for j in range(n):
+            page = int(sc.swa_table[s, j])
+            if page < 0:
+                continue
+            off = torch.arange(SWA, device=DEV)
+            ref = torch_attention._read(sc.swa_pages, torch.full_like(off, page), off, sc.fmt, SWA)
+            assert torch.equal(dec[s * n + j].float(), ref.float()), (s, j)
+
+
+def test_predecode_rule_uses_step_size_and_table_records():
+    """Auto: T ≥ PREDECODE_MIN_T and at most PREDECODE_RECORDS_PER_TOKEN table records per token (a
+    decode batch over long contexts keeps the in-register decode); ``config["predecode"]`` wins."""
+    t = tsa.PREDECODE_MIN_T
+    swa = torch.zeros(1, 128, dtype=torch.long)
+    blk = torch.zeros(1, 32, dtype=torch.long)
+    assert tsa._predecode(None, 8192, swa, 64, blk, 64)
+    assert not tsa._predecode(None, t - 1, swa[:, :1], 64, None, 1)
+    assert tsa._predecode(None, t, swa[:, :1], 64, None, 1)
+    many = torch.zeros(64, 1024, dtype=torch.long)  # 64 sequences at 64K
+    assert not tsa._predecode(None, 4096, many, 64, None, 1)
+    assert tsa._predecode({"predecode": True}, 1, swa, 64, blk, 64)
+    assert not tsa._predecode({"predecode": False}, 8192, swa, 64, blk, 64)

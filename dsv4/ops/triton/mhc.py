@@ -38,7 +38,8 @@ streams y [T, n·H]), computes y for its slice with ``_post_kernel``'s arithmeti
 stores it, and in the same MIX_BLOCK_K steps accumulates the slice's partial mixes and Σy² exactly
 as ``_mix_kernel`` would after reading y back (same tile, same steps, same ``dot_acc``), into the
 same ``part``; ``_gate_kernel`` then finishes the pre. Each step lies in one stream j when H and
-SPLIT are multiples of MIX_BLOCK_K (j = k0 // H); otherwise the op runs hc_post then hc_pre. Every
+SPLIT are multiples of MIX_BLOCK_K (j = k0 // H); otherwise, and above POST_MIX_FUSED_MAX_T tokens (where
+the two kernels apart were measured faster), the op runs hc_post then hc_pre. Every
 result is bitwise that of hc_post + hc_pre, so it is batch-invariant for the same reasons.
 """
 
@@ -67,10 +68,15 @@ CONFIG = dict(
     MIX_BLOCK_T=32,  # tokens per mixes program
     MIX_BLOCK_K=32,  # columns per dot step (also the Σx² lanes: it sets that sum's order)
     MIX_WARPS=4,     # warps per mixes program (any count: the same bits, see the module docstring)
+    MIX_WARPS_PREFILL=1,  # hc_pre's mixes warps above DECODE_MAX_ROWS tokens (the same bits up to 4; H200,
+    # hc_post + hc_pre at T = 8192: 754 µs at 4 warps, 587 at 2, 533 at 1)
     MIX_BF16X3=True,  # bf16 streams: the mixes as three exact bf16 tensor-core dots (``_mix_dot``)
     POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep, same
     # bits; seventeenth session, tensor-core mixes: T = 8192 in 881 µs at 1 warp, 895 at 2, 1,028 at 4, against
     # 1,223 for the FMA mixes at 1 warp; at T ≤ 64, MIX_WARPS = 4: 25.1 / 28.4 µs at T = 1 / 64)
+    POST_MIX_FUSED_MAX_T=DECODE_MAX_ROWS,  # mhc_post_pre above this many tokens runs hc_post, then hc_pre (the
+    # same bits; None: always fused). H200, eighteenth session, CUDA-graph µs, fused / apart with 1 prefill warp:
+    # T = 8192: 882 / 533, T = 1024: 107 / 78; at T = 1 and 64 apart was also faster (23 / 26 against 25 / 29)
     GATE_BLOCK_T=8,  # tokens per gate/collapse program
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
@@ -299,7 +305,8 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     _mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
         streams, fn32, part, T, k, streams.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"], BLOCK_K=cfg["MIX_BLOCK_K"],
-        BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(), num_warps=cfg["MIX_WARPS"])
+        BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
 
 
@@ -436,7 +443,8 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
     T, n, H = streams.shape
     _check_pre_weights(n, H, fn, base, scale, streams.shape)
     cfg = dict(CONFIG, **(config or {}))
-    if not fusable(H, cfg):
+    fused_max = cfg["POST_MIX_FUSED_MAX_T"]
+    if not fusable(H, cfg) or (fused_max is not None and T > fused_max):
         y = hc_post(streams, out, post, comb, config=config)
         return (y, *hc_pre(y, fn, base, scale, iters, hc_eps, rms_eps, config=config))
     dev = streams.device

@@ -30,6 +30,15 @@ oracle only by summation order. Dense fp32/fp16 pages are not bf16-exact: there 
 fp32 (CUDA cores). The interpreter upcasts the (exact) bf16 parts to fp32 for tl.dot, whose bf16
 path is wrong there; the values are the same.
 
+Keys decoded once (``PREDECODE``). At a prefill step every key is read by many queries, and each
+of a query's four 16-head programs decodes it again: ~900 of the ~1,850 instructions a program
+spends on a 32-key block (fifteenth session's PTX count). A step with at least PREDECODE_MIN_T
+tokens whose tables hold at most PREDECODE_RECORDS_PER_TOKEN records per token (so decode-heavy
+mixed batches over long contexts keep the in-register decode) first writes every record its tables
+list as bf16 (``_decode_pages_kernel``: ``_load_keys``, the expression the attention evaluates in
+registers, so the same values), compacted to one page per table entry, and the attention then reads
+those pages as dense bf16. The MMA inputs and their order are the same, so are the bits.
+
 Batch invariance: a program reads only its own query's rows; tile sizes, key order and block
 boundaries depend on the query alone (not on T, Lc or the other tokens), and nothing is split
 across programs, so a token's output is bitwise the same alone or in any batch.
@@ -48,7 +57,7 @@ from ...formats.fp8 import get_fp8_format
 from ...formats.kv_record import KV_DIM, RECORD_BYTES
 from ._common import cast, fp8_to_f32, interpreting, native_fp8, ue8m0_to_f32
 
-__all__ = ["paged_sparse_attention", "pick_config"]
+__all__ = ["decode_pages", "paged_sparse_attention", "pick_config"]
 
 LOG2E = 1.4426950408889634
 
@@ -153,6 +162,25 @@ def _attend_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS,
     k = _load_keys(pages_ptr, page, off, valid, s_page, s_tok, s_dim, TOKENS, BLOCK_N, DENSE, FNUZ, NATIVE)
     s = _qk(q, q1, q2, q3, k, s, QP, KEYS_F32, INTERP)
     return _softmax_pv(s, k, valid, m, l, acc, scale_log2, PP, KEYS_F32, INTERP)
+
+
+@triton.jit
+def _decode_pages_kernel(pages_ptr, table_ptr, out_ptr, tab_out_ptr, NCOLS, TOKENS, s_page, s_t, s_tj,
+                         BLOCK_N: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
+    """Table entry e = (s, j) of an [S, NCOLS] page table: its page's records as bf16 at out[e] (the values
+    ``_load_keys`` gives the attention), and e (or −1 for page −1) at tab_out[s, j]."""
+    e = tl.program_id(0)
+    b0 = tl.program_id(1) * BLOCK_N
+    page = tl.load(table_ptr + (e // NCOLS) * s_t + (e % NCOLS) * s_tj).to(tl.int64)
+    if tl.program_id(1) == 0:
+        tl.store(tab_out_ptr + e, tl.where(page >= 0, e, -1).to(tl.int64))
+    if page >= 0:
+        off = b0 + tl.arange(0, BLOCK_N)
+        valid = off < TOKENS
+        k = _load_keys(pages_ptr, page + off * 0, off, valid, s_page, 0, 1, TOKENS, BLOCK_N, False, FNUZ, NATIVE)
+        d = tl.arange(0, 512)
+        tl.store(out_ptr + (e.to(tl.int64) * TOKENS + off[:, None]) * 512 + d[None, :], k.to(tl.bfloat16),
+                 mask=valid[:, None] & (d < 512)[None, :])
 
 
 @triton.jit
@@ -295,6 +323,14 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     if T == 0:
         return out
     interp = interpreting()
+    if not dense and _predecode(config, T, swa_table, swa_b, block_table if Lc else None, entries_per_block):
+        native = (config or {}).get("native", native_fp8(q.device) and not fnuz)
+        swa_pages, swa_table = decode_pages(swa_pages, swa_table, swa_b, fnuz, native)
+        if Lc:
+            comp_pages, block_table = decode_pages(comp_pages, block_table, int(entries_per_block), fnuz, native)
+        else:
+            comp_pages, block_table = swa_pages, swa_table  # never read
+        dense = True
     keys_f32 = dense and swa_pages.dtype != torch.bfloat16
     sink = sink.float().contiguous()  # no-ops for the model's fp32 sink
     positions, seq_ids = positions.contiguous(), seq_ids.contiguous()  # read with unit stride
@@ -322,6 +358,37 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
             _WORKING[key] = cfg
         return out
     return out
+
+
+PREDECODE_MIN_T = 512  # tokens of a step from which its keys are decoded once, not per program
+PREDECODE_RECORDS_PER_TOKEN = 16  # at most this many table records per token (bf16 copy ≤ 16 KB a token)
+
+
+def _predecode(config: dict | None, T: int, swa_table, swa_b: int, block_table, per) -> bool:
+    """Whether a step's keys are decoded to bf16 once before the attention (see the module docstring):
+    ``config["predecode"]`` when given, else at T ≥ PREDECODE_MIN_T when the tables (their shapes: no
+    synchronisation) list at most PREDECODE_RECORDS_PER_TOKEN records per token. Either way the bits
+    are the same, so the choice may depend on the step."""
+    want = (config or {}).get("predecode")
+    if want is not None:
+        return bool(want)
+    records = swa_table.numel() * swa_b + (block_table.numel() * int(per) if block_table is not None else 0)
+    return T >= PREDECODE_MIN_T and records <= PREDECODE_RECORDS_PER_TOKEN * T
+
+
+def decode_pages(pages: torch.Tensor, table: torch.Tensor, tokens: int, fnuz: bool, native: bool):
+    """(bf16 pages [S·n, tokens, 512], table [S, n]): every record of the fp8_ds_mla pages an [S, n]
+    table lists, decoded as the attention decodes it in registers, one page per table entry (entry
+    (s, j) → page s·n + j; −1 stays −1). One launch."""
+    S, n = table.shape
+    dec = torch.empty((S * n, tokens, KV_DIM), dtype=torch.bfloat16, device=pages.device)
+    tab = torch.empty((S, n), dtype=torch.long, device=pages.device)
+    if S * n:
+        block = min(32, triton.next_power_of_2(tokens))
+        _decode_pages_kernel[(S * n, triton.cdiv(tokens, block))](
+            pages, table, dec, tab, n, tokens, pages.stride(0), *table.stride(),
+            BLOCK_N=block, FNUZ=fnuz, NATIVE=bool(native), num_warps=4)
+    return dec, tab
 
 
 # The first configuration that compiled for (H, q dtype, key dtype, page kind, device): a function
