@@ -125,7 +125,7 @@ VARIANTS = [dict(BASE, **kw) for kw in (dict(num_stages=2), dict(num_warps=8), d
 
 def _name(c):
     """The tile's four keys, then any other override (e.g. a patched kernel's knob) as key=value."""
-    extra = "".join(f" {k}={v}" for k, v in c.items() if k not in BASE)
+    extra = "".join(f" {k}={v}" for k, v in c.items() if k not in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"))
     return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c) + extra
 
 
@@ -360,6 +360,7 @@ def main(argv=None):
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
     ap.add_argument("--other", help="with --prefill-seq: another sparse_attention.py to compare bits with")
     ap.add_argument("--variants", help="with --prefill-seq: a JSON list of tile overrides (default: VARIANTS)")
+    ap.add_argument("--base", help="with --prefill-seq: JSON overrides of BASE (the tile every variant starts from)")
     ap.add_argument("--prefill-seq", action="store_true",
                     help="kernel variants (VARIANTS) at the whole-prompt prefill (one sequence) and two decode shapes")
     a = ap.parse_args(argv)
@@ -370,6 +371,8 @@ def main(argv=None):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results: list = []
     if a.prefill_seq:
+        if a.base:
+            BASE.update(json.loads(a.base))
         run_prefill_seq(dev, results, small=a.small, other=a.other,
                         variants=json.loads(a.variants) if a.variants else None)
     else:

@@ -74,13 +74,14 @@ def _linear_consts(bm, bn):
 
 
 def _attn_ptrs(mod):
-    kinds = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "swa_ptr": "*u8", "comp_ptr": "*u8"}
+    kinds = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "swa_ptr": "*u8", "comp_ptr": "*u8",
+             "ones_ptr": "*u8"}
     return {n: kinds.get(n, "*i32") for n in mod._sparse_attn_kernel.arg_names if n.endswith("_ptr")}
 
 
 def _attn_consts(bh, bn):
     return dict(BLOCK_H=bh, BLOCK_N=bn, QP=1, PP=2, KEYS_F32=False, DENSE=False, FNUZ=False, NATIVE=True,
-                INTERP=False)
+                INTERP=False, AHEAD=True, KEEP=False)  # the engine's form: bf16 q over FP8 records
 
 
 def _ptxas() -> str:
