@@ -196,7 +196,8 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tupl
 
 
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
-               long_context: int = 0, long_repeat: int = 1, long_profile: bool = False) -> dict:
+               long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
+               profile_prefill: list[int] | None = None) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
@@ -260,7 +261,7 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
         dt = statistics.median(runs[1:])
         res[f"prefill_tok_s_{L}"] = L / dt
         res[f"prefill_ms_runs_{L}"] = [round(r * 1e3, 2) for r in runs]
-        if L == max(prefill_lens):  # one more, profiled: where a prefill's device time goes
+        if L in (profile_prefill or [max(prefill_lens)]):  # one more, profiled: where a prefill's device time goes
 
             def one_prefill():
                 eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
@@ -362,6 +363,25 @@ def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -
     return res
 
 
+def apply_settings(items: list[str]) -> dict:
+    """``MODULE.NAME=JSON`` items → setattr(import_module(MODULE), NAME, json value); the settings made.
+    The name must exist already (a typo is an error, not a silent new attribute)."""
+    import importlib
+
+    done = {}
+    for item in items:
+        target, sep, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        if not sep or not module or not name:
+            raise SystemExit(f"--set {item!r}: expected MODULE.NAME=JSON")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {item!r}: {module} has no attribute {name}")
+        setattr(mod, name, json.loads(value))
+        done[target] = json.loads(value)
+    return done
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -375,8 +395,14 @@ def main() -> int:
     ap.add_argument("--long-context", type=int, default=0, help="also prefill+decode one prompt of this length")
     ap.add_argument("--long-repeat", type=int, default=1, help="prefill that many long prompts (the first compiles)")
     ap.add_argument("--long-profile", action="store_true", help="profile the last long prompt's last chunk")
+    ap.add_argument("--profile-prefill", default=None,
+                    help="prompt lengths whose prefill is profiled (comma-separated; default: the longest)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
+                    help="set a module constant before the engine is built (an A/B of a tuning constant in one "
+                         "call), e.g. dsv4.ops.triton.sparse_attention.PREDECODE_MIN_T=2048; repeatable")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    settings = apply_settings(a.set)
     batches = [int(x) for x in a.batches.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
     if a.make_preset and not Path(a.ckpt, "config.json").exists():
@@ -385,14 +411,15 @@ def main() -> int:
                         str(a.layers), "--out", a.ckpt, "--device", "cuda", "--quiet"], check=True, cwd=ROOT)
         print(f"made checkpoint in {time.time() - t:.0f}s", flush=True)
     bw = measure_bandwidth()
-    rows = {"bandwidth_TBps": bw / 1e12}
+    rows = {"bandwidth_TBps": bw / 1e12, **({"settings": settings} if settings else {})}
     for B in batches:
         rows[f"bound_decode_ms_b{B}"] = decode_step_bytes(a.ckpt, B) / bw * 1e3
     print(json.dumps(rows), flush=True)
     t = time.time()
     rows.update(measure_peaks())
     rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context,
-                              a.long_repeat, a.long_profile)
+                              a.long_repeat, a.long_profile,
+                              [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None)
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12

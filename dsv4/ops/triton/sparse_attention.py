@@ -2,9 +2,10 @@
 
 One program per (query token, block of BLOCK_H heads), 1-D grid T·ceil(H/BLOCK_H) with a token's
 programs adjacent (they read the same keys, so the others' reads hit L2); BLOCK_H is 16 for every
-head count (H200 sweep, ``bench/kernels_attention.py``: at H = 64 four 16-head programs per token
-beat one 64-head program 20× at decode and 5× at prefill, whose 64×512 fp32 accumulator does not
-fit in registers; splitting the output dims over two programs was slower than either). All heads
+head count where the keys are decoded in registers (H200 sweep, ``bench/kernels_attention.py``: at
+H = 64 four 16-head programs per token beat one 64-head program 20× at decode and 5× at prefill,
+whose 64×512 fp32 accumulator does not fit in registers; splitting the output dims over two programs
+was slower than either), 32 where a prefill step decoded them once (below). All heads
 share one KV row (K = V, 512 dims), so each key block is loaded and decoded once per program and
 multiplied against the whole head block (GQA-style). Per program:
 
@@ -30,7 +31,7 @@ oracle only by summation order. Dense fp32/fp16 pages are not bf16-exact: there 
 fp32 (CUDA cores). The interpreter upcasts the (exact) bf16 parts to fp32 for tl.dot, whose bf16
 path is wrong there; the values are the same.
 
-Keys decoded once (``PREDECODE``). At a prefill step every key is read by many queries, and each
+Keys decoded once (``PREDECODE_*``). At a prefill step every key is read by many queries, and each
 of a query's four 16-head programs decodes it again: ~900 of the ~1,850 instructions a program
 spends on a 32-key block (fifteenth session's PTX count). A step with at least PREDECODE_MIN_T
 tokens whose tables hold at most PREDECODE_RECORDS_PER_TOKEN records per token (so decode-heavy
@@ -55,12 +56,12 @@ eleventh and eighteenth sessions). The two forms are arranged to agree per q dty
 
 Batch invariance: a program reads only its own query's rows; tile sizes, key order and block
 boundaries depend on the query alone (not on T, Lc or the other tokens), and nothing is split
-across programs, so a token's output is bitwise the same alone or in any batch.
+across programs, so a token's output is bitwise the same alone or in any batch. Which form a step
+takes depends on its size, but both forms give the same bits (the two paragraphs above).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -403,6 +404,7 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
         dense = True
     keys_f32 = dense and swa_pages.dtype != torch.bfloat16
     kwidth4 = q.dtype == torch.float32  # "MMA operand grouping": fp32 q keeps the byte loads' grouping
+    keep = dense and kwidth4 and not keys_f32  # the bf16 pages' byte-loaded column mask
     sink = sink.float().contiguous()  # no-ops for the model's fp32 sink
     positions, seq_ids = positions.contiguous(), seq_ids.contiguous()  # read with unit stride
     key = (H, q.dtype, keys_f32, dense, predecoded, str(q.device))
@@ -414,14 +416,14 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
         try:
             _sparse_attn_kernel[(T * nhb,)](
                 q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, cidx, sink,
-                _ones(q.device) if dense else swa_pages, out,
+                _ones(q.device) if keep else swa_pages, out,
                 H, nhb, Lc, int(window), swa_b, int(entries_per_block), float(scale) * LOG2E,
                 *q.stride(), *_strides3(swa_pages), *swa_table.stride(), *_strides3(comp_pages),
                 *block_table.stride(), *cidx_strides, *out.stride(),
                 BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], QP=_Q_PARTS[q.dtype],
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
-                AHEAD=not dense and not kwidth4, KEEP=dense and kwidth4 and not keys_f32,
+                AHEAD=not dense and not kwidth4, KEEP=keep,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         except OutOfResources:
             if i == len(cands) - 1:
@@ -433,15 +435,20 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _ones_on(device: str) -> torch.Tensor:
-    return torch.ones(KV_DIM, dtype=torch.uint8, device=device)
+_ONES: dict[str, torch.Tensor] = {}
 
 
 def _ones(device: torch.device) -> torch.Tensor:
-    """uint8 ones [512] on ``device`` (the dense keys' byte-loaded column mask), made once per device
-    (FP8 pages never read it: their launches pass the pages instead)."""
-    return _ones_on(str(device))
+    """uint8 ones [512] on ``device`` (the byte-loaded column mask of bf16 pages under fp32 q), made once per
+    device; the other launches pass their pages instead, never read. Made during a CUDA-graph capture its
+    fill would run only at replay, so a capture that needs it first is refused."""
+    key = str(device)
+    if key not in _ONES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("sparse attention: fp32 q over bf16 pages needs its uint8 mask made outside CUDA-graph "
+                               "capture: run the op once before capturing it")
+        _ONES[key] = torch.ones(KV_DIM, dtype=torch.uint8, device=device)
+    return _ONES[key]
 
 
 # the predecoded keys' tile (H200, eighteenth session, 8K prompt, µs: CSA 7,753 against 12,187 for the 16-head
