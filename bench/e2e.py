@@ -377,8 +377,8 @@ def apply_settings(items: list[str]) -> dict:
         mod = importlib.import_module(module)
         if not hasattr(mod, name):
             raise SystemExit(f"--set {item!r}: {module} has no attribute {name}")
-        setattr(mod, name, json.loads(value))
         done[target] = json.loads(value)
+        setattr(mod, name, done[target])
     return done
 
 

@@ -15,7 +15,8 @@
 # tests/ops/test_ops_mhc_post_pre_triton.py tests/ops/test_ops_mhc_triton.py"
 # TESTS_B="tests/gpu/test_gpu_prefill_invariance.py" TESTS_C="tests/gpu/test_gpu_engine_vs_torch.py
 # tests/gpu/test_gpu_path_vs_torch.py" DEADLINE_S=585.
-# Call 3 (FP8 records read as int32 words, the experiment in docs/results/attn_words_session18.patch):
+# Call 3 (FP8 records read as int32 words: that tree's kernel is docs/results/attn_words_session18.patch, and its
+# script had a WORDS_TESTS step, since removed, running the attention tests with WORDS = True):
 # ATTN=<words on: predecode off/on, 32 heads; words off> ATTN_BASE='{"words": true}'
 # WORDS_TESTS="tests/ops/test_ops_sparse_attention_triton.py" DEADLINE_S=300.
 # Call 4 (the final tree: kWidth 2 for bf16 q, FP8 loads one block ahead; kWidth 4 for fp32 q): ATTN=default

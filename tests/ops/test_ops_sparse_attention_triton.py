@@ -305,7 +305,7 @@ def test_keys_decoded_once_give_the_same_bits(fmt, kind, qdtype, H):
     """The prefill form (every listed record decoded to bf16 once, then dense pages, PREDECODE_TILE's
     32-head programs) against the in-register decode (16-head programs): the same MMA inputs in the
     same order, so bitwise the same output (compiled, only if both dots get the same operand grouping:
-    see ``keep`` in the kernel); both within the oracle's bound."""
+    the kernel docstring's "MMA operand grouping"); both within the oracle's bound."""
     sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(20 + (kind == "hca")))
     q, sink, inreg = _check(sc, H, qdtype, 21, config={"predecode": False})
     once = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"predecode": True}), sc, q, sink, 512 ** -0.5)

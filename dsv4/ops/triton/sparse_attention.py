@@ -343,9 +343,9 @@ def _check_pages(pages: torch.Tensor, dense: bool, tokens: int | None, what: str
     if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.stride(1) != 1:
         raise ValueError(f"{what}: fp8_ds_mla pages must be 2-D uint8 with unit inner stride (fmt given), got "
                          f"{pages.dtype} shape {tuple(pages.shape)} stride {pages.stride()}")
-    if pages.data_ptr() % 4 or pages.stride(0) % 4:
-        raise ValueError(f"{what}: records are read as int16 / int32 words, so the page base address and row stride "
-                         f"must be multiples of 4 (address {pages.data_ptr()}, stride {pages.stride(0)})")
+    if pages.data_ptr() % 2 or pages.stride(0) % 2:
+        raise ValueError(f"{what}: rope values are read as int16, so the page base address and row stride must be "
+                         f"even (stride {pages.stride(0)})")
     b = tokens or pages.shape[1] // RECORD_BYTES
     if b <= 0 or pages.shape[1] < b * RECORD_BYTES:
         raise ValueError(f"{what}: page row has {pages.shape[1]} bytes, {b} tokens need {b * RECORD_BYTES}")
