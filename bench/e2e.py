@@ -15,6 +15,7 @@ Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -197,13 +198,14 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tupl
 
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
-               profile_prefill: list[int] | None = None) -> dict:
+               profile_prefill: list[int] | None = None, ab: list[str] | None = None) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
     without async scheduling), async (async scheduling asked for explicitly), eager (no graphs;
     profiled), fastest (graphs + per-M tiles: what batch invariance costs), reference (the
-    per-request attention of the oracle: the old path)."""
+    per-request attention of the oracle: the old path). ``ab``: ``--set`` items timed against the defaults
+    at every prefill length, run by run in turn on the same engine (constants the prefill reads per call)."""
     from dsv4 import LLM, SamplingParams
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
@@ -245,32 +247,39 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
         set_batch_invariant(True)
     if variants[-1] != "graphs":
         eng = engine()
+    arms = {"": []}
+    if ab:  # the B arm: these settings, alternating run by run with the defaults (drift hits both alike)
+        arms["_B"] = ab
+        res["ab"] = ab
+
+    def one_prefill(ids):
+        eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
+        while eng.has_unfinished_requests():
+            eng.step()
+
     for L in prefill_lens:
-        runs = []
+        runs = {arm: [] for arm in arms}
         # run 0 warms up this shape's kernels; then the median of three (one 1K run moved by up to 30 %
         # between device calls of one tree); a new prompt each run, so no prefix-cache hit
         for rep in range(1 + PREFILL_TIMED_RUNS):
-            ids = torch.randint(3, 120000, (L,), generator=g).tolist()
-            eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            while eng.has_unfinished_requests():
-                eng.step()
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t)
-        dt = statistics.median(runs[1:])
-        res[f"prefill_tok_s_{L}"] = L / dt
-        res[f"prefill_ms_runs_{L}"] = [round(r * 1e3, 2) for r in runs]
-        if L in (profile_prefill or [max(prefill_lens)]):  # one more, profiled: where a prefill's device time goes
-
-            def one_prefill():
-                eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
-                while eng.has_unfinished_requests():
-                    eng.step()
-
-            prof, res[f"top_kernels_prefill_{L}"] = profile_decode(eng, steps=1, run=one_prefill)
-            res[f"profile_prefill_{L}"] = prof
-            print("prefill", L, round(dt * 1e3, 1), "ms", prof, flush=True)
+            for arm, items in arms.items():
+                ids = torch.randint(3, 120000, (L,), generator=g).tolist()
+                with settings_applied(items):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    one_prefill(ids)
+                    torch.cuda.synchronize()
+                    runs[arm].append(time.perf_counter() - t)
+        for arm, items in arms.items():
+            dt = statistics.median(runs[arm][1:])
+            res[f"prefill_tok_s_{L}{arm}"] = L / dt
+            res[f"prefill_ms_runs_{L}{arm}"] = [round(r * 1e3, 2) for r in runs[arm]]
+            if L in (profile_prefill or [max(prefill_lens)]):  # one more, profiled: where a prefill's device time goes
+                with settings_applied(items):
+                    prof, res[f"top_kernels_prefill_{L}{arm}"] = profile_decode(eng, steps=1,
+                                                                               run=lambda: one_prefill(ids))
+                res[f"profile_prefill_{L}{arm}"] = prof
+                print("prefill", L, arm or "", round(dt * 1e3, 1), "ms", prof, flush=True)
     if long_context:  # one long prompt: chunked prefill, then 16 decode steps; peak memory
         chunk = 8192
         eng = engine(max_model_len=long_context + 64, max_num_seqs=4, max_num_batched_tokens=chunk,
@@ -363,23 +372,51 @@ def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -
     return res
 
 
-def apply_settings(items: list[str]) -> dict:
-    """``MODULE.NAME=JSON`` items → setattr(import_module(MODULE), NAME, json value); the settings made.
-    The name must exist already (a typo is an error, not a silent new attribute)."""
+def set_constant(item: str):
+    """One ``MODULE.NAME=JSON`` (a module attribute) or ``MODULE.NAME[KEY]=JSON`` (an existing key of a
+    module-level dict, e.g. a kernel's CONFIG) item applied: (label, value, restore). The name and the
+    key must exist already (a typo is an error, not a silent new attribute)."""
     import importlib
 
-    done = {}
-    for item in items:
-        target, sep, value = item.partition("=")
-        module, _, name = target.rpartition(".")
-        if not sep or not module or not name:
-            raise SystemExit(f"--set {item!r}: expected MODULE.NAME=JSON")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            raise SystemExit(f"--set {item!r}: {module} has no attribute {name}")
-        done[target] = json.loads(value)
-        setattr(mod, name, done[target])
-    return done
+    target, sep, value = item.partition("=")
+    key = None
+    if target.endswith("]") and "[" in target:
+        target, _, key = target[:-1].partition("[")
+    module, _, name = target.rpartition(".")
+    if not sep or not module or not name or key == "":
+        raise SystemExit(f"--set {item!r}: expected MODULE.NAME=JSON or MODULE.NAME[KEY]=JSON")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise SystemExit(f"--set {item!r}: {module} has no attribute {name}")
+    val = json.loads(value)
+    if key is None:
+        old = getattr(mod, name)
+        setattr(mod, name, val)
+        return target, val, lambda: setattr(mod, name, old)
+    table = getattr(mod, name)
+    if not isinstance(table, dict) or key not in table:
+        raise SystemExit(f"--set {item!r}: {module}.{name} is not a dict with the key {key!r}")
+    old = table[key]
+    table[key] = val
+    return f"{target}[{key}]", val, lambda: table.__setitem__(key, old)
+
+
+def apply_settings(items: list[str]) -> dict:
+    """``set_constant`` for every item, kept for the whole run: {label: value}."""
+    return {label: val for label, val, _ in map(set_constant, items)}
+
+
+@contextlib.contextmanager
+def settings_applied(items: list[str]):
+    """``items`` set inside the block and restored after it, last set first restored (the B arm of --ab)."""
+    restores = []
+    try:
+        for item in items:
+            restores.append(set_constant(item)[2])
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
 
 
 def main() -> int:
@@ -400,6 +437,9 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON",
                     help="set a module constant before the engine is built (an A/B of a tuning constant in one "
                          "call), e.g. dsv4.ops.triton.sparse_attention.PREDECODE_MIN_T=2048; repeatable")
+    ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=JSON",
+                    help="prefill only: time each length with these settings too, alternating run by run with the "
+                         "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     settings = apply_settings(a.set)
@@ -419,11 +459,13 @@ def main() -> int:
     rows.update(measure_peaks())
     rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context,
                               a.long_repeat, a.long_profile,
-                              [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None)
+                              [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab)
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12
-        rows[f"prefill_{L}_frac_of_bf16_peak"] = fl / (L / rows["dsv4"][f"prefill_tok_s_{L}"]) / rows["bf16_peak_flops"]
+        for arm in ("", "_B") if a.ab else ("",):
+            rows[f"prefill_{L}_frac_of_bf16_peak{arm}"] = (fl / (L / rows["dsv4"][f"prefill_tok_s_{L}{arm}"])
+                                                          / rows["bf16_peak_flops"])
     print("dsv4", json.dumps(rows["dsv4"]), f"({time.time() - t:.0f}s)", flush=True)
     if not a.skip_transformers:
         t = time.time()
@@ -442,6 +484,8 @@ def main() -> int:
         k = f"prefill_tok_s_{L}"
         hf = rows.get("transformers", {}).get(k)
         print(f"{k:24s} {rows['dsv4'][k]:12.0f} {hf if hf is None else round(hf)!s:>14s} {'':>10s}")
+        if a.ab:
+            print(f"{k + ' (B: --ab)':24s} {rows['dsv4'][k + '_B']:12.0f}")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))
     return 0

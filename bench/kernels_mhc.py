@@ -187,8 +187,10 @@ MIX_SWEEP += [dict(MIX_BF16X3=False)]  # the fp32 FMA mixes, against the default
 
 
 def sweep_mix(results, dev, shapes):
-    """hc_pre per MIX_SWEEP config: CUDA-graph µs at each T, gates' max |Δ| vs the oracle, and
-    batch invariance (row 0 of the T-row launch == row 0 launched alone)."""
+    """hc_pre per MIX_SWEEP config (tile constants, or the gate kernel's GATE_BLOCK_T / GATE_WARPS / H_SLICE):
+    CUDA-graph µs at each T, gates' max |Δ| vs the oracle, batch invariance (row 0 of the T-row launch ==
+    row 0 launched alone) and whether every output has the default config's bits. A config's ``iters``
+    (a diagnostic, not a setting: the Sinkhorn's iteration count) times the op with fewer iterations."""
     from dsv4.model import mhc as ref
     from dsv4.ops.triton import mhc as tm
 
@@ -197,21 +199,26 @@ def sweep_mix(results, dev, shapes):
     cases = [(t, _hc_inputs(t, shapes["hidden"], g, dev)) for t in shapes["tokens"]]
     for cfg in MIX_SWEEP:
         row = dict(op="hc_pre sweep", config=cfg)
+        cfg = dict(cfg)
+        iters = cfg.pop("iters", ITERS)
         for t, (s, fn, base, scale) in cases:
-            args = (s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+            args = (s, fn, base, scale, iters, HC_EPS, RMS_EPS)
             try:
                 a = tm.hc_pre(*args, config=cfg)
                 o = ref.hc_pre(*args)
-                alone = tm.hc_pre(s[:1], fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=cfg)
+                alone = tm.hc_pre(s[:1], fn, base, scale, iters, HC_EPS, RMS_EPS, config=cfg)
                 d = max((a[1] - o[1]).abs().max().item(), (a[2] - o[2]).abs().max().item())
                 inv = all(torch.equal(x[0], y[0]) for x, y in zip(a, alone))
+                same = all(torch.equal(x, y) for x, y in zip(a, tm.hc_pre(*args)))
                 ms = graph(lambda: tm.hc_pre(*args, config=cfg))
-                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, gates_dmax=d, invariant=inv)
+                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, gates_dmax=d, invariant=inv,
+                                     same_bits=same)
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: report, go on
                 row[f"T={t}"] = dict(error=f"{type(e).__name__}: {str(e)[:100]}")
         results.append(row)
-        print("sweep", cfg, " ".join(f"{k}: " + (f"{v['us']:.1f}us d{v['gates_dmax']:.1e}"
+        print("sweep", row["config"], " ".join(f"{k}: " + (f"{v['us']:.1f}us d{v['gates_dmax']:.1e}"
                                                f"{'' if v['invariant'] else ' NOT-INVARIANT'}"
+                                               f"{'' if v['same_bits'] else ' other-bits'}"
                                                if "us" in v and v["us"] is not None else str(v))
                                      for k, v in row.items() if k.startswith("T=")), flush=True)
 

@@ -65,6 +65,9 @@ def _kernels():
                                            INTERP=False)),
         "sparse_attention": (sparse_attention._sparse_attn_kernel, _attn_ptrs(sparse_attention), {"scale_log2"},
                              None, set(), lambda a, b: _attn_consts(a, b)),
+        "sparse_attention_pre": (sparse_attention._sparse_attn_kernel,  # the predecoded form: bf16 pages
+                                 _attn_ptrs(sparse_attention, pages="*bf16"), {"scale_log2"}, None, set(),
+                                 lambda a, b: dict(_attn_consts(a, b), DENSE=True, AHEAD=False)),
     }
 
 
@@ -73,8 +76,8 @@ def _linear_consts(bm, bn):
                 DOT_F32=False, INTERP=False, ACT_QUANT=False, Q_MANT=0, Q_EXP=0, MIN_E=0)
 
 
-def _attn_ptrs(mod):
-    kinds = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "swa_ptr": "*u8", "comp_ptr": "*u8",
+def _attn_ptrs(mod, pages="*u8"):
+    kinds = {"q_ptr": "*bf16", "out_ptr": "*bf16", "sink_ptr": "*fp32", "swa_ptr": pages, "comp_ptr": pages,
              "ones_ptr": "*u8"}
     return {n: kinds.get(n, "*i32") for n in mod._sparse_attn_kernel.arg_names if n.endswith("_ptr")}
 

@@ -30,3 +30,33 @@ def test_set_changes_a_module_constant_and_reports_it(monkeypatch):
 def test_set_refuses_unknown_names_and_bad_items(item, message):
     with pytest.raises(SystemExit, match=message):
         e2e.apply_settings([item])
+
+
+def test_set_changes_a_dict_entry_and_the_ab_arm_restores_it():
+    pytest.importorskip("triton")
+    from dsv4.ops.triton import mhc
+
+    before = dict(mhc.CONFIG)
+    with e2e.settings_applied(["dsv4.ops.triton.mhc.CONFIG[POST_MIX_FUSED_MAX_T]=0",
+                               "dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=2"]):
+        assert mhc.CONFIG["POST_MIX_FUSED_MAX_T"] == 0 and mhc.CONFIG["MIX_WARPS"] == 2
+    assert mhc.CONFIG == before
+    with pytest.raises(RuntimeError, match="inside"):  # restored when the arm fails too
+        with e2e.settings_applied(["dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=8"]):
+            raise RuntimeError("inside")
+    assert mhc.CONFIG == before
+    label, value, restore = e2e.set_constant("dsv4.ops.triton.mhc.CONFIG[SPLIT]=128")
+    assert (label, value, mhc.CONFIG["SPLIT"]) == ("dsv4.ops.triton.mhc.CONFIG[SPLIT]", 128, 128)
+    restore()
+    assert mhc.CONFIG == before
+
+
+@pytest.mark.parametrize("item,message", [
+    ("dsv4.ops.triton.mhc.CONFIG[NO_SUCH_KEY]=1", "is not a dict with the key 'NO_SUCH_KEY'"),
+    ("dsv4.ops.invariance.DECODE_MAX_ROWS[X]=1", "is not a dict with the key 'X'"),
+    ("dsv4.ops.triton.mhc.CONFIG[]=1", "expected MODULE.NAME=JSON"),
+])
+def test_set_refuses_unknown_keys(item, message):
+    pytest.importorskip("triton")
+    with pytest.raises(SystemExit, match=message):
+        e2e.apply_settings([item])
