@@ -77,7 +77,10 @@ CONFIG = dict(
     POST_MIX_FUSED_MAX_T=DECODE_MAX_ROWS,  # mhc_post_pre above this many tokens runs hc_post, then hc_pre (the
     # same bits; None: always fused). H200, eighteenth session, CUDA-graph µs, fused / apart with 1 prefill warp:
     # T = 8192: 882 / 533, T = 1024: 107 / 78; at T = 1 and 64 apart was also faster (23 / 26 against 25 / 29)
-    GATE_BLOCK_T=8,  # tokens per gate/collapse program
+    GATE_BLOCK_T=2,  # tokens per gate/collapse program (every value swept gave the same bits, H200 sweep below)
+    GATE_WARPS=1,    # warps per gate/collapse program; nineteenth session, bench/kernels_mhc.py --sweep-mix, hc_pre
+    # CUDA-graph µs at T = 1 / 64 / 8192: 8 tokens at 4 warps (the earlier constants) 20.6 / 23.2 / 374.2, 2 at 1
+    # warp 18.3 / 18.8 / 298.0, every variant the same bits
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
@@ -280,7 +283,7 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
         part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
         post.stride(0), comb.stride(0),
         S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=cfg["GATE_BLOCK_T"],
-        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=4)
+        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=cfg["GATE_WARPS"])
     return collapsed, post, comb
 
 
