@@ -62,14 +62,14 @@ tests_summary() {
   [ -f "$OUT/diag.log" ] && { echo "== diag"; grep -vE "Warning|warn" "$OUT/diag.log" | cut -c1-220; }
   echo "== tests"; grep -hE "passed|failed|FAILED|Error|exit" "$OUT/tests1.log" "$OUT"/tests0.log 2>/dev/null | cut -c1-300 | tail -20
 }
-# parallel_tests: each of TESTS_A, TESTS_B, TESTS_C (space-separated test files; empty: skipped) in its own
+# parallel_tests: each of TESTS_A, TESTS_B, TESTS_C, TESTS_D (space-separated test files; empty: skipped) in its own
 # pytest process on the visible GPU, all stopped DEADLINE_S s after T0; then their result lines.
 parallel_tests() {
   local left=$(( DEADLINE_S - ($(date +%s) - T0) ))
-  [ -n "${TESTS_A-}${TESTS_B-}${TESTS_C-}" ] || return 0
+  [ -n "${TESTS_A-}${TESTS_B-}${TESTS_C-}${TESTS_D-}" ] || return 0
   echo "tests get ${left} s"
   [ "$left" -gt 0 ] || return 0
-  for part in A B C; do
+  for part in A B C D; do
     local var="TESTS_$part"; local files="${!var-}"
     if [ -n "$files" ]; then
       ( timeout $left python3 -m pytest -q -p no:cacheprovider -rf $files > "$OUT/tests_$part.log" 2>&1

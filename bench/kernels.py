@@ -24,7 +24,9 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 ``moe_scale_layout`` the MXFP4 scales stored groups-major (a step's bytes of adjacent rows adjacent);
 ``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check;
 ``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one;
-``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels), each bit-compared with the default:
+``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels); ``moe_tail`` the prefill
+tiles with and without the half-row launch for an expert's last block, and that launch's tile; each bit-compared
+with the default:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -279,7 +281,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
-                     ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles)):  # the grouped MXFP4 kernels' single-knob sweeps
+                     ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
+                     ("moe_tail", sweep_moe_tail)):  # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
@@ -566,6 +569,17 @@ def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
     return {"moe_tiles": _sweep_moe_variants(dev, g, "moe_tiles", MOE_TILES, t_list)}
 
 
+MOE_TAIL = ({"tail": False}, {"tail_num_warps": 4}, {"tail_BLOCK_N": 64, "tail_num_warps": 4}, {"tail_num_stages": 4})
+
+
+def sweep_moe_tail(dev, g, t_list=(1024, 8192)):
+    """The prefill tiles with an expert's last block run at half the rows when its second half is empty
+    (``tail``, the default) against one launch over all blocks (``tail=False``), and the tail launch's
+    own width, warps and stages. A row's K steps do not change, so every variant must give the default's
+    bits. CUDA-graph µs."""
+    return {"moe_tail": _sweep_moe_variants(dev, g, "moe_tail", MOE_TAIL, t_list)}
+
+
 def sweep_moe_scale_ahead(dev, g, t_list=(1, 8, 64, 1024, 8192)):
     """The grouped MXFP4 kernels at the engine's tiles with the next K step's scale bytes loaded
     during this one (``scale_ahead``; byte loads stay synchronous loads in the loop, below
@@ -671,7 +685,7 @@ def main(argv=None):
                          "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
     ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
                     "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles)")
+                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")

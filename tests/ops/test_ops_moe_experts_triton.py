@@ -18,6 +18,7 @@ from ops_kernel_helpers import BF16_ULP, DEV, fp8_experts, gen, mxfp4_experts, r
 from dsv4.ops import stack_experts, torch_ops  # noqa: E402
 from dsv4.ops.invariance import set_batch_invariant  # noqa: E402
 from dsv4.ops.triton import moe as tmoe  # noqa: E402
+from dsv4.ops.triton._common import interpreting  # noqa: E402
 
 E, K, H, I = 8, 6, 128, 64  # top-6 as in Flash; few experts keep the interpreter fast
 
@@ -165,6 +166,39 @@ def test_k_order_of_the_mma_operands(fp4_layer, kperm, dtype):
                                                           "kperm": kperm})
     _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
     assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,expert_dtype", [(torch.float32, "fp4"), (torch.bfloat16, "fp4"),
+                                                (torch.bfloat16, "fp8")])
+def test_tail_blocks_at_half_the_rows_give_the_same_bits(fp4_layer, dtype, expert_dtype):
+    """``tail``: blocks whose second half holds no slot run in a second launch of BLOCK_M / 2 rows. 40
+    tokens × 6 over 8 experts at BLOCK_M 32 give both kinds of block (checked on the grouping), and padding
+    rows. Compiled, each token's row must be the single launch's bitwise (the same K steps; the MMA's
+    N width does not change a row's sums). Under the interpreter a dot is numpy's fp32 matmul, whose
+    summation order depends on the operands' shapes (1-ulp differences in fp32), so there both launches
+    are held to the torch op's tolerance instead."""
+    layer = fp4_layer if expert_dtype == "fp4" else stack_experts(*fp8_experts(E, H, I, gen(8), "ue8m0"))
+    x, ids, w, valid = _padded_batch(40, 61, dtype, pad_row=5)
+    cfg = {"direct": False, "BLOCK_M": 32, "BLOCK_N": 64}
+    on = tmoe.pick_moe_config(40, K, E, expert_dtype, cfg, dtype)
+    assert on["tail"] and on["tail_BLOCK_N"] == 64 and on["tail_num_warps"] == 4
+    slot_ids, bexp = tmoe.group_slots(ids.to(torch.int32), E, 32)
+    used = bexp >= 0
+    second_half = slot_ids.view(-1, 32)[:, 16] >= 0
+    assert (used & second_half).any() and (used & ~second_half).any(), "want full and tail blocks"
+    got = tmoe.moe_experts(x, ids, w, *layer, config=cfg)
+    want = tmoe.moe_experts(x, ids, w, *layer, config=dict(cfg, tail=False))
+    ref = torch_ops.moe_experts(x, ids, w, *layer)
+    if interpreting():
+        _check(want, ref, dtype)
+    else:
+        assert torch.equal(got, want)
+    _check(got, ref, dtype)
+    assert (got[~valid] == 0).all()
+    assert not tmoe.pick_moe_config(1, K, 256, "fp4")["tail"]  # the decode tile: one launch
+    assert tmoe.pick_moe_config(8192, K, 256, "fp4")["tail"]
+    with pytest.raises(ValueError, match="tail needs"):
+        tmoe.pick_moe_config(1, K, 256, "fp4", {"tail": True})
 
 
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):

@@ -34,6 +34,8 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     ``fold_scales=False`` turns it off).
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
+  * tail blocks: with ``tail`` (prefill tiles) each kernel runs twice, once over the blocks whose second
+    half holds a slot and once, at half the rows, over the others (an expert's last block).
   * direct (decode) mode, T·topk ≤ 48: no grouping; one program per (slot, BLOCK_N columns) does
     the same decode as a CUDA-core GEMV (Σ_k w·x in fp32; no MMA padding of a single row).
   * combine kernel, program = (token, BLOCK_H): Σ_j weight[t, j] · y[t·topk + j] in fp32 in slot
@@ -301,13 +303,21 @@ def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: i
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M: tl.constexpr):
-    """(expert, slot per row, row valid, h-buffer row) of grouped block b."""
+def _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, PART: tl.constexpr):
+    """(expert, slot per row, row valid, h-buffer row) of the program's BLOCK_M rows of grouped block b
+    (ROWS rows in the slot table). PART 0: the whole block (BLOCK_M = ROWS). The split form runs each
+    block in one of two launches (``tail``): PART 1, the whole block, only if its second half holds a
+    slot; PART 2, its first half (BLOCK_M = ROWS / 2), only if the second half holds none. A block's
+    slots fill its rows from the first, so row ROWS / 2 tells the two apart; expert -1: nothing to do."""
     r = tl.arange(0, BLOCK_M)
     e = tl.load(bexp_ptr + b)
-    slot = tl.load(slot_ptr + b * BLOCK_M + r)
+    if PART == 1:
+        e = tl.where(tl.load(slot_ptr + b * ROWS + ROWS // 2) >= 0, e, -1)
+    if PART == 2:
+        e = tl.where(tl.load(slot_ptr + b * ROWS + BLOCK_M) < 0, e, -1)
+    slot = tl.load(slot_ptr + b * ROWS + r)
     ok = slot >= 0
-    hrow = b * BLOCK_M + r
+    hrow = b * ROWS + r
     return e, slot, ok, hrow
 
 
@@ -433,10 +443,11 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                    SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                   KPERM: tl.constexpr = False, FOLD: tl.constexpr = False):
+                   KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
     if e >= 0:
         x_dtype = x_ptr.dtype.element_ty
         tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
@@ -491,10 +502,11 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                     KPERM: tl.constexpr = False, FOLD: tl.constexpr = False):
+                     KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
     if e >= 0:
         h_dtype = h_ptr.dtype.element_ty
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -636,6 +648,9 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, stride_yh,
 
 
 DIRECT_MAX_SLOTS = 48
+# grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
+# the rows (``pick_moe_config``'s ``tail``)
+TAIL_MIN_BLOCK_M = 32
 FOLD_MAX_CODE = 128  # largest UE8M0 code whose 2^(b-1) is a normal bf16 (``e2m1_bytes_to_bf16_ptx_folded``)
 
 
@@ -683,7 +698,11 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     codes allow it (``_fold_ok``), same bits. ``even_k`` (default on): no K masks where K is a multiple of BLOCK_K. ``kperm`` (grouped MXFP4;
     default on): the weight bytes and the activations' columns in the wgmma register operand's order
     (``_kperm``): one 32-bit load per decode call instead of repacking 2-byte pieces; the same
-    products summed in another order, so every grouped tile must use the same setting."""
+    products summed in another order, so every grouped tile must use the same setting. ``tail`` (grouped
+    tiles of BLOCK_M ≥ TAIL_MIN_BLOCK_M; default on): the blocks whose second half holds no slot (an
+    expert's last block, about half the time) run in a second launch of BLOCK_M / 2 rows with their own
+    ``tail_BLOCK_N`` / ``tail_num_warps`` / ``tail_num_stages``, so those MMAs skip the empty half;
+    a row's K steps do not change, so neither do its bits."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -721,6 +740,15 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     cfg.setdefault("kperm", expert_dtype == "fp4")
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
+    # blocks whose second half is empty run at half the rows (a token's row: the same K steps, so the
+    # same bits); the decode tile keeps one launch
+    cfg.setdefault("tail", not cfg["direct"] and cfg["BLOCK_M"] >= TAIL_MIN_BLOCK_M)
+    if cfg["tail"] and (cfg["direct"] or cfg["BLOCK_M"] < 32):
+        raise ValueError(f"tail needs the grouped kernels with BLOCK_M >= 32, got {cfg}")
+    cfg.setdefault("tail_BLOCK_N", 128 if cfg["BLOCK_M"] >= 128 and cfg["BLOCK_N"] >= 128 else 64)
+    # (ptxas, sm_90a: the 64 × 128 tail at 4 warps takes 255 registers and spills; at 8, 185)
+    cfg.setdefault("tail_num_warps", 8 if cfg["tail_BLOCK_N"] >= 128 else 4)
+    cfg.setdefault("tail_num_stages", cfg["num_stages"])
     return cfg
 
 
@@ -813,18 +841,27 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             FOLD=fold_down, **g)
     else:
         up = dict(common, **grouped_only, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-        _moe_up_kernel[(nblocks, triton.cdiv(idim, bn))](
-            x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
-            x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-            BLOCK_N=bn, EVEN_K=even_up, FOLD=fold_up, **up)
         down = dict(common, **grouped_only, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
                     **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}))
-        _moe_down_kernel[(nblocks, triton.cdiv(hdim, cfg["down_BLOCK_N"]))](
-            h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
-            h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
-            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
-            BLOCK_N=cfg["down_BLOCK_N"], EVEN_K=even_down, FOLD=fold_down, **down)
+        # (PART, up launch, down launch): one launch per kernel, or with ``tail`` the blocks whose second
+        # half is empty in a second launch of half the rows (``_block_rows``)
+        parts = [(0, dict(up, BLOCK_N=bn), dict(down, BLOCK_N=cfg["down_BLOCK_N"]))]
+        if cfg["tail"]:
+            half = dict(common, **grouped_only, BLOCK_M=bm // 2, BLOCK_N=cfg["tail_BLOCK_N"],
+                        num_warps=cfg["tail_num_warps"], num_stages=cfg["tail_num_stages"])
+            parts = [(1,) + parts[0][1:], (2, half, half)]
+        for part, up_l, _ in parts:
+            _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
+                x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
+                x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
+                s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
+                EVEN_K=even_up, FOLD=fold_up, ROWS=bm, PART=part, **up_l)
+        for part, _, down_l in parts:
+            _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
+                h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
+                h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
+                s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
+                EVEN_K=even_down, FOLD=fold_down, ROWS=bm, PART=part, **down_l)
     block_h = min(1024, triton.next_power_of_2(hdim))
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
         y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
