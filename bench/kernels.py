@@ -572,7 +572,7 @@ def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
 MOE_TAIL = ({"tail": False}, {"tail_num_warps": 4}, {"tail_BLOCK_N": 64, "tail_num_warps": 4}, {"tail_num_stages": 4})
 
 
-def sweep_moe_tail(dev, g, t_list=(1024, 8192)):
+def sweep_moe_tail(dev, g, t_list=(1024, 2048, 4096, 8192)):
     """The prefill tiles with an expert's last block run at half the rows when its second half is empty
     (``tail``, the default) against one launch over all blocks (``tail=False``), and the tail launch's
     own width, warps and stages. A row's K steps do not change, so every variant must give the default's
