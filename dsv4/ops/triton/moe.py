@@ -503,7 +503,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                   ROWS: tl.constexpr = None, PART: tl.constexpr = None):
+                     ROWS: tl.constexpr = None, PART: tl.constexpr = None):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
