@@ -199,7 +199,8 @@ class LLMEngine:
                 and _graph_capturable(self.runner.attention_ops)):
             self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
-        self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: self.tokenizer.decode([t]))
+        tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
+        self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
         self.greedy_pick = config.resolve_greedy_pick(device)  # the plain greedy rows' batched pick (None: torch)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()

@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
-from ops_kernel_helpers import DEV, gen  # noqa: E402
+from ops_kernel_helpers import DEV, assert_bits_if_compiled, gen  # noqa: E402
 
 from dsv4.formats import FNUZ, OCP, alloc_kv_pages  # noqa: E402
 from dsv4.ops import torch_attention  # noqa: E402
@@ -304,12 +304,16 @@ def test_an_explicit_tile_does_not_become_the_default(monkeypatch):
 def test_keys_decoded_once_give_the_same_bits(fmt, kind, qdtype, H):
     """The prefill form (every listed record decoded to bf16 once, then dense pages, PREDECODE_TILE's
     32-head programs) against the in-register decode (16-head programs): the same MMA inputs in the
-    same order, so bitwise the same output (compiled, only if both dots get the same operand grouping:
-    the kernel docstring's "MMA operand grouping"); both within the oracle's bound."""
+    same order, so bitwise the same output compiled (only if both dots get the same operand grouping:
+    the kernel docstring's "MMA operand grouping"). Under the interpreter the two forms' dots have
+    other shapes, whose BLAS sums differ by CPU, so there each is held to the oracle's bound and the
+    two to the sum of their bounds."""
     sc = Scene(fmt, kind, LENS, QUERIES, 40, gen(20 + (kind == "hca")))
     q, sink, inreg = _check(sc, H, qdtype, 21, config={"predecode": False})
-    once = _run(lambda *a: tsa.paged_sparse_attention(*a, config={"predecode": True}), sc, q, sink, 512 ** -0.5)
-    assert torch.equal(once, inreg)
+    _, _, once = _check(sc, H, qdtype, 21, config={"predecode": True})
+    _, a, gmax = _float64_reference(sc, q, sink, 512 ** -0.5)
+    ref = _run(torch_attention.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    assert_bits_if_compiled(once, inreg, 2 * _bound(q, ref, a, gmax))
 
 
 def test_decode_pages_compacts_the_table_and_decodes_each_record():

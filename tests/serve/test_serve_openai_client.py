@@ -153,6 +153,9 @@ def test_tokenize_detokenize_roundtrip(real_server):
 
 
 def test_metrics_exposed(real_server):
+    # its own request: under xdist this module's other tests may run in the other worker's server
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(real_server.url + "/v1/completions", json=body, timeout=300).status_code == 200
     text = httpx.get(real_server.url + "/metrics").text
     for name in ("dsv4:http_requests_total", "dsv4:prompt_tokens_total", "dsv4:generation_tokens_total",
                  "dsv4:num_requests_waiting", "dsv4:num_requests_running", "dsv4:kv_cache_usage_perc",
