@@ -154,8 +154,7 @@ def main():
     res = [{"prompt": i, "len": len(ids), "engine_tokens": g["tokens"]} for i, (ids, g) in enumerate(zip(prompts, gens))]
     oracle = {}
     for name, dt in (("o16", torch.bfloat16), ("o32", torch.float32)):
-        model = ReferenceModel(a.ckpt, dtype=dt, device=eng.model.device, kv_cache_dtype=eng.config.kv_cache_dtype,
-                               fp8_format=eng.config.fp8_format)
+        model = ReferenceModel(a.ckpt, dtype=dt, device=eng.model.device, numerics=CacheNumerics(eng.config.kv_cache_dtype, eng.config.fp8_format))
         tape = Tape()
         instrument(model, tape)
         moe_mod._tapes["active"] = tape

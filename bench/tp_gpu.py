@@ -164,7 +164,7 @@ def _prefill(engine, n: int, seed: int = 3) -> dict:
 def run_one(a, name: str, extra: dict, save) -> dict:
     """One configuration; ``save(res)`` after every stage, so a run cut short still reports."""
     from dsv4 import LLM
-    from dsv4.dist.group import peak_memory
+    from dsv4.parallel.group import peak_memory
 
     t0 = time.perf_counter()
     llm = LLM(a.ckpt, **_engine_kwargs(a, extra))

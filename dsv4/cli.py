@@ -23,18 +23,17 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
-    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-              enable_prefix_caching=a.enable_prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
-              gpu_memory_utilization=a.gpu_memory_utilization, fp8_format=a.fp8_format, backend=a.backend,
-              attention=a.attention, enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
-              # tensor / expert parallelism (dsv4/dist)
-              enable_expert_parallel=a.enable_expert_parallel, nnodes=a.nnodes, node_rank=a.node_rank,
-              master_addr=a.master_addr, master_port=a.master_port, distributed_timeout=a.distributed_timeout)
-    if a.kv_cache_memory is not None:
-        kw["kv_cache_memory"] = int(a.kv_cache_memory * 2**20)
-    return kw
+def _engine_settings(a: argparse.Namespace) -> dict:
+    """The engine settings given as flags (``dsv4.engine.settings``), in the settings' units."""
+    from .engine.settings import cli_settings
+
+    return cli_settings(a)
+
+
+def _engine_config(a: argparse.Namespace):
+    from .engine.settings import EngineConfig
+
+    return EngineConfig.from_kwargs("dsv4", model=_model_or_canary(a.model), **_engine_settings(a))
 
 
 def _model_or_canary(model: str | None) -> str:
@@ -46,41 +45,13 @@ def _model_or_canary(model: str | None) -> str:
     return default_model_dir()
 
 
-def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True, exclude: tuple[str, ...] = ()) -> None:
+    """``--model`` and every engine setting's flag (generated from ``EngineConfig``'s fields)."""
+    from .engine.settings import add_cli_args
+
     p.add_argument("--model", required=model_required, help="model directory (config.json + safetensors)" + (
         "" if model_required else "; default: the embedded canary model"))
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
-    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
-    p.add_argument("--fp8-format", default="auto", choices=["auto", "ocp", "fnuz"],
-                   help="FP8 encoding of the KV cache bytes; auto: the platform profile (DSV4_PLATFORM_FP8 forces it)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks (worker processes, one GPU each) the model is sharded over; see docs/distributed.md")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="split routed experts by expert across the ranks (default: each expert's intermediate dim)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of a multi-node tensor-parallel run")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this node's index; node 0 serves, nodes > 0 only run worker ranks (headless)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the torch.distributed rendezvous")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port (required with --nnodes > 1; default: a free port)")
-    p.add_argument("--distributed-timeout", type=float, default=300.0,
-                   help="seconds a collective may wait before the engine is declared dead")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in MiB")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels where the platform has them; torch: the reference path")
-    p.add_argument("--attention", default="auto", choices=["auto", "batched", "reference"],
-                   help="batched: one step's attention over the paged cache at once (the GPU default); "
-                        "reference: per request through the oracle")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule and launch the next step while this one runs, when its samples are plain greedy "
-                        "(outputs are reported one step later). Default: on for a single-process CUDA engine, "
-                        "off on the CPU and with tensor parallelism")
+    add_cli_args(p, exclude=exclude)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -89,9 +60,10 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from .engine.sampling_params import SamplingParams
     from .llm import LLM
 
-    llm = LLM(_model_or_canary(a.model), **_engine_kwargs(a))
+    settings = _engine_settings(a)
+    llm = LLM(_model_or_canary(a.model), **settings)
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, ignore_eos=a.ignore_eos)
+                            seed=settings.get("seed"), ignore_eos=a.ignore_eos)
     if a.chat:
         out = llm.chat([{"role": "user", "content": a.prompt}], params, thinking=a.thinking)[0]
     else:
@@ -114,20 +86,20 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     a.model = _model_or_canary(a.model or a.model_tag)
     if a.block_size is not None and a.block_size != 256:
         raise ValueError(f"--block-size {a.block_size}: DeepSeek-V4 caches use blocks of 256 tokens")
-    if a.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/dist)
-        from .dist.worker import run_worker_node
-        from .engine.engine import EngineConfig
+    config = _engine_config(a)
+    if config.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/parallel)
+        from .parallel.worker import run_worker_node
 
-        return run_worker_node(EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a)))
+        return run_worker_node(config)
     from .serve.app import serve  # lazy: fastapi/uvicorn only load for this command
 
-    return serve(a, _engine_kwargs(a))
+    return serve(a, config)
 
 
 def _cmd_eval_canary(a: argparse.Namespace) -> int:
     from .canary.eval import run_eval_command  # lazy: torch loads only for this command
 
-    return run_eval_command(a, _model_or_canary(a.model), _engine_kwargs(a))
+    return run_eval_command(a, _model_or_canary(a.model), _engine_settings(a))
 
 
 def _int_list(text: str) -> list[int]:
@@ -141,14 +113,14 @@ def _cmd_probe(a: argparse.Namespace) -> int:
     from .validate.probe import ProbeOptions, load_prompts, run_probe
 
     verdict = {k: v for k, v in (("max_run", a.max_run),) if v is not None}
-    opts = ProbeOptions(model=_model_or_canary(a.model), engine_kwargs=_engine_kwargs(a),
+    opts = ProbeOptions(model=_model_or_canary(a.model), engine_kwargs=_engine_settings(a),
                         prompts=load_prompts(a.prompts) if a.prompts else None, max_tokens=a.max_tokens,
                         batch_sizes=tuple(a.batch_sizes), repeats=a.repeats, validate=a.validate,
                         ref_tokens=a.ref_tokens, ref_tol=a.ref_tol, logprob_tol=a.logprob_tol, oracle=a.oracle,
                         exact_oracle=a.exact_oracle,
                         batch_tie_tol=a.batch_tie_tol,
                         expect=a.expect, record=a.record, json_report=a.json_report, thinking=a.thinking,
-                        seed=a.seed, verdict=verdict)
+                        seed=_engine_settings(a).get("seed", 0), verdict=verdict)
     return run_probe(opts).exit_code
 
 
@@ -196,7 +168,6 @@ def _add_probe_args(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                     help="chat prompts in thinking mode")
     pr.add_argument("--max-run", type=int, default=None, help="verdict: a token repeated this often in a row fails")
-    pr.add_argument("--seed", type=int, default=0)
     pr.set_defaults(fn=_cmd_probe)
 
 
@@ -205,7 +176,9 @@ def _add_diff_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--backend-a", default="torch", choices=["auto", "torch", "triton"])
     d.add_argument("--backend-b", default="triton", choices=["auto", "torch", "triton"])
     d.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
-    d.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "fp8", "auto"])
+    from .model.cache import KV_CACHE_ALIASES, KV_CACHE_DTYPES
+
+    d.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=KV_CACHE_DTYPES + tuple(KV_CACHE_ALIASES))
     d.add_argument("--fp8-format", default="ocp", choices=["ocp", "fnuz"])
     d.add_argument("--prompt-len", type=int, default=300, help="random prompt length (crosses pages and windows)")
     d.add_argument("--greedy-tokens", type=int, default=8)
@@ -226,7 +199,6 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; default: the path")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $DSV4_API_KEY)")
-    s.add_argument("--seed", type=int, default=0)
     s.add_argument("--reasoning-parser", choices=["deepseek_v4"], default="deepseek_v4")
     s.add_argument("--tool-call-parser", choices=["deepseek_v4"], default="deepseek_v4")
     s.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted; tool calls are always parsed")
@@ -263,7 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print token ids, per-token text and finish reason as JSON")
     g.set_defaults(fn=_cmd_generate)

@@ -2,39 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
-from .engine.engine import EngineConfig, LLMEngine
+from .engine.engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
+from .engine.settings import EngineConfig
+
+
+def build_engine(config: EngineConfig, tokenizer=None) -> LLMEngine:
+    """The engine of ``config``; a parallel config first starts its worker processes
+    (``dsv4.parallel.start_executor``) and hands the engine their driver."""
+    executor = None
+    if config.parallel:
+        from .parallel import start_executor
+
+        executor = start_executor(config)
+    try:
+        return LLMEngine(config, tokenizer=tokenizer, executor=executor)
+    except BaseException:
+        if executor is not None:
+            executor.shutdown()
+        raise
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "fp8_ds_mla",
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 fp8_format: str = "auto", device: str | None = None, act_quant: bool = False, backend: str = "auto",
-                 tokenizer=None, attention: str = "auto", enforce_eager: bool = False,
-                 async_scheduling: bool | None = None,
-                 enable_expert_parallel: bool = False, nnodes: int = 1, node_rank: int = 0,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None, distributed_timeout: float = 300.0):
-        """The parallel arguments (``tensor_parallel_size`` > 1 and the ones after ``async_scheduling``)
-        start worker processes, one per rank; see docs/distributed.md. ``shutdown()`` stops them."""
-        if model is None:  # the embedded canary (dsv4/assets/canary), like `dsv4 generate` without --model
+    def __init__(self, model: str | None = None, *, tokenizer=None, **settings):
+        """``settings``: the engine settings (``dsv4.engine.settings.EngineConfig``'s fields: ``dtype``,
+        ``max_model_len``, ``tensor_parallel_size``, …; an unknown name is a TypeError naming it). The
+        parallel ones start worker processes, one per rank (docs/distributed.md); ``shutdown()`` stops
+        them. Without ``model``: the embedded canary model (dsv4/assets/canary)."""
+        if model is None:  # like `dsv4 generate` without --model
             from .canary import default_model_dir
 
             model = default_model_dir()
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, fp8_format=fp8_format, device=device,
-            act_quant=act_quant, backend=backend, attention=attention,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            enable_expert_parallel=enable_expert_parallel, nnodes=nnodes,
-            node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-            distributed_timeout=distributed_timeout), tokenizer=tokenizer)
+        self.engine = build_engine(EngineConfig.from_kwargs("LLM", model=str(model), **settings), tokenizer=tokenizer)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (they also stop when this process exits)."""
@@ -82,8 +85,11 @@ class LLM:
             raise
         try:
             done = self.engine.run_to_completion(ids)
+            failed = next((done[r] for r in ids if r in done and done[r].exception is not None), None)
+            if failed is not None:  # the engine finished it with an error: raise what failed it
+                raise failed.exception
         except BaseException:
-            for rid in ids:  # a failed step must not leave this call's requests holding pages
+            for rid in ids:  # a failed call must not leave its other requests holding pages
                 self.engine.abort_request(rid)
             raise
         return [done[r] for r in ids]
@@ -115,6 +121,4 @@ class LLM:
 def _copy(p: SamplingParams) -> SamplingParams:
     """The caller's parameters, reported only when finished: ``generate`` returns final outputs, so
     the engine need not copy every running request's tokens at every step."""
-    from .engine.engine import _fields
-
-    return SamplingParams(**{**_fields(p), "output_kind": "final_only"})
+    return dataclasses.replace(p, output_kind="final_only")

@@ -41,18 +41,20 @@ def tiny_ckpt_fp8_experts(tmp_path_factory):
 def tiny_model_auto(tiny_ckpt):
     import torch
 
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, kv_cache_dtype="auto")
+    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("auto"))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_fp8(tiny_ckpt):
     import torch
 
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, kv_cache_dtype="fp8_ds_mla")
+    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
 
 
 # ---- memory guard -----------------------------------------------------------------------------

@@ -134,8 +134,8 @@ def _state_rows(self, x, positions):
     return _orig_state_rows(self, x.detach() if (HOOKS.active and self.kind == "index") else x, positions)
 
 
-def _route(x, gate_w, cfg, bias=None, tid2eid=None, token_ids=None):
-    ids, w = _orig_route(x, gate_w, cfg, bias, tid2eid, token_ids)
+def _route(ops, x, gate_w, cfg, bias=None, tid2eid=None, token_ids=None):
+    ids, w = _orig_route(ops, x, gate_w, cfg, bias, tid2eid, token_ids)
     if HOOKS.active and bias is not None:
         cnt = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts).float()
         HOOKS.loads[id(bias)] = HOOKS.loads.get(id(bias), 0) + cnt
@@ -187,7 +187,7 @@ def uninstall_hooks() -> None:
 def run_batch(params, cfg, seqs, device, quantized: bool, fp8_cache: bool, mtp_weight: float):
     """Forward one batch; returns (loss, main CE, mtp CE, indexer KL, bias-name → load)."""
     ts = forward_tensors(params, cfg, quantized)
-    model = ReferenceModel(TensorWeights(cfg, ts, device=device), kv_cache_dtype="auto")
+    model = ReferenceModel(TensorWeights(cfg, ts, device=device), numerics=CacheNumerics("auto"))
     numerics = STENumerics("fp8_ds_mla") if fp8_cache else CacheNumerics("auto")
     ids, rows, mrows, wts, mwts, chunks, mchunks = [], [], [], [], [], [], []
     off = 0
@@ -252,7 +252,7 @@ def evaluate_into(model_dir, info: dict, keys, held, dev, log, fp32: dict | None
         try:
             w = (ModelWeights(model_dir, torch.float32, dev, progress=False) if kind == "checkpoint"
                  else TensorWeights(cfg, fp32, device=dev))
-            res = evaluate_reference(ReferenceModel(w, kv_cache_dtype=kv), held)
+            res = evaluate_reference(ReferenceModel(w, numerics=CacheNumerics(kv)), held)
         except Exception as e:  # keep what was measured so far
             log(f"evaluation {key} failed: {type(e).__name__}: {e}")
             continue
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     if a.near_eval > 0:  # has the lookup itself been learnt? (the held-out recall is all beyond the window)
         near_rng = random.Random(f"{a.seed}:near")
         near_set = [make_record_run(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
-        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, fp32, device=dev), kv_cache_dtype="auto"), near_set)
+        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, fp32, device=dev), numerics=CacheNumerics("auto")), near_set)
         info["diagnostics"] = {"recall_in_window_fp32": res["accuracy"]["recall"]}
         (Path(a.out) / "canary.json").write_text(json.dumps(info, indent=2) + "\n")
         log(f"in-window recall (fp32 weights, {a.near_eval} examples of 60-110 tokens): {res['accuracy']['recall']}")

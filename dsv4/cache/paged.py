@@ -22,10 +22,7 @@ import torch
 from ..config import LayerType, ModelConfig
 from ..formats import (alloc_indexer_pages, alloc_kv_pages, indexer_page_stride, page_stride, read_indexer_k,
                        read_kv, write_indexer_k, write_kv)
-from ..model.cache import CacheNumerics
-
-SWA_PAGE = 64
-BLOCK = 256
+from ..model.cache import BLOCK, SWA_PAGE, CacheNumerics
 BOUNDARY_ROWS = 4  # ratio-4 overlap: entry b needs block b-1's rows
 
 

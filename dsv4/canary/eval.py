@@ -82,7 +82,9 @@ def run_eval_command(a, model: str, engine_kw: dict) -> int:
     examples = [ex for ex in heldout(a.per_task, recall_per_task=a.recall) if ex.task in tasks]
     t0 = time.time()
     res = evaluate_engine(model, examples, **engine_kw)
-    kv = "fp8_ds_mla" if engine_kw.get("kv_cache_dtype") == "fp8" else engine_kw.get("kv_cache_dtype")
+    from ..engine.settings import EngineConfig
+
+    kv = EngineConfig(model=model, **engine_kw).kv_cache_dtype  # (fp8 → fp8_ds_mla, as the engine takes it)
     recorded = (recorded_accuracy(model) or {}).get(f"checkpoint/{kv}")
     report = {"model": model, "kv_cache_dtype": kv, "backend": engine_kw.get("backend"),
               "dtype": engine_kw.get("dtype"), "seconds": round(time.time() - t0, 1), "n": res["n"],

@@ -172,7 +172,7 @@ class Checkpoint:
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of one tensor, reading only those bytes
-        (tensor-parallel ranks load their shard this way; see dsv4/dist/shard.py). A fresh tensor."""
+        (tensor-parallel ranks load their shard this way; see dsv4/parallel/shard.py). A fresh tensor."""
         from safetensors import safe_open
 
         e = self.entries.get(name)

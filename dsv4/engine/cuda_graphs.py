@@ -23,9 +23,8 @@ import time
 
 import torch
 
+from ..cache.tables import StepTables, split
 from ..model.attention import SeqChunk
-from .paged_attention import PagedBatch
-from .staging import split
 
 log = logging.getLogger("dsv4.engine")
 
@@ -39,8 +38,8 @@ def buckets_for(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards; ``run(batch)`` replays the right one and returns its logits."""
 
-    def __init__(self, model, kvc, ops: dict, max_num_seqs: int, max_model_len: int):
-        self.model, self.kvc, self.ops = model, kvc, ops
+    def __init__(self, model, kvc, max_num_seqs: int, max_model_len: int):
+        self.model, self.kvc = model, kvc
         self.max_model_len = max_model_len
         self.n_swa = -(-max_model_len // 64)
         self.n_blk = -(-max_model_len // 256)
@@ -62,7 +61,7 @@ class DecodeGraphs:
 
     def shapes(self, b: int) -> list[tuple[int, ...]]:
         """The static int64 inputs of bucket ``b`` as laid out in its one buffer: the token ids,
-        then ``paged_attention.decode_tables``' parts."""
+        then ``cache.tables.decode_tables``' parts."""
         return [(b,)] * 6 + [(b, self.n_swa), (b, self.n_blk)]
 
     def _capture(self, b: int, pool):
@@ -70,7 +69,7 @@ class DecodeGraphs:
         shapes = self.shapes(b)
         flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.long, device=dev)
         ids, *tables = split(flat, [(range(math.prod(s)), s) for s in shapes])
-        static = PagedBatch.spare(kvc, tables, self.ops, self.max_model_len)
+        static = StepTables.spare(kvc, tables, self.max_model_len)
         self.inputs[b] = flat
         rows = torch.arange(b, device=dev)
         chunks = [SeqChunk(None, 0, 1) for _ in range(b)]
@@ -81,12 +80,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile every kernel and settle the allocator before capturing
-                self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False)
+                self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False)
+            out = self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
         # every tensor the graph reads must stay alive with it: a freed input's memory gets reused
         # and the replay would read whatever lives there then (rows did: duplicated logits rows)
         self.graphs[b] = (graph, static, ids, out.logits)
@@ -99,7 +98,7 @@ class DecodeGraphs:
     def staging_target(self, n: int, max_end: int):
         """(bucket, its static input buffer, table widths) for a decode step of ``n`` requests
         whose tokens end by ``max_end``, or None if no graph takes it: the runner then stages the
-        step's inputs straight into the graph's tensors (``paged_attention.decode_tables``)."""
+        step's inputs straight into the graph's tensors (``cache.tables.decode_tables``)."""
         b = self.bucket(n)
         if b is None or max_end > self.max_model_len or b not in self.inputs:
             return None
@@ -117,7 +116,7 @@ class DecodeGraphs:
         self.buckets = []
 
     def can_run(self, batch) -> bool:
-        p = batch.paged
+        p = batch.tables
         return (p is not None and p.decode_only and self.bucket(len(batch.chunks)) is not None
                 and batch.logits_rows.numel() == len(batch.chunks)  # one sampled row per request
                 and p.max_end <= self.max_model_len)
@@ -126,12 +125,12 @@ class DecodeGraphs:
         n = len(batch.chunks)
         graph, static, ids, logits = self.graphs[self.bucket(n)]
         if not getattr(batch, "graph_staged", False):  # else the step's copy already put them there
-            static.load(batch.paged)
+            static.load(batch.tables)
             ids.zero_()
             ids[:n].copy_(batch.token_ids)
         if graph is None:
             chunks, rows = logits
-            logits = self.model.forward(ids, chunks, logits_rows=rows, paged=static, advance=False).logits
+            logits = self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False).logits
         else:
             graph.replay()
         for c in batch.chunks:

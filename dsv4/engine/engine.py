@@ -1,12 +1,18 @@
-"""The engine core: add requests, run steps (schedule → forward → sample), emit outputs."""
+"""The engine core: add requests, run steps (schedule → forward → sample), emit outputs.
+
+A failure that belongs to requests never escapes ``step()``: the engine finishes those requests with
+``finish_reason="error"`` (their output's ``error`` says what went wrong) and serves the others — a
+sampling failure fails its own request, a failed forward the requests of its step. Only
+``EngineDeadError`` (no step can run any more) is raised.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import time
+import re
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,170 +20,96 @@ import torch
 from ..cache.manager import KVCacheManager
 from ..cache.paged import PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
+from ..model.opset import reference_ops
 from . import overlap
+from .errors import EngineDeadError, RequestError
 from .outputs import RequestOutput
-from .request import Request, Status
+from .request import Request
 from .runner import ModelRunner
 from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .settings import EngineConfig
 
 log = logging.getLogger("dsv4.engine")
-OPS = ("fp8_linear", "moe_route", "moe_experts")
 
 
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto → bfloat16 on CUDA, float32 on CPU
-    kv_cache_dtype: str = "fp8_ds_mla"
-    fp8_format: str = "auto"  # auto: the platform profile's encoding (FNUZ on gfx942, else OCP)
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes; default: a CPU budget, or a GPU utilisation share
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    # tensor / expert parallelism (dsv4/dist, docs/distributed.md): one process per rank, rank 0 runs the engine
-    enable_expert_parallel: bool = False  # routed experts split by expert instead of by intermediate dim
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (single node only)
-    distributed_timeout: float = 300.0  # seconds a collective may wait before the engine is declared dead
-    device: str | None = None  # None: the device of a model passed to LLMEngine, else the GPU if there is one
-    seed: int = 0
-    act_quant: bool = False
-    backend: str = "auto"  # auto: fast kernels where the platform has them; torch: the reference path
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's --enforce-eager)
-    async_scheduling: bool | None = None  # schedule and launch the next step before this one's greedy picks
-    #   reach the host (vLLM's --async-scheduling; engine/overlap.py). None: on for a single-process CUDA
-    #   engine (the host's work then overlaps the GPU's), off elsewhere (resolve_async_scheduling)
-    attention: str = "auto"  # batched: one step's attention over the pages at once; reference: per request;
-    #                          auto: batched with the fast backend, reference with the torch one
-
-    def fast_path(self, device: torch.device) -> bool:
-        """Whether the model runs the fast (kernel) ops on ``device``: ``triton``, or ``auto`` off the CPU."""
-        return self.backend == "triton" or (self.backend == "auto" and device.type != "cpu")
-
-    def resolve_ops(self, device: torch.device) -> dict | None:
-        """Op name → function for the fast path, or None for the pure torch reference."""
-        if self.backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be auto, torch or triton; got {self.backend!r}")
-        if not self.fast_path(device):
-            return None
-        from ..ops.registry import describe, resolve
-
-        from ..model.kernels import KERNEL_OPS
-
-        force = None if self.backend == "auto" else {op: "triton" for op in OPS + KERNEL_OPS}
-        ops = {op: resolve(op, force=force)[1] for op in OPS}
-        for op in KERNEL_OPS:  # building blocks: only a real kernel replaces the oracle's torch code
-            name, fn = resolve(op, force=force)
-            if name != "torch":
-                ops[op] = fn
-        for row in describe(force=force):
-            log.info("op %-12s → %-7s (%s)", row["op"], row["backend"], row["reason"])
-        return ops
-
-    def resolve_greedy_pick(self, device: torch.device):
-        """The batched greedy pick's backend (``greedy_pick``): the fast one where the model runs the
-        fast path, else None (the torch op)."""
-        if not self.fast_path(device):
-            return None
-        from ..ops.registry import resolve
-
-        return resolve("greedy_pick", force=None if self.backend == "auto" else {"greedy_pick": "triton"})[1]
-
-    def resolve_attention_ops(self, device: torch.device) -> dict | None:
-        """Ops of the batched paged attention, or None for the reference's per-request attention."""
-        if self.attention not in ("auto", "batched", "reference"):
-            raise ValueError(f"attention must be auto, batched or reference; got {self.attention!r}")
-        if self.attention == "reference" or (self.attention == "auto" and not self.fast_path(device)):
-            return None
-        from ..ops.registry import resolve
-        from .paged_attention import ATTENTION_OPS
-
-        force = {op: "torch" for op in ATTENTION_OPS} if self.backend == "torch" else (
-            {op: "triton" for op in ATTENTION_OPS} if self.backend == "triton" else None)
-        return {op: resolve(op, force=force)[1] for op in ATTENTION_OPS}
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                 "float16": torch.float16, "half": torch.float16}
-        if self.dtype not in table:
-            raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {self.dtype!r}")
-        return table[self.dtype]
-
-
-def _graph_capturable(ops: dict) -> bool:
-    """Whether a CUDA graph can capture the batched attention with these ops: the torch ones
-    (``dsv4.ops.torch_*``, ``backend="torch"``) check page bounds on the host, a synchronization
+def _graph_capturable(ops) -> bool:
+    """Whether a CUDA graph can capture the batched attention with this op set: the torch attention
+    ops (``dsv4.ops.torch_*``, ``backend="torch"``) check page bounds on the host, a synchronization
     that stream capture forbids, so their decode steps run eagerly."""
-    return not any(getattr(fn, "__module__", "").startswith("dsv4.ops.torch") for fn in ops.values())
-
-
-def _shutdown_tp(runner: ModelRunner, dist) -> None:
-    """Rank 0's tensor-parallel teardown: captured NCCL launches go before the group does (a live
-    graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
-    if runner.graphs is not None:
-        runner.graphs.release()
-        runner.graphs = None
-    dist.shutdown()
+    return ops.paged_attention and not any(
+        getattr(getattr(ops, op), "__module__", "").startswith("dsv4.ops.torch")
+        for op in ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer",
+                   "indexer_q_rope_quant"))
 
 
 def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """``config.async_scheduling`` made definite. None (the default) turns it on where it pays: one
     process on a CUDA device, whose kernels run asynchronously to the host, so the next step's
     scheduling and the previous step's bookkeeping run under the current step (H200, 4-layer
-    flash-width checkpoint: 10-20 % per decode step, docs/perf.md). On the CPU the model runs on the
-    host thread and nothing overlaps; tensor parallelism does not support it (an explicit True there
-    is an error)."""
-    tp = config.tensor_parallel_size > 1 or config.nnodes > 1
+    flash-width checkpoint: 10-20 % per decode step). On the CPU the model runs on the host thread and
+    nothing overlaps; tensor parallelism does not support it (an explicit True there is an error)."""
     if config.async_scheduling is None:
-        return device.type == "cuda" and not tp
-    if config.async_scheduling and tp:
+        return device.type == "cuda" and not config.parallel
+    if config.async_scheduling and config.parallel:
         raise ValueError("async_scheduling is not supported with tensor parallelism "
                          f"(tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes})")
     return bool(config.async_scheduling)
 
 
+def _shutdown_executor(runner: ModelRunner, executor) -> None:
+    """A multi-process engine's teardown: captured NCCL launches go before the process group does (a
+    live graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
+    executor.shutdown()
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, backend=None, tokenizer=None):
+    """``model``: a model to run instead of loading ``config.model`` (tests, tools: its device and op
+    set are used). ``executor``: a multi-process model runner (``dsv4.parallel.TPDriver``) handed in by
+    the caller when ``config`` is parallel; the engine schedules and samples for it as for one process."""
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, executor=None):
         from ..chat.tokenizer import load_tokenizer
         from ..model.model import ReferenceModel
+        from ..ops.platform import detect_platform
+        from ..ops.selection import resolve_op_set
 
-        if config.fp8_format == "auto":
-            from ..ops.platform import detect_platform
-
-            config.fp8_format = detect_platform().fp8_format or "ocp"
-        self.config = config
-        # a model passed in fixes the device (its weights are there); else the GPU when there is one
-        device = torch.device(config.device or getattr(backend, "device", None)
+        if config.parallel and executor is None:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes}: a "
+                             "parallel engine needs its executor (dsv4.parallel.start_executor; LLM and dsv4 serve "
+                             "start it)")
+        if executor is not None and model is not None:
+            raise ValueError("a custom model cannot run with a multi-process executor")
+        # a model or executor passed in fixes the device (its weights are there); else the GPU when there is one
+        device = torch.device(config.device or getattr(executor or model, "device", None)
                               or ("cuda" if torch.cuda.is_available() else "cpu"))
+        fp8_format = config.fp8_format if config.fp8_format != "auto" else detect_platform().fp8_format or "ocp"
+        self.config = config = config.replace(fp8_format=fp8_format,
+                                              async_scheduling=resolve_async_scheduling(config, device))
+        self.numerics = numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)  # the one instance
         dtype = config.torch_dtype(device)
-        self.dist = None  # TPDriver when tensor-parallel (dsv4/dist): this process is rank 0
-        config.async_scheduling = resolve_async_scheduling(config, device)
-        if config.tensor_parallel_size > 1 or config.nnodes > 1:
-            if backend is not None:
-                raise ValueError("a custom model backend cannot run at tensor_parallel_size > 1")
-            from ..dist.driver import TPDriver
-
-            self.dist = TPDriver(config, device)
-            backend = self.dist.model
-        self.model = backend or ReferenceModel(config.model, dtype=dtype, device=device,
-                                              kv_cache_dtype=config.kv_cache_dtype, fp8_format=config.fp8_format,
-                                              act_quant=config.act_quant, ops=config.resolve_ops(device))
+        self.executor = executor
+        if executor is not None:
+            model = executor.model
+        elif model is None:
+            model = ReferenceModel(config.model, dtype=dtype, device=device, numerics=numerics,
+                                   act_quant=config.act_quant,
+                                   ops=resolve_op_set(config.backend, config.attention, device))
+        self.model = model
+        self.ops = getattr(model, "ops", None) or reference_ops()
+        if config.attention == "batched" and not self.ops.paged_attention:
+            raise ValueError("attention='batched' needs a model built with the batched attention's ops "
+                             "(dsv4.ops.resolve_op_set(..., attention='batched'))")
         cfg = self.model.cfg
         self.model_config = cfg
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
-        numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)
         mem = config.kv_cache_memory
         if mem is None:
             if device.type == "cuda":
@@ -189,47 +121,46 @@ class LLMEngine:
                              self.max_model_len)
         self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
         self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
-        if self.dist is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
-            self.dist.start_caches(budget, self.kv)
+        if executor is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
+            executor.start_caches(budget, numerics, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, config.resolve_attention_ops(device))
-        if self.dist is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
-            self._tp_finalizer = weakref.finalize(self, _shutdown_tp, self.runner, self.dist)
-        if (device.type == "cuda" and self.runner.attention_ops is not None and not config.enforce_eager
-                and _graph_capturable(self.runner.attention_ops)):
+        self.runner = ModelRunner(self.model, self.kv, self.ops.paged_attention)
+        if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
+            self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
+        if device.type == "cuda" and not config.enforce_eager and _graph_capturable(self.ops):
             self.capture_decode_graphs()
         self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
-        self.greedy_pick = config.resolve_greedy_pick(device)  # the plain greedy rows' batched pick (None: torch)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
-        self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far (a failed call's: the next's)
+        self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far
+        self._stepping: list = []  # the schedule(s) of the step() call in progress (failed together)
         self.num_overlapped_steps = 0  # steps launched before the previous step's picks were read
         log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
 
     def capture_decode_graphs(self) -> None:
-        """CUDA graphs of the decode forward (``engine.cuda_graphs``); at TP > 1 every rank captures
-        its own and each replay is announced to the workers (``dist.driver.TPDecodeGraphs``). On the
-        CPU the graphs are emulated (the same static inputs, run eagerly): how tests reach the path."""
+        """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank
+        captures its own and each replay is announced to the workers. On the CPU the graphs are
+        emulated (the same static inputs, run eagerly): how tests reach the path."""
         from .cuda_graphs import DecodeGraphs
 
-        if self.runner.attention_ops is None:
+        if not self.ops.paged_attention:
             raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
-        args = (self.kv_cache, self.runner.attention_ops, self.config.max_num_seqs, self.max_model_len)
-        if self.dist is not None:
-            self.runner.graphs = self.dist.capture_graphs(*args)
+        args = (self.kv_cache, self.config.max_num_seqs, self.max_model_len)
+        if self.executor is not None:
+            self.runner.graphs = self.executor.capture_graphs(*args)
         else:
             self.runner.graphs = DecodeGraphs(self.model, *args)
             self.runner.graphs.capture()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
-        if self.dist is not None:
-            self._tp_finalizer()
+        """Stop a multi-process engine's workers and leave the process group (nothing to do otherwise)."""
+        if self.executor is not None:
+            self._finalizer()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
@@ -262,7 +193,7 @@ class LLMEngine:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                p = SamplingParams(**{**_fields(params), "seed": params.seed + i})
+                p = dataclasses.replace(params, seed=params.seed + i)
             detok = self.tokenizer.incremental_detokenizer(skip_special_tokens=params.skip_special_tokens)
             r = Request(rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id,
                         detokenizer=detok)
@@ -288,29 +219,66 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns outputs of requests that progressed. With
-        ``async_scheduling`` a step of plain greedy samples is read one call later (``_step_async``)."""
-        if self.config.async_scheduling:
-            return self._step_async()
+        """Schedule, run the model once, sample; returns outputs of requests that progressed (and of
+        requests that failed: finished, ``error`` set). With ``async_scheduling`` a step of plain greedy
+        samples is read one call later (``_step_async``)."""
+        self._stepping = []
+        try:
+            if self.config.async_scheduling:
+                return self._step_async()
+            schedule = self._schedule()
+            return self._run_step(schedule) if schedule else []
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failure of requests, not of the engine
+            return self._fail_step(e)
+
+    def _schedule(self):
         schedule = self.scheduler.schedule()
-        if not schedule:
-            return []
-        return self._run_step(schedule)
+        self._stepping.append(schedule)
+        return schedule
+
+    def _fail_step(self, e: Exception) -> list[RequestOutput]:
+        """Finish the requests a failed step belongs to with an error: the request the error names,
+        else every request of this call's schedules (for a failure inside ``schedule()``: the running
+        requests and the first waiting one)."""
+        rid = getattr(e, "request_id", None)
+        names = [rid] if rid in self.requests else [
+            r for r in self.requests if re.search(r"request " + re.escape(r) + r"\b", str(e))]
+        if not names:
+            names = [sc.req.request_id for schedule in self._stepping for sc in schedule]
+        if not names:
+            sched = self.scheduler
+            names = [r.request_id for r in sched.running] + [r.request_id for r in list(sched.waiting)[:1]]
+        names = list(dict.fromkeys(n for n in names if n in self.requests))
+        log.error("engine step failed; failing %d request(s) %s: %s: %s", len(names), ", ".join(names),
+                  type(e).__name__, e, exc_info=e)
+        for rid in names:
+            for r in self.requests[rid]:
+                overlap.drop_placeholder(r)
+                if not r.finished:
+                    r.fail(e)
+                self.scheduler.remove(r)
+        if self._inflight is not None and all(sc.req.finished for sc in self._inflight.schedule):
+            self._inflight = None
+        outs, self._carried = self._carried, []
+        return outs + self._outputs(dict.fromkeys(names))
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch the next step (token ids of requests still decoding taken from the in-flight step's
         picks on the device), then read the in-flight step: the host's work overlaps the GPU's. A
         step that cannot stay on the device runs synchronously once the in-flight one is read.
         Outputs are gathered in ``_carried`` first, so a step that fails after reading the in-flight
-        one loses none of them (the next call returns them)."""
+        one loses none of them."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
             overlap.add_placeholders(prev)
+            self._stepping.append(prev.schedule)
         try:
-            schedule = self.scheduler.schedule()
+            schedule = self._schedule()
             nxt = None
             if schedule and overlap.deferrable(schedule, self.sampler):
-                nxt = overlap.launch(self.runner, schedule, prev, self.greedy_pick)
+                nxt = overlap.launch(self.runner, schedule, prev, self.ops.greedy_pick)
         except Exception:
             if prev is not None:  # the placeholders get their tokens: the requests stay consistent
                 self._carried += self._read_step(prev)
@@ -329,26 +297,22 @@ class LLMEngine:
         return outs
 
     def _read_step(self, step: overlap.InFlight) -> list[RequestOutput]:
-        """Apply an in-flight step's greedy picks (each replacing its request's placeholder, if any)."""
+        """Apply an in-flight step's greedy picks (each replacing its request's placeholder, if any);
+        a non-finite row fails its request."""
         toks, fins = overlap.read_picks(step)
         touched: dict[str, None] = {}
-        bad = None
         for row, si in step.batch.sample_rows:
             req = step.schedule[si].req
             overlap.drop_placeholder(req)
             if req.finished:  # aborted (or failed) while in flight
                 continue
             if not fins[row]:
-                bad = bad or req
-                continue
-            req.append_token(toks[row], None, None)
+                req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
+                                            f"{len(req.output_token_ids)}"))
+            else:
+                req.append_token(toks[row], None, None)
             touched[req.request_id] = None
-        outs = self._finish_step(step.schedule, touched)
-        if bad is not None:  # as the per-row sampler reports it; the others' outputs go out next call
-            self._carried += outs
-            raise FloatingPointError(f"request {bad.request_id}: non-finite logits at output token "
-                                     f"{len(bad.output_token_ids)}")
-        return outs
+        return self._finish_step(step.schedule, touched)
 
     def _run_step(self, schedule) -> list[RequestOutput]:
         batch, logits = self.runner.run(schedule)
@@ -363,7 +327,11 @@ class LLMEngine:
                 # a 1-token prompt has no prompt rows at all: its prompt logprobs are just [None]
                 rows = req.prompt_logits if req.prompt_logits is not None else empty
                 req.prompt_logits = None
-                req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
+                try:
+                    req.prompt_logprobs = self.sampler.prompt_logprobs(req, rows)
+                except Exception as e:  # noqa: BLE001 - this request's failure only
+                    req.fail(e)
+                    touched[req.request_id] = None
         self._sample(schedule, batch, logits, touched)
         return self._finish_step(schedule, touched)
 
@@ -373,20 +341,29 @@ class LLMEngine:
         for sc in schedule:
             req = sc.req
             alloc = req.alloc
-            if kv.has_new_full_blocks(alloc):  # the token list is only built when a block closed
+            if req.finish_reason != "error" and kv.has_new_full_blocks(alloc):  # (built only when a block closed)
                 kv.register_full_blocks(alloc, req.all_token_ids)
             if req.finished:
                 remove(req)
             else:
                 kv.release_out_of_window(alloc)
             touched[req.request_id] = None
-        requests, out = self.requests, []
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict) -> list[RequestOutput]:
+        """The outputs of the requests that advanced (every step, or only finished ones for
+        ``final_only``); a request one of whose sequences failed ends with the others aborted."""
+        requests, out, remove = self.requests, [], self.scheduler.remove
         for rid in touched:
             group = requests.get(rid)
             if group is None:  # aborted
                 continue
+            if any(r.finish_reason == "error" for r in group):  # one sequence failed: the request failed
+                for r in group:
+                    if not r.finished:
+                        r.finish("abort")
+                        remove(r)
             finished = group[0].finished if len(group) == 1 else all(r.finished for r in group)
-            # reported every step, or only at the end ("final_only")
             if finished or group[0].params.output_kind != "final_only":
                 out.append(self._output(rid, group, finished))
         return out
@@ -394,11 +371,12 @@ class LLMEngine:
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
         """Append each sampled request's next token. Plain greedy rows are picked on the logits'
         device in one batched pick (the ``greedy_pick`` op); the other rows (and any non-finite one)
-        are copied to the host at once and go through the sampler row by row."""
+        are copied to the host at once and go through the sampler row by row; a row whose sampling
+        fails fails its request."""
         rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):
-            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)], self.greedy_pick)
+            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)], self.ops.greedy_pick)
         if len(picked) == len(rows):  # all picked on the device (a greedy decode step): no host rows
             for row, req in rows:
                 req.append_token(picked[row], None, None)
@@ -407,14 +385,24 @@ class LLMEngine:
         rest = [row for row, _ in rows if row not in picked]
         host = dict(zip(rest, logits[rest].float().cpu()))
         for row, req in rows:
-            token, lp, tlp = (picked[row], None, None) if row in picked else self.sampler.sample(req, host[row])
-            req.append_token(token, lp, tlp)
             touched[req.request_id] = None
+            if req.finished:  # failed earlier this step (its prompt logprobs)
+                continue
+            if row in picked:
+                req.append_token(picked[row], None, None)
+                continue
+            try:
+                token, lp, tlp = self.sampler.sample(req, host[row])
+            except Exception as e:  # noqa: BLE001 - this request's failure only
+                req.fail(e)
+                continue
+            req.append_token(token, lp, tlp)
 
     def _output(self, rid: str, group: list[Request], finished: bool) -> RequestOutput:
         first = group[0]
+        failed = next((r.exception for r in group if r.exception is not None), None)
         out = RequestOutput(rid, first.prompt, first.prompt_token_ids, [r.completion() for r in group], finished,
-                            prompt_logprobs=first.prompt_logprobs)
+                            prompt_logprobs=first.prompt_logprobs, exception=failed)
         if finished:
             del self.requests[rid]
         return out
@@ -433,5 +421,4 @@ class LLMEngine:
         return done
 
 
-def _fields(p: SamplingParams) -> dict:
-    return {k: getattr(p, k) for k in p.__dataclass_fields__ if k != "stop_strings"}
+__all__ = ["LLMEngine", "EngineConfig", "RequestError", "EngineDeadError"]

@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -35,3 +35,10 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict = field(default_factory=dict)
+    exception: BaseException | None = field(default=None, repr=False)  # the engine failed the request
+
+    @property
+    def error(self) -> str | None:
+        """What failed the request (its outputs end with ``finish_reason="error"``), or None."""
+        e = self.exception
+        return None if e is None else f"{type(e).__name__}: {e}"

@@ -35,6 +35,7 @@ class Request:
         self._stop_scanned = 0  # text before this offset was already searched for stop strings
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.exception: BaseException | None = None  # what failed the request (finish_reason "error")
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
         self.prompt_logits: torch.Tensor | None = None  # rows gathered so far across prefill chunks
@@ -110,6 +111,11 @@ class Request:
     def finish(self, reason: str, stop_reason=None) -> None:
         self.status = Status.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def fail(self, e: BaseException) -> None:
+        """The engine could not run this request (its sampling, its step): it ends with an error."""
+        self.exception = e
+        self.finish("error")
 
     def completion(self) -> CompletionOutput:
         """The output so far. While running, text that could still turn into a stop string is held back."""

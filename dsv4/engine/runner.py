@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from ..cache.manager import KVCacheManager
+from ..cache.tables import StepTables, decode_tables, host_tables
 from ..model.attention import SeqChunk
 from .scheduler import ScheduledChunk
 from .staging import HostStaging
@@ -23,7 +24,8 @@ class ModelBackend(Protocol):
     cfg: object
     device: torch.device
 
-    def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None): ...
+    def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
+                tables: StepTables | None = None): ...
 
 
 @dataclass
@@ -31,7 +33,7 @@ class StepBatch:
     token_ids: torch.Tensor  # [T]
     chunks: list[SeqChunk]
     logits_rows: torch.Tensor  # rows of the batch whose logits are needed
-    paged: object | None = None  # PagedBatch: the step's page tables for the batched attention
+    tables: StepTables | None = None  # the step's page tables, for the batched attention
     graph_staged: bool = False  # the inputs were copied straight into a decode graph's static tensors
     # who owns each logits row, grouped once in ``build`` so the engine does not scan rows per request:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, schedule index)
@@ -40,12 +42,12 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, backend: ModelBackend, kv: KVCacheManager, attention_ops: dict | None = None):
-        """``attention_ops``: the ops of the batched paged attention (``dsv4.engine.paged_attention``);
-        None keeps the reference's per-request attention."""
+    def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False):
+        """``paged_attention``: build the step's page tables for the model's batched attention
+        (``dsv4.model.paged_attention``); False keeps the reference's per-request attention."""
         self.backend, self.kv = backend, kv
         self.device = backend.device
-        self.attention_ops = attention_ops
+        self.paged_attention = paged_attention
         self.graphs = None  # DecodeGraphs, when the engine captured CUDA graphs of the decode forward
         self.staging = HostStaging(self.device)
 
@@ -76,23 +78,20 @@ class ModelRunner:
             off += n
         rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
-        if self.attention_ops is None:
+        if not self.paged_attention:
             token_ids, logits_rows = self.staging.upload(parts)
             return StepBatch(token_ids, chunks, logits_rows, **rowmaps)
-        from .paged_attention import PagedBatch, host_tables
-
         allocs = [sc.req.alloc for sc in schedule]
         staged = self._stage_for_graph(chunks, allocs, ids, len(rows), off)
         if staged is not None:
             token_ids, tables = staged
             n = len(chunks)
             tables = [t[:n] for t in tables]  # seq_ids (tables[1]) is 0..n-1: also the logits rows
-            return StepBatch(token_ids[:n], chunks, tables[1],
-                             PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), graph_staged=True,
-                             **rowmaps)
+            return StepBatch(token_ids[:n], chunks, tables[1], StepTables.from_parts(self.kv.kvc, chunks, tables),
+                             graph_staged=True, **rowmaps)
         token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
-        return StepBatch(token_ids, chunks, logits_rows,
-                         PagedBatch.from_parts(self.kv.kvc, chunks, tables, self.attention_ops), **rowmaps)
+        return StepBatch(token_ids, chunks, logits_rows, StepTables.from_parts(self.kv.kvc, chunks, tables),
+                         **rowmaps)
 
     def _stage_for_graph(self, chunks, allocs, ids, n_rows: int, n_tokens: int):
         """A decode step that a captured graph will run: its token ids and tables, padded to the
@@ -104,8 +103,6 @@ class ModelRunner:
         found = target(len(chunks), max(c.start + 1 for c in chunks))
         if found is None:
             return None
-        from .paged_attention import decode_tables
-
         b, buf, n_swa, n_blk = found
         tables = decode_tables(chunks, allocs, b, n_swa, n_blk, self.kv.kvc)
         if tables is None:
@@ -125,6 +122,6 @@ class ModelRunner:
         """One forward of a built batch (a captured decode graph where one takes it): its logits rows."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        extra = {} if batch.paged is None else {"paged": batch.paged}
+        extra = {} if batch.tables is None else {"tables": batch.tables}
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
         return out.logits

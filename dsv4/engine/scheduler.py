@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager
+from .errors import RequestError
 from .request import Request, Status
 
 
@@ -91,9 +92,8 @@ class Scheduler:
             if not self.kv.can_allocate(req.alloc, n):
                 if not self.running and not out:
                     # nothing else holds pages: the request cannot fit at all
-                    raise RuntimeError(
-                        f"request {req.request_id} ({req.num_tokens} tokens) does not fit in the KV cache "
-                        f"({self.kv.blocks.n} blocks of 256 tokens)")
+                    raise RequestError(req.request_id, f"{req.num_tokens} tokens do not fit in the KV cache "
+                                       f"({self.kv.blocks.n} blocks of 256 tokens)")
                 if req.alloc.blocks and req.num_computed > 0 and not req.output_token_ids:
                     self.kv.free(req.alloc)  # give back the prefix hit: retried next step
                 break

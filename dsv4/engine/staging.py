@@ -1,4 +1,4 @@
-"""One host→device copy for all of a step's small int64 inputs.
+"""One host→device copy for all of a step's small int64 inputs, from a reused pinned buffer.
 
 A step's token ids, logits rows, positions and page tables are built on the host. Moving each
 with its own ``torch.tensor(list, device=cuda)`` is a synchronous copy from pageable memory per
@@ -8,50 +8,9 @@ the step's tensors are views of the one device tensor.
 
 from __future__ import annotations
 
-import array
-
 import torch
 
-Part = tuple[array.array, tuple[int, ...]]  # an int64 array and the shape of its tensor
-
-
-def pack(parts: list[Part]) -> torch.Tensor:
-    """The parts end to end as one host int64 tensor (it shares the packed array's memory)."""
-    flat = array.array("q")
-    for a, _ in parts:
-        flat.extend(a)
-    if not flat:  # frombuffer refuses an empty buffer
-        return torch.empty(0, dtype=torch.long)
-    return torch.frombuffer(flat, dtype=torch.long)
-
-
-def split(flat: torch.Tensor, parts: list[Part]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped as ``parts`` (each contiguous)."""
-    out, o = [], 0
-    for a, shape in parts:
-        out.append(flat[o:o + len(a)].view(shape))
-        o += len(a)
-    return out
-
-
-def upload(parts: list[Part], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The parts as tensors on ``device`` with one copy (from pageable memory: for occasional
-    callers; the engine's runner keeps a :class:`HostStaging`). ``into``: a device int64 buffer
-    (a CUDA graph's static inputs) that receives the copy; the tensors are views of it."""
-    flat = pack(parts)
-    if into is None:
-        return split(flat.to(device), parts)
-    dest = _dest(into, flat.numel())
-    dest.copy_(flat)
-    return split(dest, parts)
-
-
-def _dest(into: torch.Tensor, n: int) -> torch.Tensor:
-    if into.dtype != torch.long or into.dim() != 1 or into.numel() < n:
-        raise ValueError(f"staging target must be a 1-D int64 tensor of at least {n} values, got "
-                         f"{into.dtype} {tuple(into.shape)}")
-    return into[:n]
-
+from ..cache.tables import Part, _dest, pack, split, upload
 
 class HostStaging:
     """A reused host buffer for :func:`upload`: pinned on CUDA, so the copy is asynchronous.

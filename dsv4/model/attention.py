@@ -2,9 +2,10 @@
 
 Token-parallel parts (projections, norms, RoPE, output projection) run over the whole batch;
 the sequence-dependent parts (window, compressor, indexer, the sparse softmax) run per sequence
-chunk against its :class:`~dsv4.model.cache.SequenceCache` — or, given the engine's ``PagedBatch``,
-for all tokens at once over the pages, where the window KV's RMSNorm, RoPE and cache insert are one
-op (``kv_norm_rope_insert``; unfused while validation hooks are installed, as they check the KV).
+chunk against its :class:`~dsv4.model.cache.SequenceCache` — or, given a step's page tables, for all
+tokens at once over the pages (``dsv4.model.paged_attention``), where the window KV's RMSNorm, RoPE
+and cache insert are one op (``kv_norm_rope_insert``; unfused while validation hooks are installed,
+as they check the KV).
 The window and the selected compressed entries form **one** softmax, with the per-head sink as an
 extra zero-valued key.
 """
@@ -17,10 +18,9 @@ import torch
 
 from ..config import LayerType, ModelConfig
 from ..formats import OCP, fake_quant_fp8_pow2
-from .kernels import kernel
-from .linear import linear, stable_topk
-from .norms import rms_norm
-from .rope import apply_rope, cos_sin, unit_norm_rope
+from . import paged_attention
+from .linear import stable_topk
+from .rope import cos_sin
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Compressor:
     chunking of the prompt gives the same entries.
     """
 
-    def __init__(self, w, prefix: str, cfg: ModelConfig, ratio: int, dim: int, kind: str, layer: int):
+    def __init__(self, w, prefix: str, cfg: ModelConfig, ratio: int, dim: int, kind: str, layer: int, ops):
+        self.ops = ops
         self.wkv, self.wgate, self.w_state = _stack_rows(w, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
         self.ape = w[f"{prefix}.ape"]
         self.norm = w[f"{prefix}.norm.weight"]
@@ -70,15 +71,15 @@ class Compressor:
         self.overlap = ratio == 4
 
     def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[kv | score + ape[p % ratio]] in fp32. On the fast path ``[wkv; wgate]`` is one GEMM (each
-        half reduced over K as its own weight would be: the same bits as two calls)."""
-        if self.w_state is not None and kernel("dense_linear") is not None:
-            rows = kernel("dense_linear")(x.to(self.w_state.dtype), self.w_state,
-                                          chunk_rows=self.wkv.shape[0]).float()
+        """[kv | score + ape[p % ratio]] in fp32. ``[wkv; wgate]`` is one GEMM (one launch on the fast
+        path), each half reduced over K as its own weight would be: the same bits as two calls."""
+        ops = self.ops
+        if self.w_state is not None:
+            rows = ops.dense_linear(x.to(self.w_state.dtype), self.w_state, chunk_rows=self.wkv.shape[0]).float()
             rows[:, self.wkv.shape[0]:] += self.ape[positions % self.ratio]
             return rows
-        kv = linear(x, self.wkv).float()
-        score = linear(x, self.wgate).float() + self.ape[positions % self.ratio]
+        kv = ops.linear(x, self.wkv).float()
+        score = ops.linear(x, self.wgate).float() + self.ape[positions % self.ratio]
         return torch.cat([kv, score], dim=-1)
 
     def run(self, x: torch.Tensor, chunk: SeqChunk) -> None:
@@ -111,16 +112,16 @@ class Compressor:
             score = torch.cat([prev_sc, score[..., d:]], dim=1)
         weights = torch.softmax(score.double(), dim=1).float()  # per-channel softmax over rows
         pooled = (kv * weights).sum(dim=1)
-        normed = rms_norm(pooled, self.norm, self.cfg.rms_norm_eps)
+        normed = self.ops.rms_norm(pooled, self.norm, self.cfg.rms_norm_eps)
         cos, sin = cos_sin(self.cfg.rope_compress, blocks * r)
-        entries = apply_rope(normed, cos, sin)
+        entries = self.ops.apply_rope(normed, cos, sin)
         cache.write_compressed(self.layer, self.kind, blocks, entries)
 
 
 class Attention:
-    def __init__(self, w, layer: int, cfg: ModelConfig, prefix: str | None = None, act_quant: bool = False):
+    def __init__(self, w, layer: int, cfg: ModelConfig, ops, prefix: str | None = None, act_quant: bool = False):
         p = prefix or f"layers.{layer}.attn"
-        self.cfg, self.layer, self.act_quant = cfg, layer, act_quant
+        self.cfg, self.layer, self.act_quant, self.ops = cfg, layer, act_quant, ops
         self.type = cfg.layer_type(layer)
         self.ratio = cfg.compress_ratio(layer)
         self.rope = cfg.rope(layer)
@@ -130,13 +131,14 @@ class Attention:
         self.sink = w[f"{p}.attn_sink"]
         self.compressor = None
         if self.type != LayerType.SWA:
-            self.compressor = Compressor(w, f"{p}.compressor", cfg, self.ratio, cfg.head_dim, "kv", layer)
+            self.compressor = Compressor(w, f"{p}.compressor", cfg, self.ratio, cfg.head_dim, "kv", layer, ops)
         if self.type == LayerType.CSA:
             self.idx_wq_b = w[f"{p}.indexer.wq_b.weight"]
             self.idx_weights = w[f"{p}.indexer.weights_proj.weight"]
-            self.idx_compressor = Compressor(w, f"{p}.indexer.compressor", cfg, 4, cfg.index_head_dim, "index", layer)
+            self.idx_compressor = Compressor(w, f"{p}.indexer.compressor", cfg, 4, cfg.index_head_dim, "index",
+                                             layer, ops)
         self.hooks = None  # optional callback(name, tensor) for --validate style checks
-        self.tp = None  # tensor parallelism (dsv4/dist): this rank holds a share of the heads and groups
+        self.tp = None  # tensor parallelism (dsv4/parallel): this rank holds a share of the heads and groups
 
     def _check(self, name, t):
         if self.hooks is not None:
@@ -145,13 +147,13 @@ class Attention:
     # ---- indexer -------------------------------------------------------------------------
     def indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, chunk: SeqChunk, n_entries: int) -> torch.Tensor:
         """Per query: indices of the top-k visible compressed entries (-1 = none), [t, k]."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         pos = chunk.positions
         t = chunk.length
-        q = linear(qr, self.idx_wq_b, self.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = ops.linear(qr, self.idx_wq_b, self.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
         cos, sin = cos_sin(cfg.rope_compress, pos)
-        q = apply_rope(q, cos, sin).float()
-        weights = linear(x, self.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
+        q = ops.apply_rope(q, cos, sin).float()
+        weights = ops.linear(x, self.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
         if chunk.cache.numerics.quantized:
             # FP8 q with one power-of-two scale per (token, head); the scale folds into the weights
             q = fake_quant_fp8_pow2(q.to(torch.bfloat16).float(), cfg.index_head_dim, chunk.cache.numerics.fmt)
@@ -160,7 +162,7 @@ class Attention:
         kpad = (-n_entries) % 64  # fixed-width columns: a score never depends on how many entries exist
         if kpad:
             k = torch.cat([k, k.new_zeros(kpad, k.shape[1])])
-        scores = linear(q.reshape(t * cfg.index_n_heads, -1), k)[:, :n_entries].view(t, cfg.index_n_heads, n_entries)
+        scores = ops.linear(q.reshape(t * cfg.index_n_heads, -1), k)[:, :n_entries].view(t, cfg.index_n_heads, n_entries)
         logits = (scores.relu() * weights[:, :, None]).sum(dim=1)  # [t, s]
         visible = ar[None, :] < ((pos + 1) // 4)[:, None]
         logits = logits.masked_fill(~visible, float("-inf"))
@@ -170,44 +172,45 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], paged=None) -> torch.Tensor:
-        """``paged``: the engine's per-step tables (``dsv4.engine.paged_attention.PagedBatch``);
-        when given, the sequence-dependent part runs batched over the pages instead of per chunk."""
-        cfg = self.cfg
+    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], tables=None) -> torch.Tensor:
+        """``tables``: the step's page tables (``dsv4.cache.tables.StepTables``); when given, the
+        sequence-dependent part runs batched over the pages (``paged_attention.attend``) instead of
+        per chunk."""
+        cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         hd = cfg.head_dim
         nh = self.wq_b.shape[0] // hd  # query heads held here: all, or this rank's share under TP
-        positions = paged.positions if paged is not None else torch.cat([c.positions for c in chunks])
+        positions = tables.positions if tables is not None else torch.cat([c.positions for c in chunks])
         cos, sin = cos_sin(self.rope, positions)
-        qr = rms_norm(linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
-        q = linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
-        q = unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
-        kv_raw = linear(x, self.wkv, self.act_quant)
-        if paged is not None and self.hooks is None:
-            kv = None  # the engine's batched path normalizes, ropes and inserts it in one op (kv_norm_rope_insert)
+        qr = ops.rms_norm(ops.linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
+        q = ops.linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
+        q = ops.unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
+        kv_raw = ops.linear(x, self.wkv, self.act_quant)
+        if tables is not None and self.hooks is None:
+            kv = None  # the batched path normalizes, ropes and inserts it in one op (kv_norm_rope_insert)
         else:
-            kv = apply_rope(rms_norm(kv_raw, self.kv_norm, cfg.rms_norm_eps), cos, sin)
+            kv = ops.apply_rope(ops.rms_norm(kv_raw, self.kv_norm, cfg.rms_norm_eps), cos, sin)
         self._check("q", q)
-        if paged is not None:
-            out = paged.attend(self, x, qr, q, kv, kv_raw=kv_raw, cos=cos, sin=sin)
+        if tables is not None:
+            out = paged_attention.attend(self, tables, x, qr, q, kv, kv_raw, cos, sin)
         else:
             out = torch.empty_like(q)
             for c in chunks:
                 sl = slice(c.offset, c.offset + c.length)
                 out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
-        o = apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
+        o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
         o = o.view(T, g, -1)
         if self.act_quant:
             o = fake_quant_fp8_pow2(o.float(), 128, OCP).to(o.dtype)
         if isinstance(self.wo_a, torch.Tensor):
-            z = torch.cat([linear(o[:, i], w_i) for i, w_i in enumerate(self.wo_a.view(g, r, -1))], dim=-1)
+            z = torch.cat([ops.linear(o[:, i], w_i) for i, w_i in enumerate(self.wo_a.view(g, r, -1))], dim=-1)
         elif self.wo_a.op is not None:  # the fp8_linear op: all groups in one launch
             z = self.wo_a.op(o.reshape(T, -1), self.wo_a.weight, self.wo_a.scale, groups=g)
         else:
-            z = torch.cat([linear(o[:, i], self.wo_a.rows(i * r, (i + 1) * r)) for i in range(g)], dim=-1)
-        y = linear(z, self.wo_b, self.act_quant)
+            z = torch.cat([ops.linear(o[:, i], self.wo_a.rows(i * r, (i + 1) * r)) for i in range(g)], dim=-1)
+        y = ops.linear(z, self.wo_b, self.act_quant)
         return y if self.tp is None else self.tp.all_reduce(y)  # TP: wo_b is row-parallel, sum the ranks
 
     def _attend(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:

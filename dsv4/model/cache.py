@@ -17,14 +17,18 @@ import torch
 from ..formats import FP8Format, fake_quant_indexer_k, fake_quant_kv, get_fp8_format
 
 KV_CACHE_DTYPES = ("fp8_ds_mla", "auto")
+KV_CACHE_ALIASES = {"fp8": "fp8_ds_mla"}  # vLLM canonicalises fp8 → fp8_ds_mla for this model
+# The paged cache's geometry (vLLM's for this model): sliding-window KV in pages of 64 tokens; compressed
+# entries, indexer keys and boundary compressor rows in blocks of 256 tokens (the prefix-cache unit).
+SWA_PAGE = 64
+BLOCK = 256
 
 
 class CacheNumerics:
     """What the stored bytes round a value to, per cache kind."""
 
     def __init__(self, kv_cache_dtype: str = "fp8_ds_mla", fp8_format: str | FP8Format = "ocp"):
-        if kv_cache_dtype == "fp8":
-            kv_cache_dtype = "fp8_ds_mla"  # vLLM canonicalises fp8 → fp8_ds_mla for this model
+        kv_cache_dtype = KV_CACHE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8'), found {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype

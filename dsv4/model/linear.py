@@ -14,8 +14,6 @@ from typing import Callable
 import torch
 
 from ..formats import OCP, fake_quant_fp8_pow2
-from .kernels import kernel
-
 
 # CPU GEMMs run as separate calls of exactly this many rows: the BLAS picks its kernel from M, so a
 # row's bits depend on the batch it is in — on an AVX-512/AMX Xeon (Sapphire Rapids) even for M a
@@ -24,27 +22,26 @@ from .kernels import kernel
 CPU_ROW_BLOCK = 8
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-    """x·wᵀ in fp32 (the MoE router's logits: fp32 products, fp32 sums). With bf16 x and w on the
-    fast path this is the batch-invariant GEMM with bf16 operands and an fp32 result: a product of
-    two bf16 values is exact in fp32 and the MMA accumulates in fp32, so only the order of the fp32
-    sums differs from the fp32 GEMM — which ran on CUDA cores (the 8K prefill's four router GEMMs
-    took 10.8 ms of its 138 — bench/dense_calls.py — the bf16 MMA ~0.2 ms). Anything else: the fp32
-    GEMM, as before (``w32``: returns w in fp32, e.g. a copy made once and kept; called only here,
-    so the fast path never makes the copy)."""
-    fast = kernel("dense_linear")
-    if fast is not None and fast is not linear and x.dtype == w.dtype == torch.bfloat16:
+def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: Callable[[], torch.Tensor] | None = None,
+               fast: Callable | None = None) -> torch.Tensor:
+    """x·wᵀ in fp32 (the MoE router's logits: fp32 products, fp32 sums). With bf16 x and w and a
+    batch-invariant GEMM kernel (``fast``, the op set's dense_linear kernel) this is that GEMM with
+    bf16 operands and an fp32 result: a product of two bf16 values is exact in fp32 and the MMA
+    accumulates in fp32, so only the order of the fp32 sums differs from the fp32 GEMM, which runs on
+    CUDA cores (the 8K prefill's four router GEMMs: 10.8 ms against ~0.2 ms). Anything else: the fp32
+    GEMM (``w32``: returns w in fp32, e.g. a copy made once and kept; called only here, so the fast
+    path never makes the copy)."""
+    if fast is not None and x.dtype == w.dtype == torch.bfloat16:
         return fast(x, w, out_dtype=torch.float32)
-    return linear(x.float(), w32() if w32 is not None else w.float())
+    return rows_linear(x.float(), w32() if w32 is not None else w.float())
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w, act_quant: bool = False, dense: Callable | None = None) -> torch.Tensor:
     """y = x·wᵀ in the weight dtype, with rows computed independently of the batch.
 
-    ``act_quant`` simulates the release's per-128 FP8 activations. On CPU the BLAS chooses its
-    kernel from the number of rows, so rows are computed in separate calls of ``CPU_ROW_BLOCK``
-    rows (the last one zero-padded): a token's result then never depends on which other tokens
-    share the batch or the chunk.
+    ``act_quant`` simulates the release's per-128 FP8 activations. ``w`` is a tensor (multiplied by
+    ``dense``, the op set's dense GEMM; default ``rows_linear``) or an ``FP8Weight`` (its fp8_linear
+    op, or its dequantized values).
     """
     if act_quant:
         x = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
@@ -52,11 +49,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, act_quant: bool = False) -> torch.T
         if w.op is None:
             return rows_linear(x, w.dequantize(x.dtype))
         return w.op(x, w.weight, w.scale)
-    x = x.to(w.dtype)
-    fast = kernel("dense_linear")
-    if fast is not None:  # the batch-invariant GEMM of the fast path (dsv4.model.kernels)
-        return fast(x, w)
-    return rows_linear(x, w)
+    return (dense or rows_linear)(x.to(w.dtype), w)
+
+
+def dense_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+                    chunk_rows: int | None = None) -> torch.Tensor:
+    """The torch side of the ``dense_linear`` op: ``rows_linear`` in the weight dtype (``out_dtype``:
+    the fp32 GEMM of the same values, cast); ``chunk_rows``: the weight's first rows and the rest are
+    two weights stacked, each multiplied as its own call would be."""
+    if chunk_rows is not None:
+        return torch.cat([dense_reference(x, w[:chunk_rows], out_dtype), dense_reference(x, w[chunk_rows:], out_dtype)],
+                         dim=-1)
+    if out_dtype is not None and out_dtype != w.dtype:
+        return rows_linear(x.float(), w.float()).to(out_dtype)
+    return rows_linear(x.to(w.dtype), w)
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

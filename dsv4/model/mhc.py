@@ -7,18 +7,16 @@ Mixes come from a float32 GEMM; the gates and Sinkhorn run in float64 and are ro
 so vectorised and scalar code paths (which differ by an ulp) cannot make a token's result depend on
 the batch it is in. Streams keep the model dtype.
 
-``hc_post_pre`` is a sub-layer's post followed by the next sub-layer's pre: the oracle runs the two
-functions; on the fast path one kernel (``mhc_post_pre``) writes the new streams and the next pre's
-mixes partials in one pass, with bitwise the results of the two fast kernels.
+``mhc_post_pre`` (an op of ``dsv4.model.opset``) is a sub-layer's post followed by the next
+sub-layer's pre: the oracle runs the two functions (``hc_post_then_pre``); on the fast path one kernel
+writes the new streams and the next pre's mixes partials in one pass, with bitwise the results of the
+two fast kernels. The functions that need a GEMM or a norm take the op set ``ops`` first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import kernel
-from .linear import linear
-from .norms import unit_rms_norm
 
 
 def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -30,15 +28,12 @@ def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_pre(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            iters: int, hc_eps: float, rms_eps: float):
     """streams [T, n, H] → (collapsed [T, H] in stream dtype, post [T, n], comb [T, n, n]) (fp32 mixes)."""
-    fast = kernel("mhc_pre")
-    if fast is not None:
-        return fast(streams, fn, base, scale, iters, hc_eps, rms_eps)
     T, n, _ = streams.shape
-    flat = unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
-    mixes = linear(flat, fn.float()).double()
+    flat = ops.unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
+    mixes = ops.linear(flat, fn.float()).double()
     pre_m, post_m, comb_m = mixes.split([n, n, n * n], dim=-1)
     base, scale = base.double(), scale.double()
     pre = (torch.sigmoid(pre_m * scale[0] + base[:n]) + hc_eps).float()
@@ -51,39 +46,24 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out (sum over the first index of comb)."""
-    fast = kernel("mhc_post")
-    if fast is not None:
-        return fast(streams, out, post, comb)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 
 
-def hc_post_then_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+def hc_post_then_pre(ops, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
                      rms_eps: float):
-    """hc_post, then hc_pre of its result (the torch backend of ``mhc_post_pre``)."""
-    new = hc_post(streams, out, post, comb)
-    return (new, *hc_pre(new, fn, base, scale, iters, hc_eps, rms_eps))
+    """(new streams [T, n, H], collapsed [T, H], post' [T, n], comb' [T, n, n]): ``ops``' mhc_post of
+    (streams, out, post, comb), then its mhc_pre of the new streams with (fn, base, scale)."""
+    new = ops.mhc_post(streams, out, post, comb)
+    return (new, *ops.mhc_pre(new, fn, base, scale, iters, hc_eps, rms_eps))
 
 
-def hc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-                rms_eps: float):
-    """(new streams [T, n, H], collapsed [T, H], post' [T, n], comb' [T, n, n]): ``hc_post`` of
-    (streams, out, post, comb), then ``hc_pre`` of the new streams with (fn, base, scale).
-
-    The fused kernel stands in only while the two kernels it reproduces (mhc_post, mhc_pre) do."""
-    fast = kernel("mhc_post_pre")
-    if fast is not None and kernel("mhc_post") is not None and kernel("mhc_pre") is not None:
-        return fast(streams, out, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
-    return hc_post_then_pre(streams, out, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
-
-
-def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_head(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, rms_eps: float) -> torch.Tensor:
     """Final collapse: sigmoid weights, no Sinkhorn."""
     T = streams.shape[0]
-    flat = unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
-    mixes = linear(flat, fn.float()).double()
+    flat = ops.unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
+    mixes = ops.linear(flat, fn.float()).double()
     pre = (torch.sigmoid(mixes * scale.double()[0] + base.double()) + hc_eps).float()
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -2,9 +2,10 @@
 
 embed → 4 mHC streams → per layer [mHC-pre → attention → mHC-post → mHC-pre → MoE → mHC-post]
 → hc_head → norm → head. Each post but the last is computed together with the pre that follows it
-(``hc_post_pre``: attention post + MoE pre, MoE post + the next layer's attention pre), which the
-fast path runs as one fused kernel; the oracle runs the two functions as before. The MTP block
-predicts one token further from the pre-hc_head streams.
+(the ``mhc_post_pre`` op: attention post + MoE pre, MoE post + the next layer's attention pre), which
+the fast path runs as one fused kernel. The MTP block predicts one token further from the pre-hc_head
+streams. Every building block is called through the op set the model was built with
+(``dsv4.model.opset``): without kernels, plain torch — the oracle.
 A batch is a list of sequence chunks (:class:`SeqChunk`) concatenated along the token axis;
 each chunk carries its own cache, so prefill, decode and chunked prefill are the same call.
 """
@@ -17,14 +18,10 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from . import kernels
 from .attention import Attention, SeqChunk
-from .kernels import KERNEL_OPS
-from .linear import linear
 from .cache import CacheNumerics, DenseSequenceCache
-from .mhc import hc_head, hc_post, hc_post_pre, hc_pre
 from .moe import MoE
-from .norms import rms_norm
+from .opset import OpSet, reference_ops
 from .rope import shared_tables
 from .weights import ModelWeights
 
@@ -32,40 +29,41 @@ from .weights import ModelWeights
 class Block:
     """One decoder block; ``prefix`` is 'layers.N' or 'mtp.M'."""
 
-    def __init__(self, w: ModelWeights, prefix: str, layer: int, cfg: ModelConfig, act_quant: bool):
-        self.cfg, self.layer, self.prefix = cfg, layer, prefix
+    def __init__(self, w: ModelWeights, prefix: str, layer: int, cfg: ModelConfig, act_quant: bool, ops: OpSet):
+        self.cfg, self.layer, self.prefix, self.ops = cfg, layer, prefix, ops
         self.attn_norm, self.ffn_norm = w[f"{prefix}.attn_norm.weight"], w[f"{prefix}.ffn_norm.weight"]
         self.hc_attn = (w[f"{prefix}.hc_attn_fn"], w[f"{prefix}.hc_attn_base"], w[f"{prefix}.hc_attn_scale"])
         self.hc_ffn = (w[f"{prefix}.hc_ffn_fn"], w[f"{prefix}.hc_ffn_base"], w[f"{prefix}.hc_ffn_scale"])
-        self.attn = Attention(w, layer, cfg, prefix=f"{prefix}.attn", act_quant=act_quant)
-        self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant)
+        self.attn = Attention(w, layer, cfg, ops, prefix=f"{prefix}.attn", act_quant=act_quant)
+        self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant, ops)
 
     def attn_pre(self, streams: torch.Tensor):
         """The attention's mHC pre: (collapsed, post, comb) of ``streams``."""
         c = self.cfg
-        return hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return self.ops.mhc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def run(self, streams: torch.Tensor, pre, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None,
+    def run(self, streams: torch.Tensor, pre, chunks: list[SeqChunk], token_ids: torch.Tensor, tables=None,
             next_block: "Block | None" = None):
         """The block on ``streams`` whose attention pre ``pre`` (= ``attn_pre(streams)``) is known.
 
         Returns (new streams, ``next_block.attn_pre(new streams)`` or None): with a next block the
         MoE's post is fused with that block's attention pre, as the attention's post is with the
         MoE's pre."""
-        c = self.cfg
+        c, ops = self.cfg, self.ops
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         x, post, comb = pre
-        a = self.attn.forward(rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, paged)
-        streams, x, post, comb = hc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
-        f = self.moe.forward(rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
+        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, tables)
+        streams, x, post, comb = ops.mhc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
+        f = self.moe.forward(ops.rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
         if next_block is None:
-            return hc_post(streams, f, post, comb), None
-        streams, x, post, comb = hc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc)
+            return ops.mhc_post(streams, f, post, comb), None
+        streams, x, post, comb = ops.mhc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc)
         return streams, (x, post, comb)
 
-    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor, paged=None) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor,
+                tables=None) -> torch.Tensor:
         """The whole block (its own attention pre, a plain final post): streams → new streams."""
-        return self.run(streams, self.attn_pre(streams), chunks, token_ids, paged)[0]
+        return self.run(streams, self.attn_pre(streams), chunks, token_ids, tables)[0]
 
 
 @dataclass
@@ -78,24 +76,27 @@ class ReferenceModel:
     """Plain-PyTorch DeepSeek-V4. ``dtype`` is the compute dtype (fp32 for parity, bf16 like the release)."""
 
     def __init__(self, model_dir: str | Path | ModelWeights, dtype: torch.dtype = torch.float32, device="cpu",
-                 kv_cache_dtype: str = "fp8_ds_mla", fp8_format: str = "ocp", act_quant: bool = False,
-                 progress: bool = False, ops: dict | None = None, tp=None):
-        """``ops``: fast kernels by op name ("fp8_linear", "moe_route", "moe_experts"); when given,
-        weights stay in their checkpoint formats and those ops consume them (the GPU path).
-        ``tp``: tensor parallelism (a ``dsv4.dist.group.TPGroup``): this rank loads only its shard
-        and the sharded layers call its collectives; None is the single-process model."""
+                 numerics: CacheNumerics | None = None, act_quant: bool = False, progress: bool = False,
+                 ops: OpSet | None = None, tp=None):
+        """``numerics``: what the caches round to (the engine's, handed down; default the release's
+        ``fp8_ds_mla`` in OCP bytes): the dense caches of ``new_cache`` apply it. ``ops``: the op set
+        (``dsv4.ops.resolve_op_set``; default the oracle's, plain torch); with weight ops, weights stay
+        in their checkpoint formats and those ops consume them (the GPU path). ``tp``: tensor
+        parallelism (a ``dsv4.parallel.group.TPGroup``): this rank loads only its shard and the sharded
+        layers call its collectives; None is the single-process model."""
+        self.ops = ops = ops or reference_ops()
         if isinstance(model_dir, ModelWeights):
             self.w = model_dir
         else:
-            self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=bool(ops), ops=ops, shard=tp)
+            self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=ops.quantized_weights,
+                                  fp8_linear=ops.fp8_linear, shard=tp)
         self.cfg: ModelConfig = self.w.config
-        # building-block kernels (batch-invariant GEMM/norm/mHC) used while this model's forward runs
-        self.kernel_ops = {k: f for k, f in (ops or {}).items() if k in KERNEL_OPS}
         self.dtype, self.device = self.w.dtype, self.w.device
-        self.numerics = CacheNumerics(kv_cache_dtype, fp8_format)
+        self.numerics = numerics or CacheNumerics()
         cfg = self.cfg
-        self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant) for i in range(cfg.num_hidden_layers)]
-        self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant) for m in range(cfg.num_mtp_layers)]
+        self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant, ops) for i in range(cfg.num_hidden_layers)]
+        self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant, ops)
+                    for m in range(cfg.num_mtp_layers)]
         self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
         self.hc_head_w = (self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"])
         self.tp = tp
@@ -111,11 +112,12 @@ class ReferenceModel:
         return DenseSequenceCache(self.cfg, self.numerics)
 
     # ---- main forward --------------------------------------------------------------------
-    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None, paged=None,
+    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None, tables=None,
                advance: bool = True) -> torch.Tensor:
         """Run the decoder stack; returns the pre-hc_head streams [T, n, H].
 
-        ``paged`` (the engine's per-step page tables) switches attention to the batched path;
+        ``tables`` (the step's page tables, ``dsv4.cache.tables.StepTables``) switches attention to the
+        batched path;
         ``advance=False`` leaves the caches' bookkeeping to the caller (a CUDA-graph replay)."""
         cfg = self.cfg
         off = 0
@@ -129,7 +131,7 @@ class ReferenceModel:
         pre = self.blocks[0].attn_pre(streams) if self.blocks else None
         for i, b in enumerate(self.blocks):  # each block's last post fused with the next one's pre
             nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-            streams, pre = b.run(streams, pre, chunks, token_ids, paged, nxt)
+            streams, pre = b.run(streams, pre, chunks, token_ids, tables, nxt)
             if hook is not None:
                 hook(f"layers.{b.layer}", streams)
         if advance:
@@ -144,18 +146,19 @@ class ReferenceModel:
 
     def logits_from_streams(self, streams: torch.Tensor, hc=None, norm=None) -> torch.Tensor:
         cfg = self.cfg
+        ops = self.ops
         fn, base, scale = hc or self.hc_head_w
-        h = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
-        h = rms_norm(h, self.norm if norm is None else norm, cfg.rms_norm_eps)
-        logits = linear(h, self.head).float()
+        h = ops.hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
+        h = ops.rms_norm(h, self.norm if norm is None else norm, cfg.rms_norm_eps)
+        logits = ops.linear(h, self.head).float()
         if self.tp is not None:  # vocab-parallel head: every rank's columns, gathered
             logits = self.tp.gather_vocab(logits, cfg.vocab_size)
         return logits
 
     def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
-                hook=None, paged=None, advance: bool = True) -> ForwardOutput:
-        with kernels.active(self.kernel_ops), shared_tables():
-            streams = self.hidden(token_ids, chunks, hook, paged, advance)
+                hook=None, tables=None, advance: bool = True) -> ForwardOutput:
+        with shared_tables():
+            streams = self.hidden(token_ids, chunks, hook, tables, advance)
             rows = streams if logits_rows is None else streams[logits_rows]
             if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
                 return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams)
@@ -174,11 +177,12 @@ class ReferenceModel:
             c.offset, c.device = off, self.device
             off += c.length
         pos = torch.cat([c.positions for c in chunks])
-        e = rms_norm(self._embed(next_ids), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
+        ops = self.ops
+        e = ops.rms_norm(self._embed(next_ids), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
         e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
-        h = rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
-        s = linear(h, self.w[f"{p}.h_proj.weight"]) + linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
-        with kernels.active(self.kernel_ops), shared_tables():
+        h = ops.rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
+        s = ops.linear(h, self.w[f"{p}.h_proj.weight"]) + ops.linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
+        with shared_tables():
             s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
             hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
             return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])

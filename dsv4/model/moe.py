@@ -11,17 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .kernels import kernel
-from .linear import linear, linear_f32, stable_topk
+from .linear import stable_topk
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+def swiglu(ops, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
            act_quant: bool = False) -> torch.Tensor:
-    """w2 · (silu(min(w1·x, limit)) · clamp(w3·x, ±limit)); the activation in float32."""
-    gate, up = linear(x, w1, act_quant), linear(x, w3, act_quant)
-    fast = kernel("swiglu_act")  # the fast path: one launch instead of ~9 elementwise kernels
-    h = (fast or swiglu_act)(gate, up, limit, x.dtype)
-    return linear(h, w2, act_quant)
+    """w2 · (silu(min(w1·x, limit)) · clamp(w3·x, ±limit)) with the op set ``ops``' GEMMs and
+    activation (a kernel: one launch instead of ~9 elementwise ones); the activation in float32."""
+    gate, up = ops.linear(x, w1, act_quant), ops.linear(x, w3, act_quant)
+    h = ops.swiglu_act(gate, up, limit, x.dtype)
+    return ops.linear(h, w2, act_quant)
 
 
 def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
@@ -33,10 +32,10 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.
     return (F.silu(g.double()) * u.double()).to(dtype)
 
 
-def route(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None,
+def route(ops, x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None,
           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
     """Return (expert ids [T, k] long, weights [T, k] fp32). Ties break to the lowest expert id."""
-    logits = linear_f32(x, gate_w)
+    logits = ops.linear_f32(x, gate_w)
     scores = torch.sqrt(F.softplus(logits.double())).float()
     if tid2eid is not None:
         if token_ids is None:
@@ -52,8 +51,8 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: torch.T
 
 
 class MoE:
-    def __init__(self, weights, prefix: str, cfg: ModelConfig, hash_layer: bool, act_quant: bool = False):
-        self.wts, self.prefix, self.cfg, self.act_quant = weights, prefix, cfg, act_quant
+    def __init__(self, weights, prefix: str, cfg: ModelConfig, hash_layer: bool, act_quant: bool, ops):
+        self.wts, self.prefix, self.cfg, self.act_quant, self.ops = weights, prefix, cfg, act_quant, ops
         self.gate = weights[f"{prefix}.gate.weight"]
         self.bias = None if hash_layer else weights[f"{prefix}.gate.bias"]
         self.tid2eid = weights[f"{prefix}.gate.tid2eid"] if hash_layer else None
@@ -61,19 +60,20 @@ class MoE:
         if cfg.n_shared_experts:
             s = f"{prefix}.shared_experts"
             self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
-        # tensor parallelism (dsv4/dist): this rank holds its experts (EP) or a slice of each
+        # tensor parallelism (dsv4/parallel): this rank holds its experts (EP) or a slice of each
         # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
         self.tp = None
-        if weights.keep_quantized and "moe_experts" in weights.ops:
+        self.grouped = weights.keep_quantized and ops.moe_experts is not None  # the fast path's grouped experts
+        if self.grouped:
             # stacked now, not at the first forward: the engine sizes its KV cache from the memory
             # that loading leaves free, so every weight must be resident by then
             weights.stacked_experts(prefix)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.wts.keep_quantized and "moe_experts" in self.wts.ops:
+        if self.grouped:
             return self._forward_ops(x, token_ids)
-        cfg = self.cfg
-        ids, w = route(x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
+        cfg, ops = self.cfg, self.ops
+        ids, w = route(ops, x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         experts = torch.unique(ids).tolist()
         if self.tp is not None:
@@ -81,11 +81,11 @@ class MoE:
         for e in experts:
             rows, slot = torch.where(ids == e)
             p = f"{self.prefix}.experts.{e}"
-            y = swiglu(x[rows], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"), self.wts.expert(f"{p}.w2"),
-                       cfg.swiglu_limit, self.act_quant)
+            y = ops.swiglu(x[rows], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"), self.wts.expert(f"{p}.w2"),
+                           cfg.swiglu_limit, self.act_quant)
             out.index_add_(0, rows, y.float() * w[rows, slot, None])
         if self.shared is not None:
-            out += swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+            out += ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
         if self.tp is not None:
             out = self.tp.all_reduce(out)  # routed + shared partial sums of every rank, in fp32
         return out.to(x.dtype)
@@ -98,18 +98,18 @@ class MoE:
 
     def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
-        cfg, ops = self.cfg, self.wts.ops
-        logits = linear_f32(x, self.gate, self._gate_float)  # batch-invariant on the fast path (model.kernels)
+        cfg, ops = self.cfg, self.ops
+        logits = ops.linear_f32(x, self.gate, self._gate_float)  # the batch-invariant GEMM on the fast path
         hash_ids = None
         if self.tid2eid is not None:
             hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
-        ids, w = ops["moe_route"](logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+        ids, w = ops.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
                                   cfg.norm_topk_prob, hash_ids)
         if self.tp is not None:
             ids = self.tp.local_expert_ids(ids)  # EP: index into this rank's stack, -1 = another rank's
-        out = ops["moe_experts"](x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
+        out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
                                  expert_dtype=cfg.expert_dtype)
         if self.shared is not None:
-            out = out + swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
+            out = out + ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -11,8 +11,6 @@ from contextlib import contextmanager
 import torch
 
 from ..config import RopeParams
-from .kernels import kernel
-from .norms import unit_rms_norm
 
 _INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -65,9 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     ``in_place``: the caller gives ``x`` up, so a kernel may rotate it where it lies (the result is
     the same; this torch code always returns a new tensor).
     """
-    fast = kernel("apply_rope")
-    if fast is not None:
-        return fast(x, cos, sin, inverse, in_place)
     rd = cos.shape[-1] * 2
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
@@ -79,10 +74,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([x[..., :-rd], rot.to(x.dtype)], dim=-1)
 
 
-def unit_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """The query's per-head weight-free RMSNorm, then RoPE: one launch with a kernel (the GPU path
-    reads q once instead of once per torch op)."""
-    fast = kernel("unit_norm_rope")
-    if fast is not None:
-        return fast(x, cos, sin, eps)
-    return apply_rope(unit_rms_norm(x, eps), cos, sin)
+def unit_norm_rope(ops, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The query's per-head weight-free RMSNorm, then RoPE, with the op set ``ops``' two building blocks
+    (a kernel of its own does both in one launch: the GPU path reads q once instead of once per op)."""
+    return ops.apply_rope(ops.unit_rms_norm(x, eps), cos, sin)

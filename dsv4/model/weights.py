@@ -17,6 +17,7 @@ import torch
 from ..checkpoint.reader import Checkpoint
 from ..config import ModelConfig
 from ..formats import dequantize_block_fp8, dequantize_mxfp4
+from ..formats.experts import stack_experts_from_checkpoint
 
 
 class FP8Weight:
@@ -41,9 +42,11 @@ class FP8Weight:
 class ModelWeights:
     def __init__(self, ckpt: Checkpoint | str | Path, dtype: torch.dtype = torch.float32, device="cpu",
                  progress: bool = True, cache_experts: bool = True, names: list[str] | None = None,
-                 keep_quantized: bool = False, ops: dict | None = None, shard=None):
-        """``shard``: tensor parallelism — an object whose ``read(ckpt, name)`` returns this rank's
-        slice of a tensor and ``expert_range(n)`` its routed experts (``dsv4.dist.group.TPGroup``)."""
+                 keep_quantized: bool = False, fp8_linear=None, shard=None):
+        """``keep_quantized``: FP8 weights stay FP8 (``FP8Weight``, multiplied by ``fp8_linear``) and
+        routed experts are stacked in their checkpoint format. ``shard``: tensor parallelism — an object
+        whose ``read(ckpt, name)`` returns this rank's slice of a tensor and ``expert_range(n)`` its
+        routed experts (``dsv4.parallel.group.TPGroup``)."""
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
         self.shard = shard
         self.config: ModelConfig = self.ckpt.config
@@ -51,7 +54,7 @@ class ModelWeights:
         self.device = torch.device(device)
         self.cache_experts = cache_experts
         self.keep_quantized = keep_quantized
-        self.ops = ops or {}
+        self.fp8_linear = fp8_linear
         self._stacked: dict[str, tuple] = {}
         self.t: dict[str, torch.Tensor] = {}
         self._experts: dict[str, torch.Tensor] = {}
@@ -73,7 +76,7 @@ class ModelWeights:
             scale = self._get(name[: -len(".weight")] + ".scale")
             if self.keep_quantized:
                 s = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.float()
-                return FP8Weight(raw.to(self.device), s.to(self.device), self.ops.get("fp8_linear"))
+                return FP8Weight(raw.to(self.device), s.to(self.device), self.fp8_linear)
             return dequantize_block_fp8(raw.to(self.device), scale.to(self.device), out_dtype=self.dtype)
         if spec.role == "index":
             return raw.to(self.device, torch.long)
@@ -84,7 +87,7 @@ class ModelWeights:
         return raw.to(self.device, self.dtype)
 
     def _get(self, name: str) -> torch.Tensor:
-        """The stored tensor, or under tensor parallelism this rank's shard of it (dsv4/dist/shard.py)."""
+        """The stored tensor, or under tensor parallelism this rank's shard of it (dsv4/parallel/shard.py)."""
         return self.ckpt.get(name) if self.shard is None else self.shard.read(self.ckpt, name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -110,11 +113,9 @@ class ModelWeights:
 
     def stacked_experts(self, ffn_prefix: str) -> tuple:
         """(w13, s13, w2, s2) of one layer's routed experts in checkpoint format, stacked over
-        experts (no dequantization; see :func:`dsv4.ops.torch_ops.stack_experts_from_checkpoint`)."""
+        experts (no dequantization; see :mod:`dsv4.formats.experts`)."""
         got = self._stacked.get(ffn_prefix)
         if got is None:
-            from ..ops.torch_ops import stack_experts_from_checkpoint
-
             n = self.config.n_routed_experts
             lo, hi = (0, n) if self.shard is None else self.shard.expert_range(n)  # EP: this rank's experts only
             got = stack_experts_from_checkpoint(self._get, ffn_prefix, hi - lo, self.device, first=lo)

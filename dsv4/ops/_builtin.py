@@ -59,20 +59,18 @@ register("indexer_q_rope_quant", "torch", "dsv4.ops.torch_indexer:indexer_q_rope
 register("indexer_q_rope_quant", "triton", "dsv4.ops.triton.indexer_q:indexer_q_rope_quant", _triton_ok,
          TRITON_PRIORITY)
 
-# mHC, batch-invariant dense ops and fused elementwise building blocks: the torch backends are the
-# oracle functions themselves (signatures in dsv4.model.mhc / linear / norms / moe; by path, as they
-# live in the reference model);
-# mhc_post_pre's is hc_post then hc_pre (hc_post_then_pre)
-for _op, _torch_fn, _triton_fn in (
-        ("mhc_pre", "dsv4.model.mhc:hc_pre", "dsv4.ops.triton.mhc:hc_pre"),
-        ("mhc_post", "dsv4.model.mhc:hc_post", "dsv4.ops.triton.mhc:hc_post"),
-        ("mhc_post_pre", "dsv4.model.mhc:hc_post_then_pre", "dsv4.ops.triton.mhc:mhc_post_pre"),
-        ("dense_linear", "dsv4.model.linear:linear", "dsv4.ops.triton.dense:dense_linear"),
-        ("rms_norm", "dsv4.model.norms:rms_norm", "dsv4.ops.triton.dense:rms_norm"),
-        ("unit_rms_norm", "dsv4.model.norms:unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm"),
-        ("apply_rope", "dsv4.model.rope:apply_rope", "dsv4.ops.triton.rope:apply_rope"),
-        ("unit_norm_rope", "dsv4.model.rope:unit_norm_rope", "dsv4.ops.triton.rope:unit_norm_rope"),
+# the oracle's building blocks: their torch backends are the oracle's own functions (the reference op set's,
+# ``dsv4.model.opset``: a composite such as mhc_pre runs over the set's other blocks)
+for _op, _triton_fn in (
+        ("mhc_pre", "dsv4.ops.triton.mhc:hc_pre"),
+        ("mhc_post", "dsv4.ops.triton.mhc:hc_post"),
+        ("mhc_post_pre", "dsv4.ops.triton.mhc:mhc_post_pre"),
+        ("dense_linear", "dsv4.ops.triton.dense:dense_linear"),
+        ("rms_norm", "dsv4.ops.triton.dense:rms_norm"),
+        ("unit_rms_norm", "dsv4.ops.triton.dense:unit_rms_norm"),
+        ("apply_rope", "dsv4.ops.triton.rope:apply_rope"),
+        ("unit_norm_rope", "dsv4.ops.triton.rope:unit_norm_rope"),
         # the shared expert's clamped SwiGLU activation: (gate, up, limit, dtype) -> h, one launch
-        ("swiglu_act", "dsv4.model.moe:swiglu_act", "dsv4.ops.triton.activation:swiglu_act")):
-    register(_op, "torch", _torch_fn, lambda p: True, TORCH_PRIORITY)
+        ("swiglu_act", "dsv4.ops.triton.activation:swiglu_act")):
+    register(_op, "torch", f"dsv4.model.opset:reference_{_op}", lambda p: True, TORCH_PRIORITY)
     register(_op, "triton", _triton_fn, _triton_ok, TRITON_PRIORITY)

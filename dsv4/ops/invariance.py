@@ -14,11 +14,11 @@ invariance costs).
 
 from __future__ import annotations
 
-import os
+from .. import env
 
 DECODE_MAX_ROWS = 64  # the largest decode batch (max_num_seqs) the fixed decode tiles cover
 
-_enabled = os.environ.get("DSV4_BATCH_INVARIANT", "1").strip().lower() not in ("0", "false", "no", "off")
+_enabled = env.batch_invariant()
 
 
 def batch_invariant() -> bool:

@@ -17,10 +17,11 @@ everywhere.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from .. import env
 
 __all__ = ["Platform", "detect_platform", "triton_importable", "interpreting"]
 
@@ -46,7 +47,7 @@ class Platform:
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env.triton_interpret()
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,15 +58,6 @@ def triton_importable() -> bool:
     except Exception:  # ImportError, or a broken install raising at import time
         return False
     return True
-
-
-def _forced_fp8() -> str | None:
-    v = os.environ.get("DSV4_PLATFORM_FP8", "").strip().lower()
-    if not v:
-        return None
-    if v not in ("ocp", "fnuz"):
-        raise ValueError(f"DSV4_PLATFORM_FP8 must be 'ocp' or 'fnuz', found {v!r}")
-    return v
 
 
 def _rocm_fp8(arch: str) -> tuple[str, bool]:
@@ -94,7 +86,7 @@ def platform_from(kind: str, name: str = "", capability: tuple | None = None, ar
         trit = (interpreting() and triton_importable()) if triton is None else triton
     else:
         raise ValueError(f"unknown platform kind {kind!r}; expected 'cuda', 'rocm' or 'cpu'")
-    fmt = fp8_format or _forced_fp8() or fmt
+    fmt = fp8_format or env.platform_fp8() or fmt
     return Platform(kind, name or kind, cap, arch, fmt, native, bool(trit))
 
 

@@ -15,18 +15,16 @@ registering a Triton backend never imports Triton.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import env
+from ..model.opset import OPS
 from .platform import Platform, detect_platform
 
 __all__ = ["OPS", "BackendError", "Backend", "register", "resolve", "describe", "describe_table",
            "parse_force", "backends", "get", "unregister"]
 
-OPS = ("fp8_linear", "moe_route", "moe_experts", "kv_insert", "kv_norm_rope_insert", "compressor_pool_insert",
-       "sparse_attention", "indexer", "indexer_q_rope_quant", "mhc_pre", "mhc_post", "mhc_post_pre",
-       "dense_linear", "rms_norm", "unit_rms_norm", "apply_rope", "unit_norm_rope", "swiglu_act", "greedy_pick")
 ENV = "DSV4_OPS"
 
 
@@ -138,9 +136,9 @@ def _force_table(force) -> list[dict[str, str]]:
     _builtins()
     arg = parse_force(force)
     _check_keys(arg, "force")
-    env = parse_force(os.environ.get(ENV))
-    _check_keys(env, ENV)
-    return [arg, env]
+    forced = parse_force(env.ops_override())
+    _check_keys(forced, ENV)
+    return [arg, forced]
 
 
 def _choose(op_name: str, platform: Platform, table: list[dict[str, str]]) -> tuple[Backend, str]:

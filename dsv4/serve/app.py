@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
 from fastapi import FastAPI
 
-from .. import __version__
+from .. import __version__, env
 from .async_engine import AsyncEngine
 from .errors import install_handlers
 from .metrics import ServerMetrics
@@ -78,15 +77,15 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     return app
 
 
-def serve(args, engine_kwargs: dict) -> int:
-    """``dsv4 serve``: build the engine from the CLI flags and serve it until interrupted."""
+def serve(args, config) -> int:
+    """``dsv4 serve``: build the engine of ``config`` (the command's flags) and serve it until interrupted."""
     import uvicorn
 
-    from ..engine.engine import EngineConfig, LLMEngine
+    from ..llm import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineConfig(model=args.model, seed=args.seed, **engine_kwargs))
-    api_key = args.api_key or os.environ.get("DSV4_API_KEY") or None
+    engine = build_engine(config)
+    api_key = args.api_key or env.api_key()
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
     url = f"http://{args.host}:{args.port}"
     log.info("dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s", args.model,

@@ -9,17 +9,14 @@ anything.
 
 Failure isolation, because one bad request must not hurt the others:
 
-* an error while sampling (or computing prompt logprobs for) one request fails only that request
-  (the engine's sampler is wrapped for this);
-* any other exception inside ``step()`` fails the requests it names, else the requests of that
-  step's schedule (with a 500), and the loop keeps serving;
+* the engine finishes a request it could not run (its sampling failed, its step failed) with an
+  error (``RequestOutput.error``): that request gets a 500, the others are served on;
+* an exception that still escapes ``step()`` (an engine bug) fails every request in flight with a
+  500, and the loop keeps serving;
 * a request the engine rejects in ``add_request`` gets a 400 with the engine's message;
-* a dead engine (:class:`~dsv4.dist.errors.EngineDeadError`: a tensor-parallel rank died or timed
+* a dead engine (:class:`~dsv4.engine.errors.EngineDeadError`: a tensor-parallel rank died or timed
   out) fails every in-flight request, refuses new ones with a 503 and calls ``on_dead`` (the
   server then exits) — no step can run any more.
-
-The engine itself is wrapped, not changed: its sampler object and its scheduler's ``schedule``
-method are replaced on the instance to learn which requests a failure belongs to.
 """
 
 from __future__ import annotations
@@ -29,13 +26,12 @@ import concurrent.futures
 import itertools
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..dist.errors import EngineDeadError
+from ..engine.errors import EngineDeadError
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 
@@ -101,44 +97,6 @@ class RequestStream:
             self._queue.put_nowait(_ABORTED)
 
 
-class _GuardedSampler:
-    """The engine's sampler, made to fail one request instead of the whole step.
-
-    When sampling request R raises, R is recorded, marked finished (so the engine frees it at the
-    end of the step) and a harmless token is returned; the engine loop then fails R's stream.
-    ``inner`` is the real sampler (tests may swap in a scripted one).
-    """
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.errors: dict[str, BaseException] = {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _failed(self, req, e: BaseException) -> None:
-        self.errors.setdefault(req.request_id, e)
-        req.finish("abort")
-
-    def sample(self, req, logits):
-        try:
-            return self.inner.sample(req, logits)
-        except Exception as e:  # noqa: BLE001 - any failure belongs to this request only
-            self._failed(req, e)
-            return (req.eos_token_id if req.eos_token_id is not None else 0), None, None
-
-    def prompt_logprobs(self, req, logits):
-        try:
-            return self.inner.prompt_logprobs(req, logits)
-        except Exception as e:  # noqa: BLE001
-            self._failed(req, e)
-            return [None] * len(req.prompt_token_ids)
-
-    def take_errors(self) -> dict[str, BaseException]:
-        errs, self.errors = self.errors, {}
-        return errs
-
-
 @dataclass
 class _Track:
     """Engine-thread bookkeeping of one request for metrics."""
@@ -177,18 +135,6 @@ class AsyncEngine:
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._guard = _GuardedSampler(engine.sampler)
-        engine.sampler = self._guard
-        self._scheduled: list[str] | None = None
-        inner_schedule = engine.scheduler.schedule
-
-        def schedule():
-            self._scheduled = None
-            out = inner_schedule()
-            self._scheduled = [sc.req.request_id for sc in out]
-            return out
-
-        engine.scheduler.schedule = schedule
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -334,36 +280,23 @@ class AsyncEngine:
         self.stats.failed += 1
         self._end_track(rid, "error", time.monotonic())
 
-    def _affected(self, e: BaseException) -> list[str]:
-        """Which requests an exception in step() belongs to: those it names, else the step's schedule."""
-        text = str(e)
-        named = [rid for rid in self._streams if re.search(r"request " + re.escape(rid) + r"\b", text)]
-        if named:
-            return named
-        if self._scheduled is not None:
-            return list(dict.fromkeys(self._scheduled))
-        sched = self.engine.scheduler  # schedule() itself failed: what it was working on
-        return list(dict.fromkeys([r.request_id for r in sched.running] + [r.request_id for r in list(sched.waiting)[:1]]))
-
     def _step(self) -> None:
-        self._scheduled = None
         try:
             outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001
-            if isinstance(e, EngineDeadError):
-                raise  # not this step's requests' fault: the loop fails them all and stops
-            self._guard.take_errors()
-            affected = self._affected(e)
-            log.exception("engine step failed; failing %d request(s): %s", len(affected), ", ".join(affected))
-            for rid in affected:
+        except EngineDeadError:
+            raise  # not this step's requests' fault: the loop fails them all and stops
+        except Exception as e:  # noqa: BLE001 - the engine fails requests itself; this is a bug in it
+            log.exception("engine step raised; failing every request in flight (%d)", len(self._streams))
+            for rid in list(self._streams):
                 self._fail(rid, 500, f"the engine failed while running this request: {type(e).__name__}: {e}")
             return
         self.stats.steps += 1
-        errors = self._guard.take_errors()
         now = time.monotonic()
         for out in outputs:
             rid = out.request_id
-            if rid in errors:
+            if out.error is not None:
+                log.error("request %s failed in the engine: %s", rid, out.error)
+                self._fail(rid, 500, f"the engine failed while running this request: {out.error}")
                 continue
             self._track(out, now)
             stream = self._streams.get(rid)
@@ -371,9 +304,6 @@ class AsyncEngine:
                 stream._put(out)
             if out.finished:
                 self._streams.pop(rid, None)
-        for rid, e in errors.items():
-            log.error("request %s failed in the engine: %s: %s", rid, type(e).__name__, e)
-            self._fail(rid, 500, f"the engine failed while running this request: {type(e).__name__}: {e}")
 
     # ---- metrics (engine thread) ----------------------------------------------------------------
     def _track(self, out: RequestOutput, now: float) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
+
+from .. import env
 
 MAX_PROMPTS = 100_000
 TOKEN_ID_RANGE = (1000, 100_000)  # random prompt ids: clear of special tokens at both ends of most vocabularies
@@ -100,7 +101,7 @@ def bench_options_from_args(a) -> BenchOptions:
         random_range_ratio=a.random_range_ratio, random_prefix_len=a.random_prefix_len, num_prompts=a.num_prompts,
         max_concurrency=a.max_concurrency, sweep_concurrency=a.sweep_concurrency, request_rate=a.request_rate,
         ignore_eos=a.ignore_eos, temperature=a.temperature, seed=a.seed,
-        api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), timeout=a.timeout, request_timeout=a.request_timeout,
+        api_key=a.api_key or env.openai_api_key(), timeout=a.timeout, request_timeout=a.request_timeout,
         percentile_metrics=tuple(m.strip() for m in a.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(float(p) for p in a.metric_percentiles.split(",") if p.strip()),
         warmup=a.warmup, result_json=a.result_json, backend=a.backend)

@@ -186,34 +186,30 @@ class Diff:
         return None
 
     def _build(self) -> None:
-        from ..engine.engine import EngineConfig
+        from ..cache.paged import PagedSequenceView
+        from ..engine.settings import EngineConfig
+        from ..model.cache import CacheNumerics
         from ..model.model import ReferenceModel
         from ..model.weights import ModelWeights
+        from ..ops.selection import fast_path, resolve_op_set
 
         dev = torch.device(self.o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.numerics = CacheNumerics(self.o.kv_cache_dtype, self.o.fp8_format)  # both sides' caches
         shared = None
         for s in self.sides:
             if s.model is not None:
                 continue
-            ec = EngineConfig(model=self.o.model, dtype=self.o.dtype, backend=s.backend)
-            dtype = ec.torch_dtype(dev)
-            ops = ec.resolve_ops(dev)
-            if ops is None:  # both torch sides share one set of weights
+            dtype = EngineConfig(model=self.o.model, dtype=self.o.dtype).torch_dtype(dev)
+            if not fast_path(s.backend, dev):  # both torch sides share one set of weights
                 if shared is None:
                     shared = ModelWeights(self.o.model, dtype, dev, progress=False)
-                s.model = ReferenceModel(shared, kv_cache_dtype=self.o.kv_cache_dtype, fp8_format=self.o.fp8_format)
+                s.model = ReferenceModel(shared, numerics=self.numerics)
             else:
-                s.model = ReferenceModel(self.o.model, dtype=dtype, device=dev, kv_cache_dtype=self.o.kv_cache_dtype,
-                                         fp8_format=self.o.fp8_format, ops=ops)
-        from ..cache.paged import PagedSequenceView
-
+                s.model = ReferenceModel(self.o.model, dtype=dtype, device=dev, numerics=self.numerics,
+                                         ops=resolve_op_set(s.backend, "reference", dev))
         for s in self.sides:
             s.view_cls = s.view_cls or PagedSequenceView
-        a = self.sides[0].model
-        self.cfg = a.cfg
-        from ..model.cache import CacheNumerics
-
-        self.numerics = CacheNumerics(self.o.kv_cache_dtype, self.o.fp8_format)
+        self.cfg = self.sides[0].model.cfg
 
     def _view(self, side: Side, max_len: int):
         from ..cache.paged import BLOCK, SWA_PAGE, CacheAllocation, CacheBudget, PagedKVCache, unit_bytes

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from .. import env
 from .verdict import SequenceVerdict, VerdictConfig, judge_tokens
 
 GOLDEN_FORMAT = "dsv4-probe-golden/1"
@@ -120,7 +121,7 @@ def load_prompts(path: str | os.PathLike) -> list[PromptSpec]:
 @dataclass
 class ProbeOptions:
     model: str
-    engine_kwargs: dict = field(default_factory=dict)  # LLM(...) keyword arguments (cli._engine_kwargs)
+    engine_kwargs: dict = field(default_factory=dict)  # engine settings (EngineConfig's fields: the command's flags)
     prompts: list[PromptSpec] | None = None
     max_tokens: int = 32
     batch_sizes: tuple[int, ...] = (1, 2, 8, 16)
@@ -374,12 +375,12 @@ class Probe:
         if engine_fp8 == "auto":
             engine_fp8 = plat.fp8_format or "ocp"
         d["engine_fp8_format"] = engine_fp8
-        d["DSV4_PLATFORM_FP8"] = os.environ.get("DSV4_PLATFORM_FP8")
+        d["DSV4_PLATFORM_FP8"] = env.platform_fp8()
         d["triton"] = _triton_version()
         d["TRITON_INTERPRET"] = interpreting()
         backend = self.o.engine_kwargs.get("backend", "auto")
         d["backend"] = backend
-        d["ops"] = _describe_ops(self.o.model, backend, plat)
+        d["ops"] = _describe_ops(backend, self.o.engine_kwargs.get("attention", "auto"))
         self.say(f"  devices: {', '.join(d['devices'])}")
         self.say(f"  platform: {d['platform']}")
         self.say(f"  FP8 encoding: platform {plat.fp8_format} (native {plat.native_fp8}), "
@@ -448,17 +449,18 @@ class Probe:
 
     # ---- stage: engine init -----------------------------------------------------------------------
     def _engine_init(self, st: Stage) -> None:
-        from ..engine.engine import EngineConfig, LLMEngine
+        from ..engine.engine import LLMEngine
+        from ..engine.settings import EngineConfig
         from ..llm import LLM
 
-        kw = dict(self.o.engine_kwargs)
+        kw = {**self.o.engine_kwargs, "seed": self.o.seed}
         t0 = time.perf_counter()
         if self.shared_model is None:
-            self.llm = LLM(self.o.model, seed=self.o.seed, **kw)
+            self.llm = LLM(self.o.model, **kw)
         else:
             llm = LLM.__new__(LLM)
-            llm.engine = LLMEngine(EngineConfig(model=str(self.o.model), seed=self.o.seed, **kw),
-                                   backend=self.shared_model)
+            llm.engine = LLMEngine(EngineConfig.from_kwargs("probe", model=str(self.o.model), **kw),
+                                   model=self.shared_model)
             self.llm = llm
             st.data["model"] = "provided (shared weights)"
         eng = self.llm.engine
@@ -469,14 +471,10 @@ class Probe:
                  cache_tokens=b.capacity_tokens, cache_blocks=b.num_blocks, swa_pages=b.num_swa_pages,
                  cache_mib=round(b.total_bytes / 2**20, 1), max_model_len=eng.max_model_len,
                  max_num_seqs=eng.config.max_num_seqs, prefix_caching=eng.config.enable_prefix_caching,
-                 ops="reference torch" if not getattr(eng.model.w, "ops", None) else sorted(eng.model.w.ops))
+                 ops=eng.ops.describe())
         self.say(f"  ENGINE_READY in {d['seconds']:.1f} s: {d['device']} {d['dtype']}, KV cache {d['kv_cache_dtype']} "
                  f"({d['fp8_format']}): {b.capacity_tokens} tokens ({b.num_blocks} blocks, {b.num_swa_pages} SWA pages, "
                  f"{d['cache_mib']} MiB), max_model_len {eng.max_model_len}")
-        if getattr(eng.model, "numerics", None) is not None and \
-                eng.model.numerics.kv_cache_dtype != eng.kv_cache.numerics.kv_cache_dtype:
-            st.warn(f"model numerics {eng.model.numerics.kv_cache_dtype} != engine cache "
-                    f"{eng.kv_cache.numerics.kv_cache_dtype}")
         self.tok = eng.tokenizer
         self.vcfg = VerdictConfig(bos_token_id=eng.model_config.bos_token_id,
                                   eos_token_id=eng.model_config.eos_token_id,
@@ -701,18 +699,16 @@ class Probe:
         from ..model.model import ReferenceModel
 
         eng = self.llm.engine
-        return ReferenceModel(self.o.model, dtype=dtype, device=eng.model.device,
-                              kv_cache_dtype=eng.config.kv_cache_dtype, fp8_format=eng.config.fp8_format)
+        return ReferenceModel(self.o.model, dtype=dtype, device=eng.model.device, numerics=eng.numerics)
 
     def _reference(self, st: Stage) -> None:
         import torch
 
-        from ..model.cache import CacheNumerics
         from .oracle import compare, teacher_forced_logits
 
         eng = self.llm.engine
         model = self._oracle_model()
-        numerics = CacheNumerics(eng.config.kv_cache_dtype, eng.config.fp8_format)
+        numerics = eng.numerics
         st.data["oracle"] = (f"{'the engine model' if self.o.oracle == 'shared' else 'a separate torch reference model'}"
                              f" on a dense cache ({numerics.kv_cache_dtype}, {numerics.fmt.name}), teacher-forced")
         self.say(f"  oracle: {st.data['oracle']}")
@@ -869,18 +865,17 @@ def _triton_version() -> str | None:
         return None
 
 
-def _describe_ops(model_dir: str, backend: str, plat) -> str:
-    if backend == "torch" or (backend == "auto" and plat.kind == "cpu"):
-        return "reference torch path (no fast kernels)"
+def _describe_ops(backend: str, attention: str) -> str:
+    """The op set an engine with these settings would run, op by op (``resolve_op_set``: the one place)."""
     try:
-        from ..engine.engine import OPS
-        from ..ops.registry import backends, describe
+        from ..ops.platform import detect_platform
+        from ..ops.selection import fast_path, resolve_op_set
 
-        for op in OPS:
-            backends(op)  # loads the built-in registrations
-        force = None if backend == "auto" else {op: "triton" for op in OPS}
-        rows = describe(force=force)
-        return ", ".join(f"{r['op']}→{r['backend']}" for r in rows)
+        device = "cuda" if detect_platform().kind != "cpu" else "cpu"
+        ops = resolve_op_set(backend, attention, device)
+        if not fast_path(backend, device) and not ops.paged_attention:
+            return "reference torch path (no fast kernels)"
+        return ops.describe()
     except Exception as e:  # noqa: BLE001
         return f"unresolved ({type(e).__name__}: {e})"
 

@@ -42,11 +42,11 @@ def fnuz_read_as_ocp(true_read):
 
 
 def swiglu_without_clamp(seen: dict | None = None):
-    """Fault (c): ``moe.swiglu`` without its clamp; counts into ``seen`` ({"n", "over"}) how many
-    gate/up values the clamp would have cut."""
-    from dsv4.model.linear import linear
+    """Fault (c): ``moe.swiglu`` without its clamp (what an op set built after the patch binds as its
+    ``swiglu``); counts into ``seen`` ({"n", "over"}) how many gate/up values the clamp would have cut."""
 
-    def swiglu(x, w1, w3, w2, limit, act_quant=False):
+    def swiglu(ops, x, w1, w3, w2, limit, act_quant=False):
+        linear = ops.linear
         gate = linear(x, w1, act_quant).float()
         up = linear(x, w3, act_quant).float()
         if seen is not None:

@@ -82,7 +82,7 @@ def assert_no_markup(deltas, extra=()):
 
 COMPLEX = (
     "The user wants weather. Compare 1 < 2 and a<b.\n\n"
-    + f"</think>Let me check both cities.\n\n"
+    + "</think>Let me check both cities.\n\n"
     + block(
         invoke(
             "get_weather",

@@ -144,7 +144,7 @@ def test_async_through_the_emulated_decode_graphs(tiny_ckpt):
     sync, asy = _pair(tiny_ckpt, "fp8_ds_mla", **kw)
     want = _results(sync.generate(prompts, _plain(6)))
     eng = asy.engine
-    graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, 8, eng.max_model_len)
     graphs.capture()
     staged = []
     run = graphs.run
@@ -225,7 +225,7 @@ def test_engine_device_follows_a_model_passed_in(tiny_ckpt, tiny_model_auto, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as the engine can tell
     eng = LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=64 << 20, max_model_len=256, max_num_seqs=4,
                                  fp8_format="ocp"),  # (auto would ask the pretend GPU for its properties)
-                    backend=tiny_model_auto)
+                    model=tiny_model_auto)
     assert eng.kv_cache.device.type == "cpu" and eng.runner.graphs is None
     assert eng.config.async_scheduling is False
     eng.add_request(prompt_token_ids=[5, 6, 7], params=_plain(2))

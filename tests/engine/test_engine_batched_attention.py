@@ -30,7 +30,7 @@ def test_batched_equals_reference_path(tiny_ckpt, kv_dtype):
     params = greedy(BOUNDARY_NEW_TOKENS)
     ref = make_llm(tiny_ckpt, kv_dtype, max_num_batched_tokens=100, attention="reference")
     fast = make_llm(tiny_ckpt, kv_dtype, max_num_batched_tokens=100, attention="batched", backend="torch")
-    assert ref.engine.runner.attention_ops is None and fast.engine.runner.attention_ops is not None
+    assert not ref.engine.runner.paged_attention and fast.engine.runner.paged_attention
     want = [signature(o) for o in ref.generate(prompts, params)]
     got = [signature(o) for o in fast.generate(prompts, params)]
     for n, w, g in zip(lengths, want, got):
@@ -69,7 +69,7 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     want = [signature(o) for o in plain.generate(prompts, params)]
     padded = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_seqs=8)
     eng = padded.engine
-    graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, 8, eng.max_model_len)
     graphs.capture()
     assert graphs.buckets == [1, 2, 4, 8]
     used, staged = [], []
@@ -84,7 +84,7 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     # the copy-in path (a TP worker's replay: tables built elsewhere, then ``load``ed) gives the same
     unstaged = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_seqs=8)
     eng = unstaged.engine
-    graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.runner.attention_ops, 8, eng.max_model_len)
+    graphs = DecodeGraphs(eng.model, eng.kv_cache, 8, eng.max_model_len)
     graphs.capture()
     eng.runner.graphs = graphs
     eng.runner._stage_for_graph = lambda *a: None
@@ -163,13 +163,16 @@ def test_block_boundary_snapshot_reads_the_ring_and_the_held_chunk(tiny_ckpt, mo
 def test_decode_graphs_only_with_graph_safe_ops():
     """The torch attention ops check page bounds on the host (a sync stream capture forbids): with
     them a CUDA engine decodes eagerly instead of failing at capture; kernel ops are captured."""
-    from dsv4.engine.engine import EngineConfig, _graph_capturable
+    from dsv4.engine.engine import _graph_capturable
+    from dsv4.model.opset import ATTENTION_OPS, OpSet
+    from dsv4.ops import resolve_op_set
 
-    torch_ops = EngineConfig(model="m", backend="torch", attention="batched").resolve_attention_ops(torch.device("cpu"))
-    assert not _graph_capturable(torch_ops)
+    torch_ops = resolve_op_set("torch", "batched", "cpu")
+    assert torch_ops.paged_attention and not _graph_capturable(torch_ops)
 
     def kernel(*a):
         return None
 
     kernel.__module__ = "dsv4.ops.triton.sparse_attention"
-    assert _graph_capturable({op: kernel for op in torch_ops})
+    assert _graph_capturable(OpSet({op: kernel for op in ATTENTION_OPS}))
+    assert not _graph_capturable(OpSet())  # no batched attention: nothing to capture

@@ -4,6 +4,7 @@ profile can be forced (DSV4_PLATFORM_FP8) so the FNUZ path is testable on any ma
 import torch
 
 from dsv4 import LLM, SamplingParams
+from dsv4.model.cache import CacheNumerics
 from dsv4.model.model import ReferenceModel
 from dsv4.ops.platform import detect_platform
 
@@ -17,7 +18,7 @@ def test_forced_fnuz_profile_drives_the_cache_bytes(tiny_ckpt, monkeypatch):
         assert llm.engine.kv_cache.numerics.fmt.name == "fnuz"
         prompt = torch.randint(3, 120000, (70,), generator=torch.Generator().manual_seed(3)).tolist()
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
-        ref = ReferenceModel(llm.engine.model.w, kv_cache_dtype="fp8_ds_mla", fp8_format="fnuz")
+        ref = ReferenceModel(llm.engine.model.w, numerics=CacheNumerics("fp8_ds_mla", "fnuz"))
         assert out.outputs[0].token_ids == ref.greedy(prompt, 3)[0]
         assert llm.engine.kv.leaks() == []
     finally:

@@ -7,8 +7,7 @@ import random
 import torch
 
 from dsv4.cache.paged import CacheAllocation, PageRow
-from dsv4.engine.paged_attention import _pad_rows
-from dsv4.engine.staging import upload
+from dsv4.cache.tables import _pad_rows, upload
 
 
 def test_page_row_follows_appends_releases_and_replacements():
@@ -50,8 +49,8 @@ def test_tables_pad_with_minus_one():
 
 
 def _rebuilt(chunks, allocs):
-    """The step's tables rebuilt from the page lists with plain tensor ops (the engine's former
-    ``PagedBatch.build``)."""
+    """The step's tables rebuilt from the page lists with plain tensor ops (what ``StepTables.build``
+    must equal)."""
     pos = [p for c in chunks for p in range(c.start, c.start + c.length)]
     sid = [i for i, c in enumerate(chunks) for _ in range(c.length)]
 
@@ -72,7 +71,7 @@ def test_step_tables_equal_the_rebuilt_ones():
     the plain rebuild gives: decode tokens, prefill chunks crossing pages, released windows."""
     import types
 
-    from dsv4.engine.paged_attention import PagedBatch
+    from dsv4.cache.tables import StepTables
     from dsv4.model.attention import SeqChunk
 
     rng = random.Random(1)
@@ -101,7 +100,7 @@ def test_step_tables_equal_the_rebuilt_ones():
             a.swa_released = max(a.swa_released, rel)
         if not chunks:
             continue
-        got = PagedBatch.build(kvc, chunks, live, {})
+        got = StepTables.build(kvc, chunks, live)
         for name, want in _rebuilt(chunks, live).items():
             assert torch.equal(getattr(got, name), want), f"step {step}: {name}"
         assert got.decode_only == all(c.length == 1 for c in chunks)
@@ -129,7 +128,7 @@ def test_decode_tables_equal_the_rebuilt_ones_with_spare_lanes():
     the graph's tables gives None."""
     import types
 
-    from dsv4.engine.paged_attention import decode_tables
+    from dsv4.cache.tables import decode_tables
     from dsv4.model.attention import SeqChunk
 
     rng = random.Random(2)

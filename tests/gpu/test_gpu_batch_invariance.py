@@ -33,7 +33,7 @@ def _prompts(n, seed):
 def test_decode_logits_identical_alone_and_in_batches(tiny_ckpt, kv_cache_dtype):
     target = torch.randint(3, 120000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     eng = _engine(tiny_ckpt, kv_cache_dtype)  # one engine (graph capture is the slow part); pages differ per run
-    assert eng.runner.attention_ops is not None, "the GPU path must use the batched paged attention"
+    assert eng.runner.paged_attention, "the GPU path must use the batched paged attention"
     assert eng.runner.graphs is not None, "decode steps must replay CUDA graphs"
 
     def run(b):

@@ -33,7 +33,7 @@ def _run(ckpt, **kw):
 def test_engine_gpu_fast_path_matches_torch_path(tiny_ckpt):
     fast_llm, fast = _run(tiny_ckpt)
     runner = fast_llm.engine.runner
-    assert runner.attention_ops is not None and runner.graphs is not None, "fast path must be batched + graphs"
+    assert runner.paged_attention and runner.graphs is not None, "fast path must be batched + graphs"
     _, ref = _run(tiny_ckpt, backend="torch", attention="reference")
     checked = 0
     for n, f, r in zip(LENGTHS, fast, ref):

@@ -30,11 +30,12 @@ def test_triton_path_matches_torch_path(tiny_ckpt):
     is measured, not guessed: err(triton bf16 vs fp32 torch) ≤ 1.5 × err(torch bf16 vs fp32 torch)
     + 0.01, plus greedy agreement with the oracle wherever its top-2 margin exceeds the error.
     """
-    from dsv4.engine.engine import OPS, EngineConfig
     from dsv4.model.model import ReferenceModel
+    from dsv4.model.opset import WEIGHT_OPS
+    from dsv4.ops import resolve_op_set
 
-    ops = EngineConfig(model=str(tiny_ckpt), backend="triton").resolve_ops(torch.device("cuda"))
-    assert set(OPS) <= set(ops)
+    ops = resolve_op_set("triton", "reference", "cuda")
+    assert all(getattr(ops, op) is not None for op in WEIGHT_OPS) and ops.kernels
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 120000, (300,), generator=g).tolist()
     cont = torch.randint(3, 120000, (16,), generator=g).tolist()

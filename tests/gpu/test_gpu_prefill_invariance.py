@@ -39,7 +39,7 @@ def test_prefill_logits_identical_alone_in_a_batch_and_chunked(flash_width_ckpt)
                                  max_num_seqs=16, max_num_batched_tokens=8192, kv_cache_memory=4 << 30,
                                  enable_prefix_caching=False, enforce_eager=True,
                                  async_scheduling=False))  # step_with drives synchronous steps
-    assert eng.runner.attention_ops is not None, "the GPU path must use the batched paged attention"
+    assert eng.runner.paged_attention, "the GPU path must use the batched paged attention"
     others = _prompts(7, 5, 700, seed=11)
 
     def run(target, layout):

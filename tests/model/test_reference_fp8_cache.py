@@ -149,9 +149,10 @@ def test_fp8_vs_auto_logits(full_forward_640):
 @torch.no_grad()
 def test_fp8_expert_checkpoint_runs(tiny_ckpt_fp8_experts):
     """The Base release format (FP8 routed experts, float32 block scales) loads and runs."""
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    model = ReferenceModel(tiny_ckpt_fp8_experts, dtype=torch.float32, kv_cache_dtype="fp8_ds_mla")
+    model = ReferenceModel(tiny_ckpt_fp8_experts, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
     assert model.cfg.expert_dtype == "fp8"
     logits, _ = model.prefill(_prompt(136))
     assert logits.shape == (136, model.cfg.vocab_size) and torch.isfinite(logits).all()

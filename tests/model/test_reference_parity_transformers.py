@@ -33,6 +33,7 @@ import torch
 import dsv4.model.attention as attn_mod
 import dsv4.model.moe as moe_mod
 from dsv4.model.attention import SeqChunk
+from dsv4.model.cache import CacheNumerics
 from dsv4.model.model import ReferenceModel
 
 transformers = pytest.importorskip("transformers")
@@ -140,7 +141,7 @@ def hf_select_all(tiny_ckpt_select_all):
 
 @pytest.fixture(scope="module")
 def ref_select_all(tiny_ckpt_select_all):
-    return ReferenceModel(tiny_ckpt_select_all, dtype=torch.float32, kv_cache_dtype="auto")
+    return ReferenceModel(tiny_ckpt_select_all, dtype=torch.float32, numerics=CacheNumerics("auto"))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> float:

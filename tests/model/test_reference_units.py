@@ -19,6 +19,7 @@ from dsv4.config import LayerType
 from dsv4.model.attention import SeqChunk, sparse_attention
 from dsv4.model.mhc import hc_post, hc_pre, sinkhorn
 from dsv4.model.moe import route, swiglu
+from dsv4.model.opset import reference_ops
 from dsv4.model.rope import apply_rope, cos_sin
 
 F64 = torch.float64
@@ -78,7 +79,7 @@ def test_hc_pre_against_float64_hand_computation():
     streams = _rand(T, n, H, seed=2)
     fn = _rand(24, n * H, seed=3, std=(n * H) ** -0.5)
     base, scale = _rand(24, seed=4, std=0.5), torch.tensor([0.7, 0.9, 0.6])
-    collapsed, post, comb = hc_pre(streams, fn, base, scale, 20, eps, rms_eps)
+    collapsed, post, comb = hc_pre(reference_ops(), streams, fn, base, scale, 20, eps, rms_eps)
 
     X = streams.reshape(T, -1).double()
     mixes = (X / torch.sqrt(X.square().mean(-1, keepdim=True) + rms_eps)) @ fn.double().T
@@ -334,7 +335,7 @@ def test_hash_routing_uses_tid2eid_and_renormalised_scores(cfg):
     for gate_seed in (18, 19):  # whatever the gate scores, the experts come from the table
         gate_w = _rand(E, cfg.hidden_size, seed=gate_seed, std=cfg.hidden_size ** -0.5)
         gate_w[7] = x[0] * 5  # expert 7 has by far the best score for token 0
-        ids, wts = route(x, gate_w, cfg, None, tid2eid, tokens)
+        ids, wts = route(reference_ops(), x, gate_w, cfg, None, tid2eid, tokens)
         assert torch.equal(ids, tid2eid[tokens])
         s = _hand_scores(x, gate_w).gather(1, ids)
         assert torch.allclose(wts.double(), s / s.sum(-1, keepdim=True) * 1.5, atol=1e-6)
@@ -351,7 +352,7 @@ def test_scored_routing_bias_selects_only_and_ties_go_low(cfg):
     bias = torch.zeros(E)
     bias[forced] = 100.0  # always selected
     bias[best] = -100.0  # never selected, though its score is the highest
-    ids, wts = route(x, gate_w, cfg, bias)
+    ids, wts = route(reference_ops(), x, gate_w, cfg, bias)
     for r in range(4):
         want = (s[r] + bias.double()).argsort(descending=True)[:k]
         assert sorted(ids[r].tolist()) == sorted(want.tolist())
@@ -361,7 +362,7 @@ def test_scored_routing_bias_selects_only_and_ties_go_low(cfg):
     # ties: equal scores (zero gate) → lowest ids; bias 1 on experts 2 and 9 puts them first
     bias = torch.zeros(E)
     bias[2] = bias[9] = 1.0
-    ids, wts = route(x, torch.zeros(E, cfg.hidden_size), cfg, bias)
+    ids, wts = route(reference_ops(), x, torch.zeros(E, cfg.hidden_size), cfg, bias)
     assert all(sorted(r) == [0, 1, 2, 3, 4, 9] for r in ids.tolist())
     assert torch.allclose(wts, torch.full((4, k), 1.5 / k))
 
@@ -414,7 +415,7 @@ def test_swiglu_clamps():
     w1[:, 0] = torch.tensor([20.0, 3.0, -30.0, 12.0])
     w3[:, 0] = torch.tensor([-15.0, 2.0, 5.0, 11.0])
     w2 = torch.eye(4)
-    got = swiglu(x, w1, w3, w2, 10.0)[0].double()
+    got = swiglu(reference_ops(), x, w1, w3, w2, 10.0)[0].double()
 
     def silu(v):
         return v / (1 + math.exp(-v))
@@ -474,11 +475,11 @@ def test_op_path_with_torch_backends_equals_the_dequantized_model(tiny_ckpt):
     the registered ops (their torch backends here; on the GPU the Triton ones), including the
     grouped output projection in one ``fp8_linear(groups=g)`` call, gives the dequantized oracle's
     logits up to fp32 summation order (the experts are stacked and summed in another order)."""
-    from dsv4.model.kernels import KERNEL_OPS
     from dsv4.model.model import ReferenceModel
-    from dsv4.ops.registry import OPS, resolve
+    from dsv4.model.opset import WEIGHT_OPS, OpSet
+    from dsv4.ops.registry import resolve
 
-    ops = {op: resolve(op, force={op: "torch"})[1] for op in OPS if op not in KERNEL_OPS}
+    ops = OpSet({op: resolve(op, force={op: "torch"})[1] for op in WEIGHT_OPS})
     fast, oracle = ReferenceModel(tiny_ckpt, ops=ops), ReferenceModel(tiny_ckpt)
     assert fast.cfg.o_groups > 1 and not isinstance(fast.blocks[0].attn.wo_a, torch.Tensor)
     ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(5))

@@ -20,7 +20,8 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 from ops_kernel_helpers import DEV, gen, mxfp4_experts, randn  # noqa: E402
 
 from dsv4.formats import quantize_block_fp8  # noqa: E402
-from dsv4.ops import stack_experts, torch_ops  # noqa: E402
+from dsv4.formats.experts import stack_experts
+from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops.invariance import batch_invariant  # noqa: E402
 from dsv4.ops.triton import fp8_linear as tlin  # noqa: E402
 from dsv4.ops.triton import moe as tmoe  # noqa: E402

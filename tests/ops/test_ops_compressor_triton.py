@@ -34,7 +34,7 @@ from ops_kernel_helpers import DEV, gen  # noqa: E402
 
 from dsv4.checkpoint.synthetic import build_config  # noqa: E402
 from dsv4.config import config_from_dict  # noqa: E402
-from dsv4.engine.paged_attention import PagedBatch  # noqa: E402
+from dsv4.cache.tables import StepTables  # noqa: E402
 from dsv4.formats import (FNUZ, OCP, alloc_indexer_pages, alloc_kv_pages, indexer_page_stride,  # noqa: E402
                           page_stride, read_indexer_k, read_kv)
 from dsv4.model.attention import SeqChunk  # noqa: E402
@@ -147,7 +147,7 @@ def _chunk_case(ratio, overlap, kind, g):
     bt = _block_table(len(chunks), g, holes=False)
     ring, rows, norm = _state(ratio, overlap, kind, g, off)
     fake = SimpleNamespace(chunks=chunks, _emitting={}, kvc=SimpleNamespace(device=torch.device(DEV)))
-    closing = PagedBatch._closing(fake, ratio)
+    closing = StepTables.closing(fake, ratio)
     assert closing is not None and closing.shape[1] >= 4
     return positions, seq_ids, slots, bt, ring, rows, norm, per, closing
 

@@ -72,21 +72,20 @@ def test_fp32_output_of_bf16_operands_is_the_unrounded_accumulator():
     assert y.dtype == FP32 and y.shape == (m, n)
     assert_fp32_accum_close(y, linear(x.float(), w.float()), _absprod(x, w))
     assert torch.equal(y.to(BF16), td.dense_linear(x, w))
-    assert torch.equal(linear_f32(x, w), linear(x.float(), w.float()))  # no fast kernel active: the fp32 GEMM
-    from dsv4.model import kernels
+    assert torch.equal(linear_f32(x, w), linear(x.float(), w.float()))  # no fast kernel: the fp32 GEMM
+    from dsv4.model.opset import OpSet
 
-    with kernels.active({"dense_linear": td.dense_linear}):  # the fast path: the bf16 GEMM, fp32 result
-        fast = linear_f32(x, w)
-        assert torch.equal(fast, y) and torch.equal(linear_f32(x[5:6], w), y[5:6])  # and batch-invariant
-        assert torch.equal(linear_f32(x.float(), w), linear(x.float(), w.float()))  # fp32 x: the fp32 GEMM
+    fast_ops = OpSet({"dense_linear": td.dense_linear})  # the fast path: the bf16 GEMM, fp32 result
+    fast = fast_ops.linear_f32(x, w)
+    assert torch.equal(fast, y) and torch.equal(fast_ops.linear_f32(x[5:6], w), y[5:6])  # and batch-invariant
+    assert torch.equal(fast_ops.linear_f32(x.float(), w), linear(x.float(), w.float()))  # fp32 x: the fp32 GEMM
     with pytest.raises(TypeError, match="out_dtype"):
         td.dense_linear(x, w, out_dtype=torch.float16)
 
 
 def test_prefill_tile_gives_the_decode_tiles_bits():
     """At M ≥ PREFILL_MIN_ROWS the fused launch takes ``PREFILL_16BIT``'s MMA tile with the base
-    tile's K chunks: a row's bits are those of a decode-sized launch (on the H200 too: tests/gpu,
-    bench/kernels_mhc.py --sweep-dense-prefill)."""
+    tile's K chunks: a row's bits are those of a decode-sized launch (on the H200 too: tests/gpu)."""
     g = gen(10)
     m, n, k = td.PREFILL_MIN_ROWS + 6, td.PREFILL_MIN_N, 128
     x = randn((m, k), g, dtype=BF16)
@@ -198,20 +197,19 @@ def test_compressor_state_rows_in_one_launch_are_the_two_calls_bitwise(tiny_ckpt
     """Compressor.state_rows on the fast path (one GEMM of the stacked [wkv; wgate], the ape added in
     place) equals the two separate dense_linear calls + ape + cat; the weights are views of the
     stacked tensor, also in the model's weight store."""
-    from dsv4.model import kernels
     from dsv4.model.model import ReferenceModel
+    from dsv4.model.opset import OpSet
 
-    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
+    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV, ops=OpSet({"dense_linear": td.dense_linear}))
     comps = [b.attn.compressor for b in model.blocks if b.attn.compressor is not None]
     assert comps
     for comp in comps:
         assert comp.w_state is not None and comp.wkv.data_ptr() == comp.w_state.data_ptr()
         x = randn((7, model.cfg.hidden_size), gen(4), 1.0, torch.bfloat16)
         pos = torch.arange(40, 47, device=x.device)
-        with kernels.active({"dense_linear": td.dense_linear}):
-            got = comp.state_rows(x, pos)
-            want = torch.cat([linear(x, comp.wkv).float(),
-                              linear(x, comp.wgate).float() + comp.ape[pos % comp.ratio]], dim=-1)
+        got = comp.state_rows(x, pos)
+        want = torch.cat([td.dense_linear(x, comp.wkv).float(),
+                          td.dense_linear(x, comp.wgate).float() + comp.ape[pos % comp.ratio]], dim=-1)
         assert torch.equal(got, want)
     key = next(k for k in model.w.t if k.endswith("compressor.wkv.weight"))
     comps += [b.attn.idx_compressor for b in model.blocks if getattr(b.attn, "idx_compressor", None) is not None]

@@ -87,9 +87,8 @@ def test_registry_resolves_both_backends():
 
 
 def test_the_engine_uses_it_where_the_model_runs_the_fast_path():
-    from dsv4.engine.engine import EngineConfig
+    from dsv4.ops import resolve_op_set
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert EngineConfig(model="m", backend="torch").resolve_greedy_pick(cuda) is None
-    assert EngineConfig(model="m", backend="auto").resolve_greedy_pick(cpu) is None
-    assert EngineConfig(model="m", backend="triton").resolve_greedy_pick(cpu) is tg.greedy_pick
+    assert resolve_op_set("torch", "reference", "cuda").greedy_pick is None
+    assert resolve_op_set("auto", "reference", "cpu").greedy_pick is None
+    assert resolve_op_set("triton", "reference", "cpu").greedy_pick is tg.greedy_pick

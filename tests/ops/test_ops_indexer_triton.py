@@ -208,6 +208,7 @@ def test_torch_op_reproduces_the_oracle(cache_dtype):
     from dsv4.model.attention import Attention, SeqChunk
     from dsv4.model.cache import CacheNumerics
     from dsv4.model.linear import linear
+    from dsv4.model.opset import reference_ops
     from dsv4.model.rope import apply_rope, cos_sin
 
     cfg = config_from_dict(build_config("tiny"))
@@ -216,7 +217,7 @@ def test_torch_op_reproduces_the_oracle(cache_dtype):
     p = f"layers.{layer}.attn.indexer"
     attn = Attention(_Weights({f"{p}.wq_b.weight": torch.randn(h * D, cfg.q_lora_rank, generator=g) * 0.1,
                                f"{p}.weights_proj.weight": torch.randn(h, cfg.hidden_size, generator=g) * 0.1}),
-                     layer, cfg)
+                     layer, cfg, reference_ops())
     numerics = CacheNumerics(cache_dtype)
     kvc = PagedKVCache(cfg, numerics, CacheBudget(6, 2, 1, 0, 0, 0), torch.float32)
     view = PagedSequenceView(kvc, CacheAllocation(blocks=[4, 1, 3], swa=[0, 1], slot=0))

@@ -18,7 +18,6 @@ from ops_kernel_helpers import DEV, gen  # noqa: E402
 
 from dsv4.config import RopeParams  # noqa: E402
 from dsv4.formats import FNUZ, OCP, alloc_kv_pages, page_stride  # noqa: E402
-from dsv4.model import kernels  # noqa: E402
 from dsv4.model.rope import cos_sin  # noqa: E402
 from dsv4.ops import torch_attention  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
@@ -29,10 +28,13 @@ EPS = 1e-6
 ROPE = RopeParams(theta=10000.0, dim=64)
 
 
-def _reference(*args):
-    """The torch backend with the Triton rms_norm in place of the oracle's (the unfused GPU path)."""
-    with kernels.active({"rms_norm": td.rms_norm}):
-        torch_attention.kv_norm_rope_insert(*args)
+def _reference(pages, page_ids, offsets, kv_raw, norm_weight, eps, cos, sin, fmt=None, block_size=None):
+    """The torch backend's steps with the Triton rms_norm in place of the oracle's (the unfused GPU
+    path): the Triton norm, the oracle's rope, the torch insert."""
+    from dsv4.model.rope import apply_rope
+
+    kv = apply_rope(td.rms_norm(kv_raw, norm_weight, eps), cos, sin)
+    torch_attention.kv_insert(pages, page_ids, offsets, kv, fmt, block_size)
 
 
 def _raw(t, g, dtype):

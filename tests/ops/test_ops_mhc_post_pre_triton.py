@@ -16,8 +16,8 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
-from dsv4.model import kernels  # noqa: E402
 from dsv4.model import mhc as ref  # noqa: E402
+from dsv4.model.opset import OpSet, reference_ops  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import mhc as tm  # noqa: E402
 
@@ -151,28 +151,29 @@ def test_post_pre_noncontiguous_and_empty():
 
 
 def test_registry_and_model_function():
-    """Registry backends; dsv4.model.mhc.hc_post_pre uses the kernel only while mhc_post and mhc_pre
-    kernels stand in too, and is otherwise the oracle's hc_post + hc_pre."""
-    assert resolve("mhc_post_pre", force="mhc=torch")[1] is ref.hc_post_then_pre
+    """Registry backends; an op set uses the kernel only with mhc_post and mhc_pre kernels beside it,
+    and is otherwise the oracle's hc_post + hc_pre (over the set's own two blocks)."""
+    oracle = reference_ops()
+    assert resolve("mhc_post_pre", force="mhc=torch")[1] is oracle.mhc_post_pre
     assert resolve("mhc_post_pre", force={"mhc_post_pre": "triton"})[1] is tm.mhc_post_pre
     args = _inputs(5, 4, 64, 12, torch.float32)
     tail = (ITERS, HC_EPS, RMS_EPS)
     y = ref.hc_post(*args[:4])
-    want = (y, *ref.hc_pre(y, *args[4:], *tail))
-    _assert_same(ref.hc_post_pre(*args, *tail), want, "oracle")
-    _assert_same(ref.hc_post_then_pre(*args, *tail), want, "torch backend")
+    want = (y, *oracle.mhc_pre(y, *args[4:], *tail))
+    _assert_same(oracle.mhc_post_pre(*args, *tail), want, "oracle")
+    _assert_same(ref.hc_post_then_pre(oracle, *args, *tail), want, "torch backend")
     calls = []
 
     def spy(*a):
         calls.append(1)
         return tm.mhc_post_pre(*a)
 
-    with kernels.active({"mhc_post_pre": spy}):  # the pair it reproduces is not active: oracle
-        _assert_same(ref.hc_post_pre(*args, *tail), want, "partial kernels")
+    partial = OpSet({"mhc_post_pre": spy})  # the pair it reproduces has no kernels: the oracle
+    _assert_same(partial.mhc_post_pre(*args, *tail), want, "partial kernels")
     assert not calls
-    with kernels.active({"mhc_post_pre": spy, "mhc_post": tm.hc_post, "mhc_pre": tm.hc_pre}):
-        got = ref.hc_post_pre(*args, *tail)
-        pair = ref.hc_post_then_pre(*args, *tail)
+    fast = OpSet({"mhc_post_pre": spy, "mhc_post": tm.hc_post, "mhc_pre": tm.hc_pre})
+    got = fast.mhc_post_pre(*args, *tail)
+    pair = ref.hc_post_then_pre(fast, *args, *tail)
     assert calls == [1]
     _assert_same(got, pair, "fast path")
 
@@ -184,8 +185,7 @@ def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny
     from dsv4.model.attention import SeqChunk
     from dsv4.model.model import ReferenceModel
 
-    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
-    ids = torch.randint(2, model.cfg.vocab_size, (6,), generator=gen(1)).to(DEV)
+    weights = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV).w
     calls = []
 
     def spy(*a):
@@ -195,7 +195,8 @@ def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny
     runs = {}
     for name, ops in (("pair", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post}),
                       ("fused", {"mhc_pre": tm.hc_pre, "mhc_post": tm.hc_post, "mhc_post_pre": spy})):
-        model.kernel_ops = ops
+        model = ReferenceModel(weights, ops=OpSet(ops))
+        ids = torch.randint(2, model.cfg.vocab_size, (6,), generator=gen(1)).to(DEV)
         seen = []
         with torch.no_grad():
             out = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))],

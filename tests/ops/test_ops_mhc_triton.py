@@ -24,6 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
 from dsv4.model import mhc as ref  # noqa: E402
+from dsv4.model.opset import reference_ops  # noqa: E402
 from dsv4.model.linear import linear  # noqa: E402
 from dsv4.model.norms import unit_rms_norm  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
@@ -107,7 +108,7 @@ def test_hc_pre_matches_oracle(dtype, peaked):
     T, n, H = 64, 4, 256
     s, fn, base, scale = _inputs(T, n, H, 10 + peaked, dtype, peaked)
     col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
-    o_col, o_post, o_comb = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    o_col, o_post, o_comb = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     assert col.dtype == dtype and post.dtype == comb.dtype == torch.float32
     assert col.shape == (T, H) and post.shape == (T, n) and comb.shape == (T, n, n)
     e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
@@ -134,7 +135,7 @@ def test_hc_pre_odd_n_and_slices():
     s, fn, base, scale = _inputs(9, 3, 128, 3, torch.float32)
     col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
-    o = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    o = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     assert _max(post, e_post) <= 2 * _max(o[1], e_post) + 2 * ULP1
     assert _max(comb, e_comb) <= 2 * _max(o[2], e_comb) + 2 * ULP1
     # fp32 collapse: pre errors (≤ ~1e-6 each, as bounded above) times Σ_i|R_i| ≤ 3·max|R|
@@ -176,7 +177,7 @@ def test_hc_post_matches_oracle_and_is_batch_invariant(dtype):
     Measured: bf16 bitwise equal, fp32 max 9.5e-7 (the CPU bmm sums in another order)."""
     T, n, H = 64, 4, 256
     s, fn, base, scale = _inputs(T, n, H, 30, dtype)
-    _, post, comb = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    _, post, comb = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     out = (torch.randn(T, H, generator=gen(31)) * 2).to(dtype).to(DEV)
     y = tm.hc_post(s, out, post, comb)
     o = ref.hc_post(s, out, post, comb)
@@ -196,7 +197,7 @@ def test_hc_post_matches_oracle_and_is_batch_invariant(dtype):
 
 
 def test_registry_and_errors():
-    assert resolve("mhc_pre", force="mhc=torch")[1] is ref.hc_pre
+    assert resolve("mhc_pre", force="mhc=torch")[1] is reference_ops().mhc_pre
     assert resolve("mhc_post", force={"mhc_post": "triton"})[1] is tm.hc_post
     s, fn, base, scale = _inputs(2, 4, 64, 1, torch.float32)
     with pytest.raises(ValueError, match="fn must be"):
@@ -239,7 +240,7 @@ def test_hc_pre_bf16_streams_both_mix_dots(bf16x3):
     T, n, H = 16, 4, 256
     s, fn, base, scale = _inputs(T, n, H, 31, torch.bfloat16, peaked=True)
     col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config={"MIX_BF16X3": bf16x3})
-    o_col, o_post, o_comb = ref.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    o_col, o_post, o_comb = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     e_pre, e_post, e_comb, e_col = _exact(s, fn, base, scale)
     seq = dict(zip(("post", "comb"), _sequential_bounds(s, fn, scale)))
     for name, k, o, e in (("post", post, o_post, e_post), ("comb", comb, o_comb, e_comb)):

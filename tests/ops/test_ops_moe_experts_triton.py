@@ -15,7 +15,8 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import BF16_ULP, DEV, fp8_experts, gen, mxfp4_experts, randn  # noqa: E402
 
-from dsv4.ops import stack_experts, torch_ops  # noqa: E402
+from dsv4.formats.experts import stack_experts
+from dsv4.ops import torch_ops  # noqa: E402
 from dsv4.ops.invariance import set_batch_invariant  # noqa: E402
 from dsv4.ops.triton import moe as tmoe  # noqa: E402
 from dsv4.ops.triton._common import interpreting  # noqa: E402

@@ -14,8 +14,8 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
 from dsv4.config import RopeParams  # noqa: E402
-from dsv4.model import kernels  # noqa: E402
 from dsv4.model import rope as mrope  # noqa: E402
+from dsv4.model.opset import OpSet  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import dense as td  # noqa: E402
 from dsv4.ops.triton import rope as tr  # noqa: E402
@@ -83,13 +83,12 @@ def test_unit_norm_rope_is_the_unfused_gpu_path_bitwise(dtype, shape):
     x[0] = 0.0  # a zero row: the statistic is eps alone
     cos, sin = _tables(shape[0], g)
     xd, cd, sd = x.to(DEV), cos.to(DEV), sin.to(DEV)
-    with kernels.active({"unit_rms_norm": td.unit_rms_norm}):
-        ref = mrope.unit_norm_rope(xd, cd, sd, EPS)
+    ref = OpSet({"unit_rms_norm": td.unit_rms_norm}).unit_norm_rope(xd, cd, sd, EPS)
     _same(tr.unit_norm_rope(xd, cd, sd, EPS), ref)
     assert torch.equal(xd.cpu(), x)
 
 
-def test_the_model_dispatches_to_the_kernels_while_active():
+def test_an_op_set_dispatches_to_its_kernels():
     g = gen(11)
     x = _x((4, 2, 128), g, torch.float32, specials=False)
     cos, sin = _tables(4, g)
@@ -101,10 +100,9 @@ def test_the_model_dispatches_to_the_kernels_while_active():
             return fn(*a, **k)
         return f
 
-    with kernels.active({"apply_rope": spy("apply_rope", tr.apply_rope),
-                         "unit_norm_rope": spy("unit_norm_rope", tr.unit_norm_rope)}):
-        mrope.apply_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), inverse=True, in_place=True)
-        mrope.unit_norm_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), EPS)
+    ops = OpSet({"apply_rope": spy("apply_rope", tr.apply_rope), "unit_norm_rope": spy("unit_norm_rope", tr.unit_norm_rope)})
+    ops.apply_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), inverse=True, in_place=True)
+    ops.unit_norm_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), EPS)
     assert calls == ["apply_rope", "unit_norm_rope"]
 
 
@@ -130,21 +128,21 @@ def test_model_forward_with_the_rope_kernels_is_bitwise_the_unfused_fast_path(ti
     from dsv4.model.attention import SeqChunk
     from dsv4.model.model import ReferenceModel
 
-    model = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV)
-    ids = torch.randint(2, model.cfg.vocab_size, (9,), generator=gen(2)).to(DEV)
+    weights = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV).w
+    ids = torch.randint(2, weights.config.vocab_size, (9,), generator=gen(2)).to(DEV)
     calls = []
 
     def spy(fn):
-        def f(*a):
+        def f(*a, **k):
             calls.append(fn.__name__)
-            return fn(*a)
+            return fn(*a, **k)
         return f
 
     runs = {}
     for name, ops in (("pair", {"unit_rms_norm": td.unit_rms_norm}),
                       ("fused", {"unit_rms_norm": td.unit_rms_norm, "apply_rope": spy(tr.apply_rope),
                                  "unit_norm_rope": spy(tr.unit_norm_rope)})):
-        model.kernel_ops = ops
+        model = ReferenceModel(weights, ops=OpSet(ops))
         with torch.no_grad():
             plain = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))]).logits
             model.set_hooks(lambda n, t, seen=[]: seen.append(t))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dsv4.formats import quantize_block_fp8, quantize_mxfp4
-from dsv4.ops import stack_experts, stack_experts_from_checkpoint, torch_ops
+from dsv4.formats.experts import expert_dtype_of, stack_experts, stack_experts_from_checkpoint
+from dsv4.ops import torch_ops
 
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -47,7 +48,7 @@ def test_stack_fp8_partial_blocks_and_getter():
     assert s13.shape == (2, 4, 1) and s2.shape == (2, 1, 2)
     assert torch.equal(s13[1, 2:], tensors["layers.5.ffn.experts.1.w3.scale"])
     assert torch.equal(w13[1, inter:].view(torch.uint8), tensors["layers.5.ffn.experts.1.w3.weight"].view(torch.uint8))
-    assert torch_ops.expert_dtype_of(w13) == "fp8"
+    assert expert_dtype_of(w13) == "fp8"
 
 
 @pytest.mark.parametrize("layer", [0, 2])  # tiny: layer 0 is hash-routed, layer 2 scored
@@ -55,6 +56,7 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
     from dsv4.checkpoint.reader import Checkpoint
     from dsv4.model.linear import linear
     from dsv4.model.moe import MoE, route
+    from dsv4.model.opset import reference_ops
     from dsv4.model.weights import ModelWeights
 
     ck = Checkpoint(tiny_ckpt)
@@ -63,7 +65,7 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
     hashed = cfg.is_hash_layer(layer)
     assert hashed == (layer == 0)
     mw = ModelWeights(ck, torch.float32, progress=False, names=[n for n in ck.specs if n.startswith(prefix + ".")])
-    moe = MoE(mw, prefix, cfg, hashed)
+    moe = MoE(mw, prefix, cfg, hashed, False, reference_ops())
     moe.shared = None  # routed experts only
     g = torch.Generator().manual_seed(layer)
     t = 2
@@ -75,7 +77,7 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
     hash_ids = moe.tid2eid[tok.clamp(0, moe.tid2eid.shape[0] - 1)] if hashed else None
     ids, w = torch_ops.moe_route(logits, moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
                                  cfg.norm_topk_prob, hash_ids)
-    ids_ref, w_ref = route(x, moe.gate, cfg, moe.bias, moe.tid2eid, tok)
+    ids_ref, w_ref = route(moe.ops, x, moe.gate, cfg, moe.bias, moe.tid2eid, tok)
     assert torch.equal(ids.long(), ids_ref) and torch.equal(w, w_ref)
 
     layer_w = stack_experts_from_checkpoint(ck.get, prefix, cfg.n_routed_experts)

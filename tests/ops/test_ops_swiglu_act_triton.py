@@ -12,8 +12,8 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import DEV, assert_bits_equal, gen  # noqa: E402
 
-from dsv4.model import kernels  # noqa: E402
 from dsv4.model import moe  # noqa: E402
+from dsv4.model.opset import OpSet, reference_ops  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import activation as tact  # noqa: E402
 
@@ -59,8 +59,8 @@ def test_swiglu_act_mixed_dtypes_and_empty():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swiglu_uses_the_kernel_when_active(dtype):
-    """``moe.swiglu`` with ``swiglu_act`` swapped in (the fast forward, ``dsv4.model.kernels``) gives the
-    oracle's output bitwise; the registry resolves the op to these two functions."""
+    """The SwiGLU of an op set with the ``swiglu_act`` kernel (the fast forward's) gives the oracle's
+    output bitwise; the registry resolves the op to these two functions."""
     assert resolve("swiglu_act", force={"swiglu_act": "torch"})[1] is moe.swiglu_act
     name, fn = resolve("swiglu_act", force={"swiglu_act": "triton"})
     assert name == "triton" and fn is tact.swiglu_act
@@ -73,8 +73,7 @@ def test_swiglu_uses_the_kernel_when_active(dtype):
         calls.append(1)
         return fn(*a)
 
-    want = moe.swiglu(x, w1, w3, w2, 3.0)
-    with kernels.active({"swiglu_act": spy}):
-        got = moe.swiglu(x, w1, w3, w2, 3.0)
+    want = reference_ops().swiglu(x, w1, w3, w2, 3.0)
+    got = OpSet({"swiglu_act": spy}).swiglu(x, w1, w3, w2, 3.0)
     assert calls == [1]
     assert_bits_equal(got, want)

@@ -16,9 +16,10 @@ from serve_test_support import make_engine
 def serve_model(tiny_ckpt):
     import torch
 
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, kv_cache_dtype="fp8_ds_mla")
+    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def make_engine(model_dir, backend, **kw):
 
     cfg = dict(model=str(model_dir), kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), backend=backend)
+    return LLMEngine(EngineConfig(**cfg), model=backend)
 
 
 class ServerThread:

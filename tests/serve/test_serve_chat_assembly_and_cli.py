@@ -69,7 +69,7 @@ def test_named_tool_choice_prefill_is_parsed():
 
 
 def test_serve_flags_match_vllm_seed_commands():
-    from dsv4.cli import _engine_kwargs, build_parser
+    from dsv4.cli import _engine_settings, build_parser
 
     p = build_parser()
     a = p.parse_args(["serve", "/models/DeepSeek-V4-Flash", "--trust-remote-code", "--kv-cache-dtype", "fp8",
@@ -78,7 +78,7 @@ def test_serve_flags_match_vllm_seed_commands():
                       "--served-model-name", "dsv4", "ds", "--port", "9000", "--api-key", "k",
                       "--kv-cache-memory", "512", "--no-enable-prefix-caching", "--max-num-seqs", "8"])
     assert a.model_tag == "/models/DeepSeek-V4-Flash" and a.served_model_name == ["dsv4", "ds"]
-    kw = _engine_kwargs(a)
+    kw = _engine_settings(a)
     assert kw["kv_cache_memory"] == 512 << 20 and kw["enable_prefix_caching"] is False
     assert kw["max_model_len"] == 4096 and kw["max_num_seqs"] == 8 and kw["kv_cache_dtype"] == "fp8"
     a = p.parse_args(["serve", "--model", "/m"])

@@ -46,10 +46,10 @@ def scripted(tiny_ckpt):
     from dsv4.serve import build_app
 
     engine = make_engine(tiny_ckpt, ScriptedBackend(load_config(tiny_ckpt), delay=0.01))
-    engine.sampler = ScriptedSampler(engine.sampler, engine.tokenizer, SCRIPTS)
+    engine.sampler = sampler = ScriptedSampler(engine.sampler, engine.tokenizer, SCRIPTS)
     app = build_app(engine, served_model_name=["dsv4-scripted", "alias"], api_key=KEY)
     with ServerThread(app) as srv:
-        srv.sampler = engine.sampler.inner  # the server wrapped it in its failure guard
+        srv.sampler = sampler
         yield srv
 
 

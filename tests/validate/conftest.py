@@ -1,6 +1,6 @@
 """Fixtures for tests/validate: one tiny reference model shared by every engine, probe and diff here.
 
-Engines are built over the shared model (``LLMEngine(..., backend=model)``) so each test pays for
+Engines are built over the shared model (``LLMEngine(..., model=model)``) so each test pays for
 its own KV cache, not for a weight load. Planted faults are monkeypatched module or class
 attributes, so sharing the model object never carries a fault from one test to the next.
 """
@@ -26,6 +26,7 @@ def _validate_test_threads():
 @pytest.fixture(scope="session")
 def validate_model(tiny_ckpt):
     """The tiny checkpoint's reference model: float32 compute, fp8_ds_mla cache numerics, OCP."""
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, kv_cache_dtype="fp8_ds_mla")
+    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))

@@ -28,7 +28,7 @@ def server(tiny_ckpt, validate_model):
     from validate_test_support import ServerThread
 
     engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=128 << 20, max_model_len=256, max_num_seqs=8),
-                       backend=validate_model)
+                       model=validate_model)
     with ServerThread(build_app(engine, served_model_name="tiny")) as srv:
         yield srv
 

@@ -14,6 +14,7 @@ import torch
 
 from dsv4.cache.paged import PagedSequenceView
 from dsv4.formats import dequantize_kv
+from dsv4.model.cache import CacheNumerics
 from dsv4.model.model import ReferenceModel
 from dsv4.validate.diff import DiffOptions, Side, compare_tensors, run_diff
 
@@ -31,7 +32,7 @@ def diff(ckpt, a, b, view_b=None, **kw):
 @pytest.fixture(scope="module")
 def twin(validate_model):
     """A second model object over the same weights (so B can be altered without touching A)."""
-    return ReferenceModel(validate_model.w, kv_cache_dtype="fp8_ds_mla")
+    return ReferenceModel(validate_model.w, numerics=CacheNumerics("fp8_ds_mla"))
 
 
 def test_identical_backends_agree_everywhere(tiny_ckpt, validate_model, twin, tmp_path):
@@ -74,7 +75,7 @@ def test_planted_attention_fault_is_named_at_its_layer(tiny_ckpt, validate_model
     """Side B's layer-2 (HCA) attention output projection carries 30 % noise: the chain parts at the
     prefill's layer-2 residual stream, and in the decode step at layer 2's attention output (its q and
     decoded keys still agree: they come from layer 1)."""
-    b = ReferenceModel(validate_model.w, kv_cache_dtype="fp8_ds_mla")
+    b = ReferenceModel(validate_model.w, numerics=CacheNumerics("fp8_ds_mla"))
     attn = b.blocks[2].attn
     g = torch.Generator().manual_seed(3)
     noise = torch.randn(attn.wo_b.shape, generator=g) * attn.wo_b.std() * 0.3

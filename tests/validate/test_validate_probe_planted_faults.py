@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 import dsv4.cache.paged as paged
-import dsv4.model.moe as moe
 from dsv4.engine.sampler import Sampler
 from dsv4.formats import FNUZ, OCP, dequantize_kv, get_fp8_format
 from dsv4.model.linear import linear
@@ -136,7 +135,7 @@ def test_fault_c_removed_swiglu_clamp_caught_by_golden_tokens(tiny_ckpt, validat
         seen["max"] = max(seen["max"], float(gate.abs().max()), float(up.abs().max()))
         return linear((F.silu(gate.double()) * up.double()).to(x.dtype), w2, act_quant)
 
-    monkeypatch.setattr(moe, "swiglu", swiglu_without_clamp)
+    monkeypatch.setattr(validate_model.ops, "swiglu", swiglu_without_clamp)  # the op the model's MoE calls
     faulty, text = probe(tiny_ckpt, validate_model, expect=str(gold))
     assert seen["max"] > 10.0  # the clamp would have engaged
     st = statuses(faulty)
@@ -190,9 +189,10 @@ def test_tie_margin_of_two_runs_that_part():
 
 @pytest.fixture(scope="module")
 def bf16_model(tiny_ckpt):
+    from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, kv_cache_dtype="fp8_ds_mla")
+    return ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, numerics=CacheNumerics("fp8_ds_mla"))
 
 
 class _Tempered:

@@ -23,7 +23,7 @@ def llm_over(model, ckpt, **kw) -> LLM:
                max_num_batched_tokens=2048)
     cfg.update(kw)
     llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(EngineConfig(**cfg), backend=model)
+    llm.engine = LLMEngine(EngineConfig(**cfg), model=model)
     return llm
 
 

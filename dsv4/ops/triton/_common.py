@@ -19,15 +19,12 @@ any arch) and in the CPU interpreter:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+from ..platform import interpreting  # noqa: F401  (the kernels' modules take it from here)
 
 
 @functools.lru_cache(maxsize=None)

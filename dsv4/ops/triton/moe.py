@@ -756,7 +756,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
                 s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
                 expert_dtype: str | None = None, *, config: dict | None = None) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.moe_experts``."""
-    from ..torch_ops import expert_dtype_of
+    from ...formats.experts import expert_dtype_of
 
     expert_dtype = expert_dtype or expert_dtype_of(w13)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):

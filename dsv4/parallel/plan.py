@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from ..cache.paged import CacheAllocation, PagedSequenceView
+from ..cache.tables import StepTables
 from ..model.attention import SeqChunk
 
 
@@ -49,6 +50,7 @@ class StepPlan:
     paged: bool = False  # the runner used the batched paged attention: build the same tables
     graph: bool = False  # rank 0 replays its decode CUDA graph of this batch: replay yours
     budget: object = None
+    numerics: object = None  # "cache": the engine's CacheNumerics
     graph_sizes: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_model_len)
 
 
@@ -75,7 +77,7 @@ def replay_restores(kvc, restores) -> None:
 
 
 @torch.no_grad()
-def run_step(plan: StepPlan, model, kvc, attention_ops, device, graphs=None) -> None:
+def run_step(plan: StepPlan, model, kvc, device, graphs=None) -> None:
     """A worker's forward of one step (its logits are rank 0's business); ``graphs``: this
     worker's captured decode graphs (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``."""
     replay_restores(kvc, plan.restores)
@@ -87,16 +89,14 @@ def run_step(plan: StepPlan, model, kvc, attention_ops, device, graphs=None) -> 
         off += c.length
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
     rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
-    extra = {}
+    tables = None
     if plan.paged:
-        from ..engine.paged_attention import PagedBatch
-
-        if attention_ops is None:
-            raise RuntimeError("rank 0 ran the batched paged attention but this worker resolved no attention ops")
-        extra["paged"] = PagedBatch.build(kvc, chunks, allocs, attention_ops)
+        if not model.ops.paged_attention:
+            raise RuntimeError("rank 0 ran the batched paged attention but this worker's op set has no attention ops")
+        tables = StepTables.build(kvc, chunks, allocs)
     if plan.graph:
-        if graphs is None or not plan.paged:
+        if graphs is None or tables is None:
             raise RuntimeError("rank 0 replayed a decode CUDA graph but this worker captured none")
-        graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, paged=extra["paged"]))  # advances the views
+        graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables))  # advances the views
         return
-    model.forward(ids, chunks, logits_rows=rows, **extra)
+    model.forward(ids, chunks, logits_rows=rows, tables=tables)

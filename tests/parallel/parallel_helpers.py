@@ -1,4 +1,4 @@
-"""Shared pieces of tests/dist: the prompts, the engine settings, and a `dsv4 serve` subprocess.
+"""Shared pieces of tests/parallel: the prompts, the engine settings, and a `dsv4 serve` subprocess.
 
 Every comparison runs the tiny checkpoint in float32 with ``kv_cache_dtype="auto"``: TP sums
 partial results in a different order than TP=1, so logits differ in the last bits and only the

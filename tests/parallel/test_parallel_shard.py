@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4.checkpoint.reader import Checkpoint
-from dsv4.dist.group import DistSpec, TPGroup
+from dsv4.parallel.group import DistSpec, TPGroup
 from dsv4.formats import dequantize_block_fp8, dequantize_mxfp4
 
 

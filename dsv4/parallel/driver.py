@@ -8,7 +8,7 @@ nodes' ranks are started there (``dsv4 serve --node-rank K``) and meet at the sa
 
 Failure handling: before every step the driver checks its workers' liveness; a collective that
 fails (gloo: the peer's socket closed) or times out (``distributed_timeout``) makes the engine
-dead: workers are stopped and :class:`~dsv4.dist.errors.EngineDeadError` names the rank and its
+dead: workers are stopped and :class:`~dsv4.engine.errors.EngineDeadError` names the rank and its
 exit code. A dead engine never runs another step (the ranks' collectives cannot be re-matched).
 """
 
@@ -24,12 +24,12 @@ import weakref
 
 import torch
 
-from .errors import EngineDeadError
+from ..engine.errors import EngineDeadError
 from .group import DistSpec, TPGroup, init_distributed
 from .plan import StepPlan, plan_step
 from .worker import load_shard, rank_device, worker_main
 
-log = logging.getLogger("dsv4.dist")
+log = logging.getLogger("dsv4.parallel")
 
 
 def _free_port(addr: str) -> int:
@@ -155,10 +155,11 @@ class TPDriver:
         if self.device.type == "cuda":
             threading.Thread(target=self._watch_cuda, name="dsv4-tp-watch", daemon=True).start()
 
-    # ---- what the engine calls -------------------------------------------------------------
-    def start_caches(self, budget, kv) -> None:
-        """Every worker allocates the same paged cache; prefix-cache restores get recorded."""
-        self.send(StepPlan("cache", budget=budget))
+    # ---- what the engine calls (its executor interface) ----------------------------------------
+    def start_caches(self, budget, numerics, kv) -> None:
+        """Every worker allocates the same paged cache (the engine's budget and numerics); prefix-cache
+        restores get recorded."""
+        self.send(StepPlan("cache", budget=budget, numerics=numerics))
         inner = kv.apply_prefix
 
         def apply_prefix(alloc, hit, token_ids):
@@ -169,13 +170,13 @@ class TPDriver:
 
         kv.apply_prefix = apply_prefix
 
-    def capture_graphs(self, kvc, attention_ops, max_num_seqs: int, max_model_len: int) -> "TPDecodeGraphs":
+    def capture_graphs(self, kvc, max_num_seqs: int, max_model_len: int) -> "TPDecodeGraphs":
         """Every rank captures the decode CUDA graphs of its shard at once (the all-reduces inside
         are matched bucket by bucket, in the same order); returns rank 0's replayer."""
         from ..engine.cuda_graphs import DecodeGraphs
 
         self.ensure_alive()
-        graphs = DecodeGraphs(self.model.inner, kvc, attention_ops, max_num_seqs, max_model_len)
+        graphs = DecodeGraphs(self.model.inner, kvc, max_num_seqs, max_model_len)
         self.lockstep(StepPlan("graphs", graph_sizes=(max_num_seqs, max_model_len)), graphs.capture,
                       "decode graph capture")
         return TPDecodeGraphs(self, graphs)
@@ -292,7 +293,7 @@ class TPModel:
 
     def __init__(self, driver: TPDriver, inner):
         self.driver, self.inner = driver, inner
-        self.cfg, self.device, self.dtype = inner.cfg, inner.device, inner.dtype
+        self.cfg, self.device, self.dtype, self.ops = inner.cfg, inner.device, inner.dtype, inner.ops
 
     def __getattr__(self, name):  # read-only attributes (w, numerics, blocks, …) of the shard-0 model
         if name in ("prefill", "greedy", "hidden", "mtp_forward", "new_cache"):
@@ -300,14 +301,13 @@ class TPModel:
                                  "run the sharded model (use a separate single-process model as an oracle)")
         return getattr(self.inner, name)
 
-    def forward(self, token_ids, chunks, logits_rows=None, paged=None, **kw):
+    def forward(self, token_ids, chunks, logits_rows=None, tables=None, **kw):
         if kw:
             raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
         d = self.driver
         d.ensure_alive()
-        plan = plan_step(token_ids, chunks, logits_rows, d.restores, paged is not None)
-        extra = {} if paged is None else {"paged": paged}
-        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, **extra),
+        plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None)
+        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables),
                           "forward")
 
 

@@ -16,10 +16,10 @@ import time
 
 import pytest
 import torch.distributed as torch_dist
-from dist_helpers import ENGINE, free_port, greedy_llm
+from parallel_helpers import ENGINE, free_port, greedy_llm
 
 from dsv4 import LLM, SamplingParams
-from dsv4.dist.errors import EngineDeadError
+from dsv4.engine.errors import EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_tp2_matches_tp1_and_a_hung_worker_times_out(tiny_ckpt, reference, caplog):
-    caplog.set_level(logging.INFO, logger="dsv4.dist")
+    caplog.set_level(logging.INFO, logger="dsv4.parallel")
     llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, distributed_timeout=10, **ENGINE)
-    pids = llm.engine.dist.worker_pids
+    pids = llm.engine.executor.worker_pids
     try:
         got = greedy_llm(llm)
         hits = llm.engine.kv.hits
@@ -91,7 +91,7 @@ def test_tp2_with_the_batched_paged_attention_matches_tp1(tiny_ckpt, reference):
     every worker), here with its torch ops: TP=2 gives the TP=1 greedy tokens."""
     llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
     try:
-        assert llm.engine.runner.attention_ops is not None
+        assert llm.engine.runner.paged_attention
         got = greedy_llm(llm)
     finally:
         llm.shutdown()
@@ -127,7 +127,7 @@ def test_tp2_engine_dropped_without_shutdown_releases_its_graphs_then_stops_the_
 
     llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
     llm.engine.capture_decode_graphs()
-    graphs, pids = llm.engine.runner.graphs, llm.engine.dist.worker_pids
+    graphs, pids = llm.engine.runner.graphs, llm.engine.executor.worker_pids
     assert graphs.buckets
     greedy_llm(llm)
     order = []

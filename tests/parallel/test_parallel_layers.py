@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from dsv4.checkpoint.reader import Checkpoint
-from dsv4.dist.group import DistSpec, TPGroup
 from dsv4.model.attention import Attention, SeqChunk
 from dsv4.model.cache import CacheNumerics, DenseSequenceCache
 from dsv4.model.moe import MoE
+from dsv4.model.opset import reference_ops
 from dsv4.model.weights import ModelWeights
+from dsv4.parallel.group import DistSpec, TPGroup
 
 
 class LocalRank(TPGroup):
@@ -47,7 +48,7 @@ def test_attention_shards_sum_to_the_layer(tiny_ckpt, n):
     x = torch.randn(300, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def run(shard):
-        attn = Attention(_weights(ckpt, f"layers.{layer}", shard), layer, cfg)
+        attn = Attention(_weights(ckpt, f"layers.{layer}", shard), layer, cfg, reference_ops())
         attn.tp = shard
         cache = DenseSequenceCache(cfg, CacheNumerics("auto"))
         return attn.forward(x, [SeqChunk(cache, 0, x.shape[0])])
@@ -70,7 +71,8 @@ def test_moe_shards_sum_to_the_layer(tiny_ckpt, n, ep):
     ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(2))
 
     def run(shard):
-        moe = MoE(_weights(ckpt, f"layers.{layer}", shard), f"layers.{layer}.ffn", cfg, cfg.is_hash_layer(layer))
+        moe = MoE(_weights(ckpt, f"layers.{layer}", shard), f"layers.{layer}.ffn", cfg, cfg.is_hash_layer(layer),
+                  False, reference_ops())
         moe.tp = shard
         return moe.forward(x, ids)
 

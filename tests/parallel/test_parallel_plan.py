@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from dsv4.cache.paged import CacheAllocation
-from dsv4.dist.plan import plan_step
+from dsv4.parallel.plan import plan_step
 from dsv4.model.attention import SeqChunk
 
 

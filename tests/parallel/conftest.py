@@ -1,4 +1,4 @@
-"""tests/dist: the TP=1 reference every parallel run is compared with (once per session)."""
+"""tests/parallel: the TP=1 reference every parallel run is compared with (once per session)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 @pytest.fixture(scope="session")
 def tp1_reference(tiny_ckpt):
     """(greedy token ids per prompt, their per-token texts) of the single-process engine."""
-    from dist_helpers import ENGINE, greedy_llm
+    from parallel_helpers import ENGINE, greedy_llm
 
     from dsv4 import LLM
 
     llm = LLM(str(tiny_ckpt), **ENGINE)
-    assert llm.engine.dist is None  # TP=1: no process group, no workers
+    assert llm.engine.executor is None  # TP=1: no process group, no workers
     ids = greedy_llm(llm)
     tok = llm.get_tokenizer()
     return ids, [[tok.decode([t]) for t in seq] for seq in ids]

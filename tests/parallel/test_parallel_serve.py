@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from dist_helpers import ServeProcess, prompts, served_tokens
+from parallel_helpers import ServeProcess, prompts, served_tokens
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -17,7 +17,7 @@ pytest.importorskip("httpx")
 
 def _check_greedy(srv: ServeProcess, expected_texts: list[list[str]]) -> None:
     """The two shorter prompts (the long one and the prefix-cache replay are covered through LLM,
-    in tests/dist/test_dist_llm.py; each costs seconds of CPU per server here)."""
+    in tests/parallel/test_dist_llm.py; each costs seconds of CPU per server here)."""
     for ids, want in zip(prompts()[:2], expected_texts[:2]):
         assert served_tokens(srv.complete(ids)) == want
 

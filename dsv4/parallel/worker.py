@@ -1,7 +1,7 @@
 """Worker ranks: join the group, load this rank's shard, then run whatever step rank 0 broadcasts.
 
 A worker has no scheduler, tokenizer or sampler: rank 0 decides everything and sends a
-:class:`~dsv4.dist.plan.StepPlan` before each forward; the worker runs the same forward over
+:class:`~dsv4.parallel.plan.StepPlan` before each forward; the worker runs the same forward over
 its own (identical) paged cache so that every collective inside the model is matched. Any
 exception ends the process with a non-zero code (rank 0 then sees a dead worker and stops),
 and a worker whose parent (rank 0, or a headless node's launcher) is gone exits too.
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-log = logging.getLogger("dsv4.dist")
+log = logging.getLogger("dsv4.parallel")
 
 
 def rank_device(config, local_rank: int):
@@ -33,12 +33,12 @@ def load_shard(config, tp, device):
     import torch
 
     from ..model.model import ReferenceModel
+    from ..ops.selection import resolve_op_set
     from .group import peak_memory
 
     t0 = time.monotonic()
-    model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device,
-                           kv_cache_dtype=config.kv_cache_dtype, fp8_format=config.fp8_format,
-                           act_quant=config.act_quant, ops=config.resolve_ops(device), tp=tp)
+    model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device, act_quant=config.act_quant,
+                           ops=resolve_op_set(config.backend, config.attention, device), tp=tp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats = {"rank": tp.rank, "node": tp.spec.node_rank, "pid": os.getpid(), "device": str(device),
@@ -76,7 +76,6 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
     import torch.distributed as dist
 
     from ..cache.paged import PagedKVCache
-    from ..model.cache import CacheNumerics
     from .group import TPGroup, init_distributed
     from .plan import run_step
 
@@ -90,9 +89,7 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
              stats["host_peak_mib"], "" if stats["device_peak_mib"] is None else
              f", peak device memory {stats['device_peak_mib']:.0f} MiB")
     dist.gather_object(stats, None, dst=0, group=tp.startup)
-    attention_ops = config.resolve_attention_ops(device)
     kvc = graphs = None
-    numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=tp.ctrl)
@@ -100,14 +97,14 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
         if plan.kind == "shutdown":
             break
         if plan.kind == "cache":
-            kvc = PagedKVCache(model.cfg, numerics, plan.budget, model.dtype, device)
+            kvc = PagedKVCache(model.cfg, plan.numerics, plan.budget, model.dtype, device)  # rank 0's, as they are
         elif plan.kind == "graphs":  # rank 0 captures at the same time: the collectives inside pair up
             from ..engine.cuda_graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(model, kvc, attention_ops, *plan.graph_sizes)
+            graphs = DecodeGraphs(model, kvc, *plan.graph_sizes)
             graphs.capture()
         elif plan.kind == "step":
-            run_step(plan, model, kvc, attention_ops, device, graphs)
+            run_step(plan, model, kvc, device, graphs)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
     if graphs is not None:  # the captured NCCL launches go before the communicator they use

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("dsv4.dist")
+log = logging.getLogger("dsv4.parallel")
 
 IDLE_TIMEOUT = timedelta(days=30)  # a worker waiting for the next step plan: the engine may sit idle
 STARTUP_TIMEOUT = timedelta(minutes=10)  # every rank must reach the rendezvous within this

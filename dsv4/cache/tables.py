@@ -1,0 +1,218 @@
+"""A step's page tables as plain data: what the batched attention reads, built once per step on the host.
+
+``host_tables`` lays a step's tables out as int64 arrays (a few Python operations per request, not
+per table entry: ``CacheAllocation`` keeps host copies of its page lists), ``upload`` moves them to
+the device with one copy, and :class:`StepTables` holds the device tensors with the cache tensors they
+index. ``decode_tables`` lays out a decode step as a CUDA graph's static inputs (``lanes`` rows, the
+ones past the step *spare*: every entry pointing at the spare page, block and slot each cache tensor
+has past its last real one, so whatever they compute never touches a request's pages).
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass, field
+
+import torch
+
+from .paged import SWA_PAGE, PagedKVCache
+
+Part = tuple[array.array, tuple[int, ...]]  # an int64 array and the shape of its tensor
+
+
+def pack(parts: list[Part]) -> torch.Tensor:
+    """The parts end to end as one host int64 tensor (it shares the packed array's memory)."""
+    flat = array.array("q")
+    for a, _ in parts:
+        flat.extend(a)
+    if not flat:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(flat, dtype=torch.long)
+
+
+def split(flat: torch.Tensor, parts: list[Part]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``parts`` (each contiguous)."""
+    out, o = [], 0
+    for a, shape in parts:
+        out.append(flat[o:o + len(a)].view(shape))
+        o += len(a)
+    return out
+
+
+def upload(parts: list[Part], device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The parts as tensors on ``device`` with one copy (from pageable memory: for occasional
+    callers; the engine's runner keeps a :class:`HostStaging`). ``into``: a device int64 buffer
+    (a CUDA graph's static inputs) that receives the copy; the tensors are views of it."""
+    flat = pack(parts)
+    if into is None:
+        return split(flat.to(device), parts)
+    dest = _dest(into, flat.numel())
+    dest.copy_(flat)
+    return split(dest, parts)
+
+
+def _dest(into: torch.Tensor, n: int) -> torch.Tensor:
+    if into.dtype != torch.long or into.dim() != 1 or into.numel() < n:
+        raise ValueError(f"staging target must be a 1-D int64 tensor of at least {n} values, got "
+                         f"{into.dtype} {tuple(into.shape)}")
+    return into[:n]
+
+
+def _pad_rows(rows: list, width: int | None = None, lanes: int | None = None,
+              spare: int = -1) -> tuple[array.array, int]:
+    """Int64 arrays → one flat row-major array of [len(rows), width], padded with -1; ``width``
+    defaults to the longest row (≥ 1). ``lanes`` > len(rows): that many rows, the ones past
+    ``rows`` all ``spare``. Filled first, then each row copied into its slice (one memory copy
+    per row)."""
+    if width is None:
+        width = max(1, max((len(r) for r in rows), default=1))
+    n = len(rows)
+    flat = array.array("q", [-1]) * (n * width)
+    if lanes is not None and lanes > n:
+        flat.extend(array.array("q", [spare]) * ((lanes - n) * width))
+    o = 0
+    for r in rows:
+        flat[o:o + len(r)] = r if isinstance(r, array.array) else array.array("q", r)
+        o += width
+    return flat, width
+
+
+def host_tables(chunks, allocs) -> list:
+    """A step's tables as host int64 parts (``Part``), in the order of
+    :meth:`StepTables.from_parts`: positions, seq_ids, swa_page, swa_off [T], slots [S],
+    swa_table [S, n_swa], block_table [S, n_blocks]. Built with a few Python operations per
+    request (per window page of a long chunk), not per table entry."""
+    pos, sid, page, off = (array.array("q") for _ in range(4))
+    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
+    for i, (c, row) in enumerate(zip(chunks, swa_rows)):
+        s, n = c.start, c.length
+        if n == 1:  # a decode token
+            pos.append(s)
+            sid.append(i)
+            page.append(row[s // SWA_PAGE])
+            off.append(s % SWA_PAGE)
+            continue
+        pos.extend(range(s, s + n))
+        sid.extend(array.array("q", [i]) * n)
+        p = s
+        while p < s + n:  # one window page at a time
+            j = p // SWA_PAGE
+            e = min((j + 1) * SWA_PAGE, s + n)
+            page.extend(array.array("q", [row[j]]) * (e - p))
+            off.extend(range(p - j * SWA_PAGE, e - j * SWA_PAGE))
+            p = e
+    t, b = len(pos), len(allocs)
+    swa, n_swa = _pad_rows(swa_rows)
+    blocks, n_blk = _pad_rows([a.block_row.sync(a.blocks) for a in allocs])
+    return [(pos, (t,)), (sid, (t,)), (page, (t,)), (off, (t,)), (array.array("q", (a.slot for a in allocs)), (b,)),
+            (swa, (b, n_swa)), (blocks, (b, n_blk))]
+
+
+def decode_tables(chunks, allocs, lanes: int, n_swa: int, n_blocks: int, kvc: PagedKVCache):
+    """``host_tables`` of a decode step laid out as a CUDA graph's static inputs: ``lanes`` rows
+    (the lanes past the step spare: position 0, the spare page, block and slot) and tables of the
+    graph's full widths, so the one staged copy lands in the graph's own tensors (nothing to
+    ``load``). None if a request's page list is wider than the graph's tables."""
+    n = len(chunks)
+    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
+    blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
+    if max(map(len, swa_rows), default=0) > n_swa or max(map(len, blk_rows), default=0) > n_blocks:
+        return None
+    spare = lanes - n
+    zeros = array.array("q", [0]) * spare
+    pos, page, off = array.array("q"), array.array("q"), array.array("q")
+    for c, row in zip(chunks, swa_rows):
+        s = c.start
+        pos.append(s)
+        page.append(row[s // SWA_PAGE])
+        off.append(s % SWA_PAGE)
+    slots = array.array("q", [a.slot for a in allocs])
+    pos.extend(zeros)
+    off.extend(zeros)
+    page.extend(array.array("q", [kvc.spare_swa_page]) * spare)
+    slots.extend(array.array("q", [kvc.spare_slot]) * spare)
+    # a real row is −1 past its pages (never read), a spare lane spare
+    swa, _ = _pad_rows(swa_rows, n_swa, lanes, kvc.spare_swa_page)
+    blocks, _ = _pad_rows(blk_rows, n_blocks, lanes, kvc.spare_block)
+    return [(pos, (lanes,)), (array.array("q", range(lanes)), (lanes,)), (page, (lanes,)), (off, (lanes,)),
+            (slots, (lanes,)), (swa, (lanes, n_swa)), (blocks, (lanes, n_blocks))]
+
+
+@dataclass
+class StepTables:
+    """One step's tables on the device, and the paged cache they index (``kvc``)."""
+
+    kvc: PagedKVCache
+    chunks: list  # the step's SeqChunks (start, length, offset, cache view)
+    positions: torch.Tensor  # [T] absolute position of every token
+    seq_ids: torch.Tensor  # [T] request row of every token
+    swa_table: torch.Tensor  # [S, n_swa] window page of the request's 64-token page j (-1 freed)
+    block_table: torch.Tensor  # [S, n_blocks] block of the request's 256-token block b
+    slots: torch.Tensor  # [S] compressor-state slot of each request
+    swa_page: torch.Tensor  # [T] where each token's window KV goes
+    swa_off: torch.Tensor  # [T]
+    decode_only: bool  # every chunk is one token (the batched compressor applies)
+    max_end: int  # largest (start + length) of the step: bounds the compressed entries
+    _emitting: dict = field(default_factory=dict, repr=False)  # ratio → tokens that close a block
+
+    @classmethod
+    def build(cls, kvc: PagedKVCache, chunks, allocs) -> "StepTables":
+        """The step's tables, moved to the device in one copy (the engine's runner stages them with
+        its other inputs instead: ``host_tables`` and ``from_parts``)."""
+        return cls.from_parts(kvc, chunks, upload(host_tables(chunks, allocs), kvc.device))
+
+    @classmethod
+    def from_parts(cls, kvc: PagedKVCache, chunks, parts: list[torch.Tensor]) -> "StepTables":
+        """From the device tensors of ``host_tables``' parts."""
+        positions, seq_ids, swa_page, swa_off, slots, swa_table, block_table = parts
+        return cls(kvc, chunks, positions, seq_ids, swa_table, block_table, slots, swa_page, swa_off,
+                   all(c.length == 1 for c in chunks), max(c.start + c.length for c in chunks))
+
+    @classmethod
+    def spare(cls, kvc: PagedKVCache, tables: list[torch.Tensor], max_end: int) -> "StepTables":
+        """Static decode tables (a CUDA graph's inputs: ``tables`` are the device tensors of
+        ``decode_tables``' parts), filled as spare lanes; a step either lands its tables in them
+        with the staged copy (``decode_tables``) or copies them in (``load``)."""
+        positions, seq_ids, swa_page, swa_off, slots, swa_table, block_table = tables
+        b = cls(kvc, [], positions, seq_ids, swa_table, block_table, slots, swa_page, swa_off, True, max_end)
+        seq_ids.copy_(torch.arange(positions.shape[0]))
+        b.load(None)
+        return b
+
+    def load(self, step: "StepTables | None") -> None:
+        """Copy a decode step's tables into these static ones; the lanes past it become spare."""
+        n = 0 if step is None else step.positions.shape[0]
+        kvc = self.kvc
+        self.positions.zero_()
+        for mine, spare in ((self.swa_table, kvc.spare_swa_page), (self.block_table, kvc.spare_block)):
+            mine.fill_(spare)
+        self.slots.fill_(kvc.spare_slot)
+        self.swa_page.fill_(kvc.spare_swa_page)
+        self.swa_off.zero_()
+        if step is None:
+            return
+        self.positions[:n].copy_(step.positions)
+        for mine, theirs in ((self.swa_table, step.swa_table), (self.block_table, step.block_table)):
+            w = min(mine.shape[1], theirs.shape[1])
+            mine[:n, :w].copy_(theirs[:, :w])
+        self.slots[:n].copy_(step.slots)
+        self.swa_page[:n].copy_(step.swa_page)
+        self.swa_off[:n].copy_(step.swa_off)
+
+    def closing(self, r: int):
+        """[4, E] device tensor (token index, its chunk's start, chunk offset, request row) of the
+        step's tokens that close a compression block of ratio ``r``, or None; computed on the host
+        from the chunks and copied without a host synchronisation."""
+        if r not in self._emitting:
+            start, length, offset = (torch.tensor(v, dtype=torch.long) for v in
+                                     zip(*((c.start, c.length, c.offset) for c in self.chunks)))
+            first = (start + r) // r * r - 1  # first position ≥ start with (p + 1) % r == 0
+            count = ((start + length - first + r - 1) // r).clamp(min=0)  # closing positions per chunk
+            seq = torch.repeat_interleave(torch.arange(len(self.chunks)), count)
+            k = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
+            t = torch.stack([offset[seq] + first[seq] + k * r - start[seq], start[seq], offset[seq], seq])
+            if t.shape[1] and self.kvc.device.type == "cuda":
+                t = t.pin_memory().to(self.kvc.device, non_blocking=True)
+            self._emitting[r] = t if t.shape[1] else None
+        return self._emitting[r]
+

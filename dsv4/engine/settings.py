@@ -1,0 +1,149 @@
+"""The engine's settings, defined once: ``LLM(**kwargs)``, ``EngineConfig`` and every command's flags.
+
+Each field of :class:`EngineConfig` carries its help, choices and command-line spelling; ``LLM``
+checks its keyword arguments against the fields and the commands (``serve``, ``generate``, ``probe``,
+``eval canary``) generate their engine flags from them (``add_cli_args`` / ``from_cli_args``), like
+vLLM's ``EngineArgs``. Values are validated when a config is made; an unknown name is an error
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..model.cache import KV_CACHE_ALIASES, KV_CACHE_DTYPES
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+
+
+def setting(default, help: str, *, choices=None, flag: str | None = None, aliases=(), cli_unit: int = 1,
+            cli_type=None, cli: bool = True):
+    """A field with its command-line form: ``--flag`` (default: the name with dashes), ``choices``,
+    ``cli_unit`` (the flag's value times this is the field's: MiB → bytes), ``cli: False`` to keep it
+    off the command line."""
+    meta = {"help": help, "choices": choices, "flag": flag, "aliases": tuple(aliases), "cli_unit": cli_unit,
+            "cli_type": cli_type, "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model: str = setting(None, "model directory (config.json + safetensors)", cli=False)
+    dtype: str = setting("auto", "compute dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=tuple(DTYPES))
+    kv_cache_dtype: str = setting("fp8_ds_mla", "KV cache storage: the release's fp8_ds_mla records (fp8 is an "
+                                  "alias, as in vLLM) or the compute dtype (auto)",
+                                  choices=KV_CACHE_DTYPES + tuple(KV_CACHE_ALIASES))
+    fp8_format: str = setting("auto", "FP8 encoding of the KV cache bytes; auto: the platform's (FNUZ on MI300, "
+                              "else OCP; DSV4_PLATFORM_FP8 forces it)", choices=("auto", "ocp", "fnuz"))
+    max_model_len: int | None = setting(None, "longest prompt + output in tokens (default: the model's, at most "
+                                        "8192)")
+    max_num_seqs: int = setting(64, "requests decoded together at most")
+    max_num_batched_tokens: int = setting(2048, "tokens one step computes at most (prefill chunks and decodes)")
+    enable_prefix_caching: bool = setting(True, "reuse the caches of completed 256-token prompt blocks")
+    kv_cache_memory: int | None = setting(None, "KV cache budget in MiB (default: 1 GiB on CPU, else a "
+                                          "--gpu-memory-utilization share)", cli_unit=2**20, cli_type=float)
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory the engine may fill (KV cache sizing)")
+    tensor_parallel_size: int = setting(1, "ranks (one process and GPU each) the model is sharded over "
+                                        "(docs/distributed.md)", aliases=("-tp",))
+    enable_expert_parallel: bool = setting(False, "split routed experts by expert across the ranks (default: "
+                                           "each expert's intermediate dimension)")
+    nnodes: int = setting(1, "nodes of a multi-node tensor-parallel run")
+    node_rank: int = setting(0, "this node's index; node 0 serves, nodes > 0 only run worker ranks (headless)")
+    master_addr: str = setting("127.0.0.1", "node 0's address for the torch.distributed rendezvous")
+    master_port: int | None = setting(None, "rendezvous port (required with --nnodes > 1; default: a free port)")
+    distributed_timeout: float = setting(300.0, "seconds a collective may wait before the engine is declared dead")
+    device: str | None = setting(None, "device (default: the GPU when there is one, else the CPU)")
+    seed: int = setting(0, "seed of the sampler (requests without a seed of their own)")
+    act_quant: bool = setting(False, "round activations to FP8 per 128 with power-of-two scales before each "
+                              "FP8 GEMM, as the release's own inference code can")
+    backend: str = setting("auto", "auto: Triton kernels where the platform has them; torch: the reference path; "
+                           "triton: every kernel (also in Triton's CPU interpreter)", choices=("auto", "torch", "triton"))
+    attention: str = setting("auto", "batched: one step's attention over the paged cache at once (the GPU default); "
+                             "reference: per request through the oracle", choices=("auto", "batched", "reference"))
+    enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
+    async_scheduling: bool | None = setting(None, "schedule and launch the next step while this one runs, when its "
+                                            "samples are plain greedy (outputs are reported one step later); "
+                                            "default: on for a single-process CUDA engine")
+
+    def __post_init__(self):
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        if not self.model:
+            raise ValueError("model: a model directory is required")
+        self.model = str(self.model)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1; got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive (bytes); got {self.kv_cache_memory!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+
+    @classmethod
+    def from_kwargs(cls, caller: str = "EngineConfig", **kwargs) -> "EngineConfig":
+        """A config from keyword arguments; an unknown one is a TypeError naming it and the settings."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"{caller}() got unknown setting(s) {', '.join(map(repr, unknown))}; the settings are "
+                            f"{', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def parallel(self) -> bool:
+        """More than one process: tensor parallelism or several nodes."""
+        return self.tensor_parallel_size > 1 or self.nnodes > 1
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        dt = DTYPES[self.dtype]
+        if dt is None:
+            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return dt
+
+
+def _flag(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_cli_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Every setting (but ``model`` and ``exclude``) as a flag, with its default and help."""
+    for f in fields(EngineConfig):
+        m = f.metadata
+        if not m.get("cli", True) or f.name in exclude:
+            continue
+        names = [_flag(f), *m["aliases"]]
+        unit = m["cli_unit"]
+        default = f.default if f.default is None or unit == 1 else f.default / unit
+        kw = {"dest": f.name, "default": default, "help": f"{m['help']} (default: {default})"}
+        base = str(f.type).split(" |")[0]  # the annotation's type: "int | None" → int
+        if base == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if f.default is not False else "store_true"
+        else:
+            kw["type"] = m["cli_type"] or {"int": int, "float": float, "str": str}[base]
+            if m["choices"]:
+                kw["choices"] = m["choices"]
+        parser.add_argument(*names, **kw)
+
+
+def cli_settings(ns: argparse.Namespace) -> dict:
+    """The settings of a namespace parsed with ``add_cli_args``' flags, in the fields' units."""
+    out = {}
+    for f in fields(EngineConfig):
+        if f.name in vars(ns) and f.metadata.get("cli", True):
+            v = getattr(ns, f.name)
+            unit = f.metadata["cli_unit"]
+            out[f.name] = int(v * unit) if (unit != 1 and v is not None) else v
+    return out
