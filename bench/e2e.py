@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ def measure_bandwidth() -> float:
         b.copy_(a)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     return 2 * n / dt  # bytes read + written per second
 
 
@@ -63,7 +62,7 @@ def measure_peaks() -> dict:
         a @ b
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     return {"bf16_peak_flops": 2 * n ** 3 / dt}
 
 
@@ -352,7 +351,7 @@ def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -
                 res[f"decode_ms_b{B}"] = (time.perf_counter() - t) / steps * 1e3
             except torch.OutOfMemoryError:
                 res[f"decode_ms_b{B}"] = None
-            del pkv
+            pkv = None  # freed (a timed closure above refers to them)
             torch.cuda.empty_cache()
         for L in prefill_lens:
             ids = torch.randint(3, 120000, (1, L), generator=g).cuda()
@@ -367,7 +366,7 @@ def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -
             except torch.OutOfMemoryError:
                 res[f"prefill_tok_s_{L}"] = None
             torch.cuda.empty_cache()
-    del model
+    model = None  # freed (a timed closure above refers to them)
     torch.cuda.empty_cache()
     return res
 

@@ -92,7 +92,7 @@ def measure_bandwidth(dev) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     ms = bench(lambda: b.copy_(a), rep_ms=200)
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3)  # bytes/s (read + write)
 
@@ -150,7 +150,7 @@ def bench_linears(tab, dev, ms_list):
             ref = torch_ops.fp8_linear(x, w, s, out_dtype=torch.float32)
             ap = x.float().abs() @ w_bf16.float().abs().T
             chk = check_close(y, ref, ap)
-            del y, ref, ap
+            y = ref = ap = None  # freed (a timed closure above refers to them)
             nbytes = n * k + s.numel() + 2 * m * k + 2 * m * n
             flops = 2 * m * n * k
             shape = f"{name} M={m} N={n} K={k}"
@@ -158,7 +158,7 @@ def bench_linears(tab, dev, ms_list):
             tab.add("fp8_linear", shape, "bf16_dense", lambda: torch.nn.functional.linear(x, w_bf16),
                     2 * n * k + 2 * m * k + 2 * m * n, flops, "(pre-dequantized bf16 weight)")
             tab.add("fp8_linear", shape, "triton", lambda: tfl.fp8_linear(x, w, s), nbytes, flops, chk)
-        del w_bf16
+        w_bf16 = None  # freed (a timed closure above refers to them)
         torch.cuda.empty_cache()
 
 
@@ -233,7 +233,7 @@ def bench_moe(tab, dev, t_list):
         y = tmoe.moe_experts(x, ids, w, w13, s13, w2, s2)
         ref = torch_ops.moe_experts(x, ids, w, w13, s13, w2, s2)
         chk = check_close(y, ref)
-        del y, ref
+        y = ref = None  # freed (a timed closure above refers to them)
         used = int(torch.unique(ids).numel())
         nbytes = used * per_expert + 2 * t * HID * 2 + t * TOPK * HID * 2 * 2 + t * TOPK * INTER * 2 * 2
         flops = t * TOPK * 6 * HID * INTER
@@ -250,9 +250,9 @@ def bench_moe(tab, dev, t_list):
 
 def sweep(dev, only=("linear", "moe")):
     """Time candidate tile configurations (CUDA-graph medians) and print the best per case."""
+    from dsv4.ops import torch_ops
     from dsv4.ops.triton import fp8_linear as tfl
     from dsv4.ops.triton import moe as tmoe
-    from dsv4.ops import torch_ops
 
     g = torch.Generator(device=dev).manual_seed(3)
     out = {}
@@ -402,7 +402,8 @@ def sweep_prefill(dev, g, only):
 def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 16), warps=(1, 2, 4)):
     """moe_route's launch shape (``config``: BLOCK_T rows × num_warps per program; the default is
     ``route_config``; 16 rows × 4 warps before this sweep ran: ~40 us on the H200 at any T ≤ 64,
-    latency-bound; now one row per program): every candidate timed at each T (CUDA-graph median of the scored routing with
+    latency-bound; now one row per program): every candidate timed at each T (CUDA-graph median of the scored
+    routing with
     bias and padding rows) and checked bit-exact against the default's ids and weights, scored and
     hash-routed. ``timer(fn) -> ms`` defaults to the CUDA-graph median (a stand-in allows a CPU
     dry run under TRITON_INTERPRET=1)."""
@@ -435,19 +436,32 @@ def sweep_route(dev, g, t_list=ROUTE_SWEEP_T, timer=None, block_ts=(1, 2, 4, 8, 
                 check, times = f"{type(e).__name__}: {e}"[:120], times + [None]
         rows.append((times, c, check))
         tag = " (default)" if c == default else ""
-        print("sweep moe_route " + " ".join(f"T={t}:{ms * 1e3:.1f}us" if ms else f"T={t}:-"
-                                            for (t, *_), ms in zip(cases, times)) + f" {c}{tag} {check}", flush=True)
+        print(
+            "sweep moe_route "
+            + " ".join(f"T={t}:{ms * 1e3:.1f}us" if ms else f"T={t}:-" for (t, *_), ms in zip(cases, times))
+            + f" {c}{tag} {check}",
+            flush=True,
+        )
     for i, (t, *_) in enumerate(cases):
         ok = sorted([r for r in rows if r[0][i] and r[2] == "ok"], key=lambda r: r[0][i])
-        print(f"sweep moe_route best at T={t}: " + "; ".join(f"{r[0][i] * 1e3:.1f}us {r[1]}" for r in ok[:3]),
-              flush=True)
-    return {"moe_route": [([round(ms * 1e3, 1) if ms else None for ms in times], str(c), check)
-                          for times, c, check in rows], "moe_route_T": list(t_list)}
+        print(
+            f"sweep moe_route best at T={t}: " + "; ".join(f"{r[0][i] * 1e3:.1f}us {r[1]}" for r in ok[:3]), flush=True
+        )
+    return {
+        "moe_route": [
+            ([round(ms * 1e3, 1) if ms else None for ms in times], str(c), check) for times, c, check in rows
+        ],
+        "moe_route_T": list(t_list),
+    }
 
 
 MOE_BLOCK_K_TILES = {  # T -> (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates at every K step
-    1: ((16, 64, 4, 3), (16, 64, 8, 3)), 8: ((16, 64, 4, 3), (16, 64, 8, 3)), 64: ((16, 64, 4, 3), (16, 64, 8, 3)),
-    1024: ((32, 64, 4, 3), (32, 64, 4, 2)), 8192: ((128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3))}
+    1: ((16, 64, 4, 3), (16, 64, 8, 3)),
+    8: ((16, 64, 4, 3), (16, 64, 8, 3)),
+    64: ((16, 64, 4, 3), (16, 64, 8, 3)),
+    1024: ((32, 64, 4, 3), (32, 64, 4, 2)),
+    8192: ((128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3)),
+}
 
 
 def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
@@ -473,8 +487,11 @@ def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
         flops = t * TOPK * 6 * HID * INTER
         bound = max(nbytes / bw, flops / peak) * 1e3
         for bk in block_ks:
-            dec = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), MOE_BLOCK_K_TILES[1][0]),
-                       direct=False, BLOCK_K=bk)
+            dec = dict(
+                zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), MOE_BLOCK_K_TILES[1][0]),
+                direct=False,
+                BLOCK_K=bk,
+            )
             want = None
             if t > 64:
                 try:
@@ -487,22 +504,36 @@ def sweep_moe_block_k(dev, g, block_ks=(128, 256, 512)):
                 try:
                     y = run()
                     chk = check_close(y, ref)
-                    inv = "decode tile" if want is None else (
-                        "same bits as decode tile" if torch.equal(y, want) else "DIFFERS from decode tile")
+                    inv = (
+                        "decode tile"
+                        if want is None
+                        else ("same bits as decode tile" if torch.equal(y, want) else "DIFFERS from decode tile")
+                    )
                     ms = bench_graph(run, 60)
                 except Exception as e:  # noqa: BLE001
                     ms, chk, inv = None, f"{type(e).__name__}: {str(e)[:80]}", "-"
-                rows.append(dict(T=t, BLOCK_K=bk, tile=tile, us=ms and ms * 1e3, bound_us=bound * 1e3, check=chk,
-                                 invariance=inv))
+                rows.append(
+                    dict(
+                        T=t, BLOCK_K=bk, tile=tile, us=ms and ms * 1e3, bound_us=bound * 1e3, check=chk, invariance=inv
+                    )
+                )
                 txt = f"{ms * 1e3:9.1f} us ({bound / ms:5.1%} of {bound * 1e3:.1f})" if ms else f"{'-':>30}"
                 print(f"moe_block_k T={t:5d} BLOCK_K={bk:3d} {tile}: {txt}  {chk}  {inv}", flush=True)
     return {"moe_block_k": rows, "bandwidth_Bps": bw, "bf16_peak_flops": peak}
 
 
-MOE_MAXNREG = ({"maxnreg": 96}, {"maxnreg": 80}, {"down_maxnreg": 80}, {"down_maxnreg": 64},
-               {"maxnreg": 96, "down_maxnreg": 80})
-MOE_SCALE_AHEAD = ({"scale_ahead": True}, {"scale_ahead": True, "maxnreg": 96},
-                   {"scale_ahead": True, "maxnreg": 96, "down_maxnreg": 80})
+MOE_MAXNREG = (
+    {"maxnreg": 96},
+    {"maxnreg": 80},
+    {"down_maxnreg": 80},
+    {"down_maxnreg": 64},
+    {"maxnreg": 96, "down_maxnreg": 80},
+)
+MOE_SCALE_AHEAD = (
+    {"scale_ahead": True},
+    {"scale_ahead": True, "maxnreg": 96},
+    {"scale_ahead": True, "maxnreg": 96, "down_maxnreg": 80},
+)
 
 
 def sweep_moe_maxnreg(dev, g, t_list=(1, 8, 64, 1024)):
@@ -535,8 +566,11 @@ def sweep_moe_kperm(dev, g, t_list=(1, 8, 64, 1024, 8192)):
             inv = "-"
             if t > 64:
                 y_dec = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dict(dec, **cfg))
-                inv = ("same bits as decode tile" if torch.equal(y, y_dec) else
-                       f"DIFFERS from decode tile ({(y != y_dec).sum().item()} values)")
+                inv = (
+                    "same bits as decode tile"
+                    if torch.equal(y, y_dec)
+                    else f"DIFFERS from decode tile ({(y != y_dec).sum().item()} values)"
+                )
             ms = bench_graph(run, 60)
             rows.append(dict(T=t, config=cfg, us=ms and ms * 1e3, check=chk, invariance=inv))
             print(f"moe_kperm T={t:5d} {str(cfg):18s} {ms * 1e3:9.1f} us  {chk}  {inv}", flush=True)
@@ -551,15 +585,26 @@ def sweep_moe_fold(dev, g, t_list=(1, 8, 64, 1024, 8192)):
 
     experts = random_fp4_experts(dev, g)
     s13, s2 = experts[1], experts[3]
-    print(f"moe_fold: codes <= {tmoe.FOLD_MAX_CODE}: s13 {tmoe._fold_ok(s13, s13)}, s2 {tmoe._fold_ok(s2, s2)} "
-          f"(max codes {int(s13.max())}, {int(s2.max())})", flush=True)
+    print(
+        f"moe_fold: codes <= {tmoe.FOLD_MAX_CODE}: s13 {tmoe._fold_ok(s13, s13)}, s2 {tmoe._fold_ok(s2, s2)} "
+        f"(max codes {int(s13.max())}, {int(s2.max())})",
+        flush=True,
+    )
     return {"moe_fold": _sweep_moe_variants(dev, g, "moe_fold", ({"fold_scales": False},), t_list, experts)}
 
 
-MOE_TILES = ({"num_stages": 2}, {"num_stages": 4}, {"num_stages": 5}, {"BLOCK_N": 128},
-             {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
-             {"down_BLOCK_N": 128}, {"down_BLOCK_N": 128, "down_num_warps": 8}, {"down_num_stages": 4},
-             {"down_num_stages": 5})
+MOE_TILES = (
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"num_stages": 5},
+    {"BLOCK_N": 128},
+    {"BLOCK_N": 128, "num_warps": 8},
+    {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
+    {"down_BLOCK_N": 128},
+    {"down_BLOCK_N": 128, "down_num_warps": 8},
+    {"down_num_stages": 4},
+    {"down_num_stages": 5},
+)
 
 
 def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
@@ -604,11 +649,15 @@ def sweep_moe_scale_layout(dev, g, t_list=(1, 8, 64, 1024, 8192)):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
         ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
         base = tmoe.moe_experts(x, ids, wts, w13, s13t, w2, s2t)
-        for name, sa, sb, cfg in (("checkpoint", s13, s2, {}), ("checkpoint", s13, s2, {"scale_ahead": False}),
-                                  ("rows-contiguous", s13t, s2t, {}),
-                                  ("rows-contiguous", s13t, s2t, {"scale_ahead": False})):
-            ms, same = _bitwise_trial(lambda sa=sa, sb=sb, cfg=cfg: tmoe.moe_experts(x, ids, wts, w13, sa, w2, sb,
-                                                                                    config=cfg), base)
+        for name, sa, sb, cfg in (
+            ("checkpoint", s13, s2, {}),
+            ("checkpoint", s13, s2, {"scale_ahead": False}),
+            ("rows-contiguous", s13t, s2t, {}),
+            ("rows-contiguous", s13t, s2t, {"scale_ahead": False}),
+        ):
+            ms, same = _bitwise_trial(
+                lambda sa=sa, sb=sb, cfg=cfg: tmoe.moe_experts(x, ids, wts, w13, sa, w2, sb, config=cfg), base
+            )
             rows.append(dict(T=t, scales=name, config=cfg, us=ms and ms * 1e3, bits=same))
             txt = f"{ms * 1e3:9.1f} us" if ms else f"{'-':>12}"
             print(f"moe_scale_layout T={t:5d} {name:16s} {str(cfg):24s} {txt}  {same}", flush=True)
@@ -643,17 +692,27 @@ def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
     from dsv4.ops.triton import moe as tmoe
 
     base = dict(direct=False, BLOCK_M=16)
-    cands = [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
-             for bn in (32, 64, 128) for bk in (128, 256) for wp in (2, 4, 8) for st in (2, 3, 4, 5)]
+    cands = [
+        dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+        for bn in (32, 64, 128)
+        for bk in (128, 256)
+        for wp in (2, 4, 8)
+        for st in (2, 3, 4, 5)
+    ]
     if narrow:  # the second sweep, around the first one's winner (32 columns, 2 warps)
-        cands = [dict(base, BLOCK_N=bn, BLOCK_K=128, num_warps=wp, num_stages=st)
-                 for bn in (16, 32) for wp in (1, 2, 4) for st in (3, 4)]
+        cands = [
+            dict(base, BLOCK_N=bn, BLOCK_K=128, num_warps=wp, num_stages=st)
+            for bn in (16, 32)
+            for wp in (1, 2, 4)
+            for st in (3, 4)
+        ]
     cases = []
     for t in (1, 8, 64):
         x = torch.randn(t, HID, device=dev, dtype=torch.bfloat16, generator=g)
         ids, wts = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g), None, TOPK, 1.5, True)
-        ref = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=dict(base, BLOCK_N=64, BLOCK_K=128,
-                                                                            num_warps=4, num_stages=3))
+        ref = tmoe.moe_experts(
+            x, ids, wts, w13, s13, w2, s2, config=dict(base, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        )
         cases.append((t, x, ids, wts, ref))
     rows = []
     for c in cands:
@@ -671,8 +730,12 @@ def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
             rows.append((times, c, check))
     rows.sort(key=lambda r: r[0][2])  # by T=64: the batch the decode throughput target is about
     for times, c, check in rows[:12]:
-        print("sweep moe_decode " + " ".join(f"T={t}:{ms * 1e3:.1f}us" for (t, *_), ms in zip(cases, times))
-              + f" {c} {check}", flush=True)
+        print(
+            "sweep moe_decode "
+            + " ".join(f"T={t}:{ms * 1e3:.1f}us" for (t, *_), ms in zip(cases, times))
+            + f" {c} {check}",
+            flush=True,
+        )
     return {"moe_decode": [([round(ms * 1e3, 1) for ms in times], str(c), check) for times, c, check in rows]}
 
 
@@ -680,12 +743,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
-    ap.add_argument("--only", default="linear,route,group,pick,moe,attention,indexer,mhc",
-                    help="comma list of: linear, route, group, pick, moe (this file), attention, indexer, mhc "
-                         "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)")
-    ap.add_argument("--sweep", action="store_true", help="time candidate tile configurations instead "
-                    "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-                    "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)")
+    ap.add_argument(
+        "--only",
+        default="linear,route,group,pick,moe,attention,indexer,mhc",
+        help="comma list of: linear, route, group, pick, moe (this file), attention, indexer, mhc "
+        "(bench/kernels_attention.py, kernels_indexer.py, kernels_mhc.py)",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time candidate tile configurations instead "
+        "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
+        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a GPU (torch.cuda.is_available() is False)")
@@ -705,8 +775,10 @@ def main(argv=None):
     bw, peak = measure_bandwidth(dev), measure_peak(dev)
     print(f"{plat.describe()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"measured: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s\n")
-    print(f"{'kernel':<12} {'shape':<28} {'backend':<10} {'do_bench median':>21}  {'CUDA-graph median':>21}  "
-          f"{'bound':>25}  check")
+    print(
+        f"{'kernel':<12} {'shape':<28} {'backend':<10} {'do_bench median':>21}  {'CUDA-graph median':>21}  "
+        f"{'bound':>25}  check"
+    )
     tab = Table(bw, peak)
     only = set(args.only.split(","))
     if "linear" in only:
@@ -731,8 +803,16 @@ def main(argv=None):
                 rows.append({"error": f"{type(e).__name__}: {e}"[:400]})
                 print(f"kernels_{part}: {rows[-1]['error']}")
             extra[part] = rows
-    res = dict(platform=plat.describe(), torch=torch.__version__, triton=triton.__version__,
-               bandwidth_Bps=bw, bf16_peak_flops=peak, rows=tab.rows, seconds=time.time() - t0, **extra)
+    res = dict(
+        platform=plat.describe(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        bandwidth_Bps=bw,
+        bf16_peak_flops=peak,
+        rows=tab.rows,
+        seconds=time.time() - t0,
+        **extra,
+    )
     fails = [r for r in tab.rows if str(r["check"]).startswith("FAIL")]
     print(f"\n{len(tab.rows)} rows, {len(fails)} failed checks, {res['seconds']:.0f} s")
     if args.out:

@@ -11,9 +11,9 @@ q + out + index lists), and the bound = bytes / device-to-device copy bandwidth 
 run (1 GiB copy, read + write). A few tile configurations are swept at two shapes; correctness is
 checked once against the torch backend (fp32 and bf16 q).
 
+Part of ``bench/kernels.py`` (``--only attention``); alone:
+
     PYTHONPATH=. python3 bench/kernels_attention.py [--out attn.json]   # on the GPU
-    PYTHONPATH=. python3 bench/kernels_attention.py --prefill-seq [--other OLD_sparse_attention.py]
-        # a whole 8K prompt (one sequence) and two decode shapes per variant, bits compared
     python3 bench/kernels_attention.py --small                          # CPU interpreter, tiny shapes
 """
 
@@ -81,116 +81,10 @@ def make_case(kind: str, T: int, N: int, dev, g, heads: int = H, qdtype=torch.bf
     return args, nbytes
 
 
-def make_prefill_seq(kind: str, T: int, dev, g, heads: int = H):
-    """Arguments of paged_sparse_attention for a whole-prompt prefill: one sequence, T tokens at positions
-    0..T-1 (the engine's 8K prefill step). CSA: each token lists a random ascending top-512 of its
-    (p+1)//4 visible entries (−1 padded), 64 a page; HCA: all (p+1)//128 visible entries, 2 a page."""
-    from dsv4.formats import OCP
-
-    ratio, per = (4, 64) if kind == "csa" else (128, 2)
-    n_ent = T // ratio
-    n_blk = max(1, -(-n_ent // per))
-    comp_pages = _fill_pages(n_blk + 1, per, dev, g)
-    block_table = torch.randperm(n_blk, device=dev, generator=g).view(1, n_blk)
-    n_swa = -(-T // SWA_B)
-    swa_pages = _fill_pages(n_swa + 1, SWA_B, dev, g)
-    swa_table = torch.randperm(n_swa, device=dev, generator=g).view(1, n_swa)
-    pos = torch.arange(T, device=dev)
-    visible = (pos + 1) // ratio
-    ar = torch.arange(n_ent, device=dev)
-    if kind == "csa":
-        score = torch.rand(T, n_ent, device=dev, generator=g).masked_fill(ar[None, :] >= visible[:, None], -1.0)
-        k = min(512, n_ent)
-        val, idx = score.topk(k, dim=1)
-        comp_idx = torch.where(val >= 0, idx, n_ent).sort(dim=1).values
-        comp_idx = torch.where(comp_idx >= n_ent, -1, comp_idx)
-        del score
-    else:
-        comp_idx = torch.where(ar[None, :] < visible[:, None], ar[None, :], -1)
-    q = torch.randn(T, heads, D, device=dev, generator=g).to(torch.bfloat16)
-    sink = torch.randn(heads, device=dev, generator=g)
-    args = (q, pos, torch.zeros(T, dtype=torch.long, device=dev), swa_pages, swa_table, comp_pages, block_table,
-            per, comp_idx, sink, D ** -0.5, WINDOW, OCP)
-    keys = int((comp_idx >= 0).sum()) + int(torch.clamp(pos + 1, max=WINDOW).sum())
-    flops = 2 * heads * D * keys * 2  # q·k and p·v, one multiply-add each (the kernel's split parts aside)
-    return args, flops
-
-
-# kernel variants timed at the whole-prompt prefill and at decode shapes; each compared bitwise with
-# the default tile's output (and with --other's): a variant with other bits is usable only as the tile of
-# every T (decode too), never as a prefill-only tile
-BASE = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
-VARIANTS = [dict(BASE, **kw) for kw in (dict(num_stages=2), dict(num_warps=8), dict(BLOCK_N=64, num_warps=8))]
-
-
 def _name(c):
     """The tile's four keys, then any other override (e.g. a patched kernel's knob) as key=value."""
     extra = "".join(f" {k}={v}" for k, v in c.items() if k not in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"))
     return "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**c) + extra
-
-
-def other_attention(path: str):
-    """``paged_sparse_attention`` of another version of the kernel module, loaded from a file (e.g.
-    ``git show REV:dsv4/ops/triton/sparse_attention.py > old.py``; its relative imports resolve in
-    ``dsv4.ops.triton``), to compare bits with."""
-    import importlib.util
-
-    import dsv4.ops.triton  # noqa: F401 - the package its relative imports resolve in
-
-    spec = importlib.util.spec_from_file_location("dsv4.ops.triton._other_sparse_attention", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.paged_sparse_attention
-
-
-def run_prefill_seq(dev, results: list, small: bool = False, other: str | None = None,
-                    variants: list | None = None) -> list:
-    """The whole-prompt prefill (one sequence) and two decode shapes for each variant of VARIANTS (or
-    ``variants``: config overrides of BASE); ``other``: another version of the kernel module (a file),
-    whose default output each is compared with."""
-    from dsv4.ops.triton import sparse_attention as tsa
-
-    other_fn = other_attention(other) if other else None
-
-    dev = torch.device(dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-    T = 32 if small else 8192
-    heads = 16 if small else H
-    cases = [(f"{k} prefill T={T}", make_prefill_seq(k, T, dev, g, heads)) for k in ("csa", "hca")]
-    n_dec = 1024 if small else 8192
-    for t, n in ((1, n_dec), (2, n_dec)) if small else ((1, n_dec), (64, 65536)):
-        args, _ = make_case("csa", t, n, dev, g, heads)
-        cases.append((f"csa decode T={t} N={n // 1024}K", (args, 2 * heads * D * t * (512 + WINDOW) * 2)))
-    print(f"{'case':<24} {'variant':<24} {'us':>9} {'TFLOP/s':>8} {'bits':>6} {'other':>6}", flush=True)
-    for case, (args, flops) in cases:
-        ref = tsa.paged_sparse_attention(*args, config=BASE)
-        ref_other = other_fn(*args) if other_fn else None
-        swept = [dict(BASE, **v) for v in variants] if variants else VARIANTS[:1] if small else VARIANTS
-        if other_fn:  # the other module's default, timed in the same run
-            us, how = time_call(lambda: other_fn(*args), dev)
-            print(f"{case:<24} {'other (default)':<24} {us:>9.1f} {flops / us / 1e6:>8.1f} "
-                  f"{'same' if torch.equal(ref_other, ref) else 'DIFF':>6} {'same':>6}", flush=True)
-            results.append(dict(kernel="sparse_attention", case=case, config="other", us=us, timing=how,
-                                tflops=flops / us / 1e6, same_bits=torch.equal(ref_other, ref)))
-        for cfg in [BASE] + swept:
-            if cfg.get("predecode") and "T=64" in case:  # decodes every table record: GBs at 64 x 64K
-                continue
-            try:
-                y = tsa.paged_sparse_attention(*args, config=cfg)
-                same = torch.equal(y, ref)
-                vs = "-" if ref_other is None else "same" if torch.equal(y, ref_other) else "DIFF"
-                us, how = time_call(lambda cfg=cfg: tsa.paged_sparse_attention(*args, config=cfg), dev)
-            except Exception as e:  # noqa: BLE001 - e.g. out of resources for a swept tile
-                print(f"{case:<24} {_name(cfg):<24} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                results.append(dict(kernel="sparse_attention", case=case, config=cfg, error=str(e)[:200]))
-                continue
-            tf = flops / us / 1e6
-            print(f"{case:<24} {_name(cfg):<24} {us:>9.1f} {tf:>8.1f} {'same' if same else 'DIFF':>6} {vs:>6}",
-                  flush=True)
-            results.append(dict(kernel="sparse_attention", case=case, config=cfg, us=us, timing=how, tflops=tf,
-                                same_bits=same, same_as_other=vs))
-        del ref
-    return results
 
 
 def time_call(fn, dev, graph: bool = True, iters: int = 20, per_graph: int = 10) -> tuple[float, str]:
@@ -253,7 +147,7 @@ def copy_bandwidth(dev, nbytes: int) -> float:
     e.record()
     e.synchronize()
     bw = 2 * nbytes * 10 / (s.elapsed_time(e) * 1e-3)
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     torch.cuda.empty_cache()
     return bw
 
@@ -325,7 +219,7 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False) 
                         txt = "h{BLOCK_H} n{BLOCK_N} w{num_warps} s{num_stages}".format(**cfg)
                         row("sparse_attention", case, txt,
                             lambda cfg=cfg: paged_sparse_attention(*args, config=cfg), nbytes)
-                del args
+                args = None  # freed (a timed closure above refers to them)
     # prefill-sized launches (T tokens, here each its own sequence): H = 64 falls back from
     # BLOCK_H=64 with 2 stages (too much shared memory) to 1 stage; the sweep shows whether
     # another head block is faster there (the choice must stay a function of H: batch invariance)
@@ -342,7 +236,7 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False) 
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: the timing row says so too
                 print(f"  {txt} vs torch: {type(e).__name__}", flush=True)
         row("sparse_attention", case, txt, lambda cfg=cfg: paged_sparse_attention(*args, config=cfg), nbytes)
-    del args
+    args = None  # freed (a timed closure above refers to them)
     for t in (() if prefill_only else (1, 8) if small else (1, 64, 8192)):
         pages = _fill_pages(-(-t // SWA_B) + 1, SWA_B, dev, g)
         x = torch.randn(t, D, device=dev, generator=g)
@@ -358,25 +252,13 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
-    ap.add_argument("--other", help="with --prefill-seq: another sparse_attention.py to compare bits with")
-    ap.add_argument("--variants", help="with --prefill-seq: a JSON list of tile overrides (default: VARIANTS)")
-    ap.add_argument("--base", help="with --prefill-seq: JSON overrides of BASE (the tile every variant starts from)")
-    ap.add_argument("--prefill-seq", action="store_true",
-                    help="kernel variants (VARIANTS) at the whole-prompt prefill (one sequence) and two decode shapes")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.small:
             ap.error("no CUDA device: use --small (Triton interpreter on CPU)")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     results: list = []
-    if a.prefill_seq:
-        if a.base:
-            BASE.update(json.loads(a.base))
-        run_prefill_seq(dev, results, small=a.small, other=a.other,
-                        variants=json.loads(a.variants) if a.variants else None)
-    else:
-        run(dev, results, small=a.small, prefill_only=a.prefill_only)
+    run("cuda" if torch.cuda.is_available() else "cpu", results, small=a.small, prefill_only=a.prefill_only)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 

@@ -62,7 +62,7 @@ def measure_bandwidth(dev: torch.device, small: bool) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     ms, _ = _time_ms(lambda: b.copy_(a), dev.type == "cuda", 200)
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3)
@@ -205,7 +205,7 @@ def run(device, results: list, small: bool = False) -> list:
             results.append(row)
             print(f"{mode:<8} {t:>3} {ctx:>6} {n_cols:>6} {stage:<7} {ms * 1e3:>9.1f} {how:<5} {nbytes / 1e6:>8.2f} "
                   f"{fl / 1e9:>7.2f} {bound_ms * 1e3:>9.2f} {100 * row['fraction']:>7.1f}%  {check}", flush=True)
-        del args, logits, pages
+        args = logits = None  # freed (a timed closure above refers to them)
         if cuda:
             torch.cuda.empty_cache()
     return results

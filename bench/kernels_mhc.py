@@ -67,7 +67,7 @@ def measure_bandwidth(dev) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     ms = float(triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median"))
-    del a, b
+    a = b = None  # freed (a timed closure above refers to them)
     torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3)
 
@@ -143,9 +143,7 @@ def bench_mhc(results, dev, shapes, bw, peak):
              graph(lambda: ref.hc_post(*pargs)), nbytes, flops, bw, peak, chk)
         _row(results, "hc_post", shape, "triton", plain(lambda: tm.hc_post(*pargs)),
              graph(lambda: tm.hc_post(*pargs)), nbytes, flops, bw, peak, chk)
-        del s, out, a, o, y, yo
-
-
+        s = out = a = o = y = yo = None  # freed (a timed closure above refers to them)
 def bench_dense(results, dev, shapes, bw, peak):
     from dsv4.ops.triton import dense as td
 
@@ -165,7 +163,7 @@ def bench_dense(results, dev, shapes, bw, peak):
             chk = f"x{worst:.2f} of tol, inv {'ok' if inv else 'FAIL'}"
             if worst > 1 or not inv:
                 chk = "FAIL " + chk
-            del ap, d, ref, y
+            ap = d = ref = y = None  # freed (a timed closure above refers to them)
             nbytes = 2 * (n * k + m * k + m * n)
             flops = 2 * m * n * k
             shape = f"{name} M={m} N={n} K={k}"
@@ -173,137 +171,13 @@ def bench_dense(results, dev, shapes, bw, peak):
                  nbytes, flops, bw, peak, chk)
             _row(results, "dense_linear", shape, "triton", plain(lambda: td.dense_linear(x, w)),
                  graph(lambda: td.dense_linear(x, w)), nbytes, flops, bw, peak, chk)
-        del w
+        w = None  # freed (a timed closure above refers to them)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
 
 # hc_pre's mixes-GEMM tiles (each a constant for every T: it sets a token's summation order).
 # At decode the default (32 programs of 32 serial 16-column steps) is latency-bound.
-MIX_SWEEP = [dict(SPLIT=sp, MIX_BLOCK_T=bt, MIX_BLOCK_K=bk)
-             for sp, bt, bk in ((512, 64, 16), (256, 64, 16), (128, 64, 16), (512, 64, 32), (256, 32, 32),
-                                (128, 32, 32), (128, 16, 32), (64, 16, 32), (256, 16, 64))]
-MIX_SWEEP += [dict(MIX_BF16X3=False)]  # the fp32 FMA mixes, against the default tensor-core ones
-
-
-def sweep_mix(results, dev, shapes):
-    """hc_pre per MIX_SWEEP config (tile constants, or the gate kernel's GATE_BLOCK_T / GATE_WARPS / H_SLICE):
-    CUDA-graph µs at each T, gates' max |Δ| vs the oracle, batch invariance (row 0 of the T-row launch ==
-    row 0 launched alone) and whether every output has the default config's bits. A config's ``iters``
-    (a diagnostic, not a setting: the Sinkhorn's iteration count) times the op with fewer iterations."""
-    from dsv4.model import mhc as ref
-    from dsv4.ops.triton import mhc as tm
-
-    _, graph = _timers(dev)
-    g = torch.Generator(device=dev).manual_seed(1)
-    cases = [(t, _hc_inputs(t, shapes["hidden"], g, dev)) for t in shapes["tokens"]]
-    # the oracle's and the default config's outputs per (T, iters): computed once, not per config (the float64
-    # oracle at T = 8192 dominated the sweep's time)
-    wanted: dict = {}
-    for cfg in MIX_SWEEP:
-        row = dict(op="hc_pre sweep", config=cfg)
-        cfg = dict(cfg)
-        iters = cfg.pop("iters", ITERS)
-        for t, (s, fn, base, scale) in cases:
-            args = (s, fn, base, scale, iters, HC_EPS, RMS_EPS)
-            try:
-                a = tm.hc_pre(*args, config=cfg)
-                if (t, iters) not in wanted:
-                    wanted[t, iters] = (ref.hc_pre(*args), tm.hc_pre(*args))
-                o, default = wanted[t, iters]
-                alone = tm.hc_pre(s[:1], fn, base, scale, iters, HC_EPS, RMS_EPS, config=cfg)
-                d = max((a[1] - o[1]).abs().max().item(), (a[2] - o[2]).abs().max().item())
-                inv = all(torch.equal(x[0], y[0]) for x, y in zip(a, alone))
-                same = all(torch.equal(x, y) for x, y in zip(a, default))
-                ms = graph(lambda: tm.hc_pre(*args, config=cfg))
-                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, gates_dmax=d, invariant=inv,
-                                     same_bits=same)
-            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report, go on
-                row[f"T={t}"] = dict(error=f"{type(e).__name__}: {str(e)[:100]}")
-        results.append(row)
-        print("sweep", row["config"], " ".join(f"{k}: " + (f"{v['us']:.1f}us d{v['gates_dmax']:.1e}"
-                                               f"{'' if v['invariant'] else ' NOT-INVARIANT'}"
-                                               f"{'' if v['same_bits'] else ' other-bits'}"
-                                               if "us" in v and v["us"] is not None else str(v))
-                                     for k, v in row.items() if k.startswith("T=")), flush=True)
-
-
-POST_MIX_SWEEP = [dict(MIX_BLOCK_T=bt, MIX_WARPS=w, POST_MIX_WARPS_PREFILL=w) for bt in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
-# the fp32 FMA mixes (other bits: timed against the default's tensor-core mixes in the same run)
-POST_MIX_SWEEP += [dict(MIX_BF16X3=False), dict(MIX_BF16X3=False, MIX_WARPS=4, POST_MIX_WARPS_PREFILL=4)]
-
-
-def sweep_post_mix(results, dev, shapes):
-    """mhc_post_pre (the fused post + next pre, one launch pair per sub-layer) per POST_MIX_SWEEP
-    launch shape: tokens per mixes program, warps, the mixes dot. Every output is compared bitwise with the
-    default config's (warps up to 4 at the default tile keep the bits; ``MIX_BF16X3=False``, the fp32 FMA
-    mixes, changes them and is timed as the baseline); CUDA-graph µs at each T."""
-    from dsv4.ops.triton import mhc as tm
-
-    _, graph = _timers(dev)
-    g = torch.Generator(device=dev).manual_seed(2)
-    cases = []
-    for t in sorted(set(shapes["tokens"]) | ({1024} if shapes["hidden"] >= 1024 else set())):
-        s, fn, base, scale = _hc_inputs(t, shapes["hidden"], g, dev)
-        out = (torch.randn(t, shapes["hidden"], device=dev, generator=g) * 2).to(torch.bfloat16)
-        post = torch.rand(t, N_HC, device=dev, generator=g) * 2
-        comb = torch.rand(t, N_HC, N_HC, device=dev, generator=g)
-        args = (s, out, post, comb, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
-        cases.append((t, args, tm.mhc_post_pre(*args)))
-    for cfg in POST_MIX_SWEEP:
-        row = dict(op="mhc_post_pre sweep", config=cfg)
-        for t, args, ref in cases:
-            try:
-                got = tm.mhc_post_pre(*args, config=cfg)
-                same = all(torch.equal(a, b) for a, b in zip(got, ref))
-                ms = graph(lambda: tm.mhc_post_pre(*args, config=cfg))
-                row[f"T={t}"] = dict(us=None if ms is None else ms * 1e3, same_bits=same)
-            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report, go on
-                row[f"T={t}"] = dict(error=f"{type(e).__name__}: {str(e)[:100]}")
-        results.append(row)
-        print("sweep post_mix", cfg, " ".join(
-            f"{k}: " + (f"{v['us']:.1f}us{'' if v['same_bits'] else ' DIFFERENT-BITS'}"
-                        if v.get("us") is not None else str(v)) for k, v in row.items() if k.startswith("T=")),
-              flush=True)
-
-
-DENSE_PREFILL_TILES = [None] + [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in
-                               ((128, 128, 8, 3), (256, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 3),
-                                (128, 256, 8, 3), (128, 128, 8, 4), (256, 128, 8, 4))]
-
-
-def sweep_dense_prefill(results, dev, shapes, m=8192):
-    """dense_linear's fused-mode prefill tile (``config["prefill"]``) on the model's 16-bit dense
-    weights: each candidate's first 64 rows must equal an M = 64 launch's bitwise (the decode tile,
-    the same K chunks); CUDA-graph µs and TFLOP/s at M = 8192. None = the base tile."""
-    from dsv4.ops.triton import dense as td
-
-    _, graph = _timers(dev)
-    g = torch.Generator(device=dev).manual_seed(3)
-    h = shapes["hidden"]
-    weights = {"gate": (256, h), "compressor_csa": (2048, h), "compressor_hca": (1024, h),
-               "indexer_compressor": (512, h), "weights_proj": (64, h)}
-    for name, (n, k) in weights.items():
-        w = (torch.randn(n, k, device=dev, generator=g) / math.sqrt(k)).to(torch.bfloat16)
-        x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
-        ref = td.dense_linear(x[:64], w)
-        for tile in DENSE_PREFILL_TILES:
-            cfg = {"prefill": tile}
-            try:
-                y = td.dense_linear(x, w, config=cfg)
-                same = torch.equal(y[:64], ref)
-                ms = graph(lambda: td.dense_linear(x, w, config=cfg))
-                row = dict(op="dense_linear prefill sweep", weight=name, shape=[m, n, k], tile=tile,
-                           us=None if ms is None else ms * 1e3, same_bits=same)
-            except Exception as e:  # noqa: BLE001
-                row = dict(op="dense_linear prefill sweep", weight=name, tile=tile, error=f"{type(e).__name__}: {e}"[:120])
-            results.append(row)
-            us = row.get("us")
-            print(f"sweep dense_prefill {name} [{n}x{k}] M={m} {tile}: "
-                  + (f"{us:.1f} us {2 * m * n * k / (us * 1e-6) / 1e12:.1f} TFLOP/s"
-                     f"{'' if row['same_bits'] else ' DIFFERENT-BITS'}" if us else str(row.get("error"))), flush=True)
-
-
 def run(device, results: list, small: bool = False) -> list:
     """Run every case on ``device`` (CUDA: full shapes; ``small``: interpreter-sized shapes)."""
     dev = torch.device(device)
@@ -324,13 +198,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    ap.add_argument("--sweep-mix", action="store_true", help="time hc_pre's mixes tiles (MIX_SWEEP) instead")
-    ap.add_argument("--sweep-post-mix", action="store_true",
-                    help="time mhc_post_pre's launch shapes (POST_MIX_SWEEP, same bits) instead")
-    ap.add_argument("--configs", default=None,
-                    help="JSON list of configs: replaces the swept list (MIX_SWEEP / POST_MIX_SWEEP / DENSE_PREFILL_TILES)")
-    ap.add_argument("--sweep-dense-prefill", action="store_true",
-                    help="time dense_linear's prefill tiles (DENSE_PREFILL_TILES, same bits) instead")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -342,17 +209,7 @@ def main(argv=None):
     t0 = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  "
           f"{torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}")
-    sweeps = [f for on, f in ((args.sweep_mix, sweep_mix), (args.sweep_post_mix, sweep_post_mix),
-                              (args.sweep_dense_prefill, sweep_dense_prefill)) if on]
-    if args.configs:
-        global MIX_SWEEP, POST_MIX_SWEEP, DENSE_PREFILL_TILES
-        MIX_SWEEP = POST_MIX_SWEEP = DENSE_PREFILL_TILES = json.loads(args.configs)
-    if sweeps:  # the asked sweeps, one after the other
-        results: list = []
-        for sweep in sweeps:
-            sweep(results, torch.device("cuda" if cuda else "cpu"), SMALL if args.small else FULL)
-    else:
-        results = run("cuda" if cuda else "cpu", [], small=args.small)
+    results = run("cuda" if cuda else "cpu", [], small=args.small)
     fails = [r for r in results if str(r.get("check", "")).startswith("FAIL")]
     print(f"\n{len(results)} rows, {len(fails)} failed checks, {time.time() - t0:.0f} s")
     if args.out:

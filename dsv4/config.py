@@ -254,27 +254,36 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
                               f"(or an HCA ratio in {SMALL_HCA_RATIOS} for a small model), found {r}")
     extra = ratios[n_layers:]
     if any(r != 0 for r in extra):
-        raise ConfigError(f"config.json: field 'compress_ratios' entries past layer {n_layers} (MTP) must be 0, found {extra}")
+        raise ConfigError(f"config.json: field 'compress_ratios' entries past layer {n_layers} (MTP) must be 0, "
+                          f"found {extra}")
 
     head_dim, rope_dim = ints["head_dim"], ints["qk_rope_head_dim"]
     if rope_dim % 2 or rope_dim >= head_dim:
-        raise ConfigError(f"config.json: field 'qk_rope_head_dim' ({rope_dim}) must be even and < head_dim ({head_dim})")
+        raise ConfigError(
+            f"config.json: field 'qk_rope_head_dim' ({rope_dim}) must be even and < head_dim ({head_dim})"
+        )
     if ints["index_head_dim"] <= rope_dim:
         raise ConfigError(
             f"config.json: field 'index_head_dim' ({ints['index_head_dim']}) must exceed qk_rope_head_dim ({rope_dim})"
         )
     if ints["num_attention_heads"] % ints["o_groups"]:
         raise ConfigError(
-            f"config.json: field 'o_groups' ({ints['o_groups']}) must divide num_attention_heads ({ints['num_attention_heads']})"
+            f"config.json: field 'o_groups' ({ints['o_groups']}) must divide num_attention_heads "
+            f"({ints['num_attention_heads']})"
         )
     if _get(d, "num_key_value_heads", int, 1) != 1:
-        raise ConfigError(f"config.json: field 'num_key_value_heads' must be 1 (shared-KV MQA), found {d['num_key_value_heads']}")
+        raise ConfigError(
+            f"config.json: field 'num_key_value_heads' must be 1 (shared-KV MQA), found {d['num_key_value_heads']}"
+        )
     if ints["num_experts_per_tok"] > ints["n_routed_experts"]:
         raise ConfigError(
-            f"config.json: field 'num_experts_per_tok' ({ints['num_experts_per_tok']}) exceeds n_routed_experts ({ints['n_routed_experts']})"
+            f"config.json: field 'num_experts_per_tok' ({ints['num_experts_per_tok']}) exceeds n_routed_experts "
+            f"({ints['n_routed_experts']})"
         )
     if ints["num_hash_layers"] > n_layers:
-        raise ConfigError(f"config.json: field 'num_hash_layers' ({ints['num_hash_layers']}) exceeds num_hidden_layers ({n_layers})")
+        raise ConfigError(
+            f"config.json: field 'num_hash_layers' ({ints['num_hash_layers']}) exceeds num_hidden_layers ({n_layers})"
+        )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config.json: field 'hidden_act' must be 'silu', found {act!r}")
@@ -290,7 +299,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     if rs is None and isinstance(d.get("rope_parameters"), dict):
         rs = d["rope_parameters"].get("compress")
     if rs is None:
-        raise ConfigError("config.json: missing required field 'rope_scaling' (YaRN parameters of the compressed layers)")
+        raise ConfigError(
+            "config.json: missing required field 'rope_scaling' (YaRN parameters of the compressed layers)"
+        )
     if not isinstance(rs, dict):
         raise ConfigError(f"config.json: field 'rope_scaling' must be an object, found {rs!r}")
     rtype = rs.get("type", rs.get("rope_type"))
@@ -315,7 +326,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
 
     # Experts: FP4 (instruct) or FP8 (Base; expert_dtype absent or "fp8").
     if d.get("quantization_config") is not None and not isinstance(d["quantization_config"], dict):
-        raise ConfigError(f"config.json: field 'quantization_config' must be an object, found {d['quantization_config']!r}")
+        raise ConfigError(
+            f"config.json: field 'quantization_config' must be an object, found {d['quantization_config']!r}"
+        )
     expert_dtype = d.get("expert_dtype") or (d.get("quantization_config") or {}).get("expert_dtype") or "fp8"
     if expert_dtype not in ("fp4", "fp8"):
         raise ConfigError(f"config.json: field 'expert_dtype' must be 'fp4' or 'fp8', found {expert_dtype!r}")
@@ -324,20 +337,27 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         raise ConfigError("config.json: missing required field 'quantization_config'")
     if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(
-            f"config.json: field 'quantization_config' must be fp8/e4m3, found quant_method={qc.get('quant_method')!r} fmt={qc.get('fmt')!r}"
+            f"config.json: field 'quantization_config' must be fp8/e4m3, found "
+            f"quant_method={qc.get('quant_method')!r} fmt={qc.get('fmt')!r}"
         )
     bs = qc.get("weight_block_size", [128, 128])
     if list(bs) != [128, 128]:
         raise ConfigError(f"config.json: field 'quantization_config.weight_block_size' must be [128, 128], found {bs}")
     scale_fmt = qc.get("scale_fmt")
     if scale_fmt not in (None, "ue8m0"):
-        raise ConfigError(f"config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' or absent, found {scale_fmt!r}")
+        raise ConfigError(
+            f"config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' or absent, found {scale_fmt!r}"
+        )
     if expert_dtype == "fp4" and scale_fmt != "ue8m0":
-        raise ConfigError("config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' when expert_dtype is 'fp4'")
+        raise ConfigError(
+            "config.json: field 'quantization_config.scale_fmt' must be 'ue8m0' when expert_dtype is 'fp4'"
+        )
     if expert_dtype == "fp4":  # MXFP4 packs 32 input elements per scale: expert inputs must fill whole blocks
         for k in ("hidden_size", "moe_intermediate_size"):
             if ints[k] % 32:
-                raise ConfigError(f"config.json: field '{k}' ({ints[k]}) must be a multiple of 32 when expert_dtype is 'fp4'")
+                raise ConfigError(
+                    f"config.json: field '{k}' ({ints[k]}) must be a multiple of 32 when expert_dtype is 'fp4'"
+                )
 
     dspark = {k: v for k, v in d.items() if k.startswith("dspark_")}
     return ModelConfig(
@@ -356,7 +376,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         rope_compress=rope_compress,
         max_position_embeddings=_get(d, "max_position_embeddings", int, 1048576),
         expert_dtype=expert_dtype,
-        quant=QuantConfig(block_size=(128, 128), scale_fmt=scale_fmt, activation_scheme=qc.get("activation_scheme", "dynamic")),
+        quant=QuantConfig(
+            block_size=(128, 128), scale_fmt=scale_fmt, activation_scheme=qc.get("activation_scheme", "dynamic")
+        ),
         bos_token_id=_get(d, "bos_token_id", int, 0),
         eos_token_id=_get(d, "eos_token_id", int, 1),
         tie_word_embeddings=_get(d, "tie_word_embeddings", bool, False),

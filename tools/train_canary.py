@@ -51,8 +51,14 @@ import dsv4.model.attention as attention_mod  # noqa: E402
 import dsv4.model.moe as moe_mod  # noqa: E402
 from dsv4.canary.data import make_batch  # noqa: E402
 from dsv4.canary.eval import evaluate_reference  # noqa: E402
-from dsv4.canary.model import (TensorWeights, canary_config_dict, forward_tensors, init_params,  # noqa: E402
-                               load_params, write_checkpoint)
+from dsv4.canary.model import (  # noqa: E402
+    TensorWeights,
+    canary_config_dict,
+    forward_tensors,
+    init_params,
+    load_params,
+    write_checkpoint,
+)
 from dsv4.canary.tasks import heldout, make_record_run  # noqa: E402
 from dsv4.canary.tokenizer import CharCodec  # noqa: E402
 from dsv4.config import LayerType, config_from_dict  # noqa: E402
@@ -293,16 +299,25 @@ def main(argv=None) -> int:
                     help="train through attention.sparse_attention itself (slow) instead of its masked-dense twin")
     ap.add_argument("--eval-per-task", type=int, default=32)
     ap.add_argument("--eval-recall", type=int, default=24)
-    ap.add_argument("--save-every-s", type=float, default=150.0, help="write a checkpoint this often (a timeout still returns one)")
+    ap.add_argument("--save-every-s", type=float, default=150.0,
+                    help="write a checkpoint this often (a timeout still returns one)")
     ap.add_argument("--log", default=None, help="also append log lines to this file")
     ap.add_argument("--resume", default=None, metavar="DIR", help="start from this canary checkpoint's stored weights")
-    ap.add_argument("--swiglu-limit", type=float, default=None,
-                    help="the config's SwiGLU clamp (default: the canary config's 10). Smaller makes the trained "
-                         "function depend on the clamp, so a missing clamp stays visible as the model improves")
+    ap.add_argument(
+        "--swiglu-limit",
+        type=float,
+        default=None,
+        help="the config's SwiGLU clamp (default: the canary config's 10). Smaller makes the trained "
+        "function depend on the clamp, so a missing clamp stays visible as the model improves",
+    )
     ap.add_argument("--lr-floor", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     ap.add_argument("--evals", default=",".join(EVALS), help=f"held-out evaluations at the end, from {EVALS}")
-    ap.add_argument("--evaluate", default=None, metavar="DIR",
-                    help="only evaluate this checkpoint (--evals checkpoint/*) and update its canary.json")
+    ap.add_argument(
+        "--evaluate",
+        default=None,
+        metavar="DIR",
+        help="only evaluate this checkpoint (--evals checkpoint/*) and update its canary.json",
+    )
     a = ap.parse_args(argv)
 
     t_start = time.time()
@@ -333,14 +348,16 @@ def main(argv=None) -> int:
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
         h = info.setdefault("heldout", {"per_task": a.eval_per_task, "recall": a.eval_recall})
         held = heldout(h["per_task"], recall_per_task=h["recall"])  # the set the file records
-        info.setdefault("evaluated_on", {}).update({k: f"{dev.type} fp32, torch {torch.__version__}"
-                                                   for k in a.evals.split(",") if k.startswith("checkpoint")})
+        info.setdefault("evaluated_on", {}).update(
+            {k: f"{dev.type} fp32, torch {torch.__version__}" for k in a.evals.split(",") if k.startswith("checkpoint")}
+        )
         evaluate_into(a.evaluate, info, [k for k in a.evals.split(",") if k.startswith("checkpoint")], held, dev, log)
         return 0
     params = load_params(a.resume, dev) if a.resume else init_params(cfg, a.seed, dev)
     prior = json.loads((Path(a.resume) / "canary.json").read_text()) if a.resume else None
-    trainable = {n: p.requires_grad_() for n, p in params.items()
-                 if p.is_floating_point() and not n.endswith("gate.bias")}
+    trainable = {
+        n: p.requires_grad_() for n, p in params.items() if p.is_floating_point() and not n.endswith("gate.bias")
+    }
     opt = torch.optim.AdamW(trainable.values(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.0, eps=1e-8)
     n_params = sum(p.numel() for p in trainable.values())
     log(f"canary: {cfg.schedule_summary()}; {n_params / 1e6:.2f}M trainable params on {dev}")
@@ -356,13 +373,24 @@ def main(argv=None) -> int:
             break
         sparse, qat = frac >= a.dense_until, frac >= a.qat_from
         near = frac < a.far_from
-        seqs = make_batch(rng, codec, a.seqs, a.seq_len, tuple(a.recall_len), exclude, a.recall_per_seq, near,
-                          tuple(a.far_distance) if a.far_distance else None, haystack=not a.record_runs)
+        seqs = make_batch(
+            rng,
+            codec,
+            a.seqs,
+            a.seq_len,
+            tuple(a.recall_len),
+            exclude,
+            a.recall_per_seq,
+            near,
+            tuple(a.far_distance) if a.far_distance else None,
+            haystack=not a.record_runs,
+        )
         lr = lr_at(frac, step, a.lr, a.warmup, a.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, main_ce, mtp_ce, kl, loads = run_batch(params, cfg if sparse else dense_cfg, seqs, dev, qat,
-                                                     qat and step % 2 == 1, a.mtp_weight)
+        loss, main_ce, mtp_ce, kl, loads = run_batch(
+            params, cfg if sparse else dense_cfg, seqs, dev, qat, qat and step % 2 == 1, a.mtp_weight
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
@@ -380,9 +408,11 @@ def main(argv=None) -> int:
         ema = cur if ema is None else {k: 0.9 * ema[k] + 0.1 * v for k, v in cur.items()}
         if step % 10 == 0 or step <= 3:
             ntok = sum(len(s.ids) for s in seqs)
-            log(f"step {step} frac {frac:.3f} lr {lr:.2e} loss main {ema['main']:.3f} mtp {ema['mtp']:.3f} "
+            log(
+                f"step {step} frac {frac:.3f} lr {lr:.2e} loss main {ema['main']:.3f} mtp {ema['mtp']:.3f} "
                 f"kl {ema['kl']:.3f} gnorm {float(gn):.2f} tokens {ntok} {'sparse' if sparse else 'dense'}"
-                f"{' qat' if qat else ''}{' near-recall' if near else ''}")
+                f"{' qat' if qat else ''}{' near-recall' if near else ''}"
+            )
             hist.append({"step": step, "t": round(time.time() - t0, 1), **{k: round(v, 4) for k, v in ema.items()}})
         if time.time() - last_save > a.save_every_s:
             write_checkpoint(params, cfg_dict, a.out, extra={"partial": True, "step": step})
@@ -412,7 +442,9 @@ def main(argv=None) -> int:
         "history": hist,
     }
     if prior is not None:  # a resumed run: keep the earlier runs' record
-        info["previous_runs"] = prior.get("previous_runs", []) + [{k: v for k, v in prior.items() if k != "previous_runs"}]
+        info["previous_runs"] = prior.get("previous_runs", []) + [
+            {k: v for k, v in prior.items() if k != "previous_runs"}
+        ]
         info["total_steps"] = step + sum(r.get("steps", 0) for r in info["previous_runs"])
         info["total_train_seconds"] = round(train_s + sum(r.get("train_seconds", 0) for r in info["previous_runs"]), 1)
     write_checkpoint(params, cfg_dict, a.out, extra=info)
@@ -420,8 +452,12 @@ def main(argv=None) -> int:
     evaluate_into(a.out, info, [k for k in a.evals.split(",") if k], held, dev, log, fp32=fp32, cfg=cfg)
     if a.near_eval > 0:  # has the lookup itself been learnt? (the held-out recall is all beyond the window)
         near_rng = random.Random(f"{a.seed}:near")
-        near_set = [make_record_run(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)]
-        res = evaluate_reference(ReferenceModel(TensorWeights(cfg, fp32, device=dev), numerics=CacheNumerics("auto")), near_set)
+        near_set = [
+            make_record_run(near_rng, length=near_rng.randint(60, 110), min_distance=0) for _ in range(a.near_eval)
+        ]
+        res = evaluate_reference(
+            ReferenceModel(TensorWeights(cfg, fp32, device=dev), numerics=CacheNumerics("auto")), near_set
+        )
         info["diagnostics"] = {"recall_in_window_fp32": res["accuracy"]["recall"]}
         (Path(a.out) / "canary.json").write_text(json.dumps(info, indent=2) + "\n")
         log(f"in-window recall (fp32 weights, {a.near_eval} examples of 60-110 tokens): {res['accuracy']['recall']}")

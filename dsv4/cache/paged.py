@@ -20,9 +20,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LayerType, ModelConfig
-from ..formats import (alloc_indexer_pages, alloc_kv_pages, indexer_page_stride, page_stride, read_indexer_k,
-                       read_kv, write_indexer_k, write_kv)
+from ..formats import (
+    alloc_indexer_pages,
+    alloc_kv_pages,
+    indexer_page_stride,
+    page_stride,
+    read_indexer_k,
+    read_kv,
+    write_indexer_k,
+    write_kv,
+)
 from ..model.cache import BLOCK, SWA_PAGE, CacheNumerics
+
 BOUNDARY_ROWS = 4  # ratio-4 overlap: entry b needs block b-1's rows
 
 
@@ -109,8 +118,12 @@ class PagedKVCache:
         # one spare page past the pool's pages: batched writers send masked-out rows there
         # instead of branching on the host (dsv4.engine.paged_attention)
         P, B, S = budget.num_swa_pages + 1, budget.num_blocks + 1, budget.num_slots
-        self.swa = [alloc_kv_pages(P, SWA_PAGE, device) if q else torch.zeros(P, SWA_PAGE, cfg.head_dim, dtype=dtype, device=device)
-                    for _ in range(nl)]
+        self.swa = [
+            alloc_kv_pages(P, SWA_PAGE, device)
+            if q
+            else torch.zeros(P, SWA_PAGE, cfg.head_dim, dtype=dtype, device=device)
+            for _ in range(nl)
+        ]
         self.comp: dict[tuple[int, str], torch.Tensor] = {}
         self.boundary: dict[tuple[int, str], torch.Tensor] = {}
         self.ring: dict[tuple[int, str], torch.Tensor] = {}
@@ -121,9 +134,17 @@ class PagedKVCache:
                 per = BLOCK // ratio
                 self.ratio[key] = ratio
                 if kind == "kv":
-                    self.comp[key] = alloc_kv_pages(B, per, device) if q else torch.zeros(B, per, cfg.head_dim, dtype=dtype, device=device)
+                    self.comp[key] = (
+                        alloc_kv_pages(B, per, device)
+                        if q
+                        else torch.zeros(B, per, cfg.head_dim, dtype=dtype, device=device)
+                    )
                 else:
-                    self.comp[key] = alloc_indexer_pages(B, per, device) if q else torch.zeros(B, per, cfg.index_head_dim, dtype=dtype, device=device)
+                    self.comp[key] = (
+                        alloc_indexer_pages(B, per, device)
+                        if q
+                        else torch.zeros(B, per, cfg.index_head_dim, dtype=dtype, device=device)
+                    )
                 if ratio == 4:
                     self.boundary[key] = torch.zeros(B, BOUNDARY_ROWS, width, device=device)
                 self.ring[key] = torch.zeros(S + 1, 8 if ratio == 4 else ratio, width, device=device)  # + spare slot
@@ -163,7 +184,7 @@ class PageRow:
             self.buf.extend(pages[n:])
         if released > self.released:
             k = min(released, len(self.buf)) - self.released
-            self.buf[self.released:self.released + k] = array.array("q", [-1]) * k
+            self.buf[self.released : self.released + k] = array.array("q", [-1]) * k
             self.released = released
         return self.buf
 
@@ -279,8 +300,12 @@ class PagedSequenceView:
         prefill snapshots 32 blocks × every ratio-4 state: ``read_state``'s masks cost 3 waits each)."""
         start, rows = self._chunk.get(key, (None, None))
         ring = self.kvc.ring[key][self.alloc.slot]
-        return torch.stack([rows[p - start] if rows is not None and start <= p < start + rows.shape[0]
-                            else ring[p % ring.shape[0]] for p in positions])
+        return torch.stack(
+            [
+                rows[p - start] if rows is not None and start <= p < start + rows.shape[0] else ring[p % ring.shape[0]]
+                for p in positions
+            ]
+        )
 
     def restore_boundary(self, block_index: int) -> None:
         """After a prefix hit ending at block ``block_index``: its last rows back into the rings."""

@@ -55,9 +55,3 @@ class PagePool:
                 self.evictable[pid] = None
             else:
                 self.free.append(pid)
-
-    def drop_cached(self, pid: int) -> None:
-        """A cached page stops being reusable: return it to the free list."""
-        if pid in self.evictable:
-            del self.evictable[pid]
-            self.free.append(pid)

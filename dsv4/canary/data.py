@@ -30,7 +30,11 @@ def sample_tokens(ex: Example, codec: CharCodec, bos: bool = True, chat: str | N
     (``chat='plain'``) / ``…<｜Assistant｜><think></think>`` (``chat='think'``)."""
     p = codec.encode(ex.prompt)
     if chat is not None:
-        tail = [codec.assistant, codec.think_end] if chat == "plain" else [codec.assistant, codec.ids["<think>"], codec.think_end]
+        tail = (
+            [codec.assistant, codec.think_end]
+            if chat == "plain"
+            else [codec.assistant, codec.ids["<think>"], codec.think_end]
+        )
         p = [codec.user] + p + tail
     head = ([codec.bos] if bos else []) + p
     a = codec.encode(ex.answer) + [codec.eos]
@@ -48,8 +52,9 @@ def short_example(rng: random.Random) -> Example:
     return make_record_run(rng, length=rng.randint(20, 110), min_distance=0)  # in-window recall: the format
 
 
-def packed_sequence(rng: random.Random, codec: CharCodec, length: int, p_no_bos=0.15, p_chat=0.15,
-                    exclude: frozenset[str] = frozenset()) -> Sequence:
+def packed_sequence(
+    rng: random.Random, codec: CharCodec, length: int, p_no_bos=0.15, p_chat=0.15, exclude: frozenset[str] = frozenset()
+) -> Sequence:
     ids: list[int] = []
     target: list[float] = []
     while True:
@@ -66,8 +71,16 @@ def packed_sequence(rng: random.Random, codec: CharCodec, length: int, p_no_bos=
         target += s.target
 
 
-def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, queries: int = 16,
-                    p_far: float = 0.8, weight: float = 3.0, far: tuple[int, int] | None = None) -> Sequence:
+def recall_sequence(
+    rng: random.Random,
+    codec: CharCodec,
+    lo: int,
+    hi: int,
+    queries: int = 16,
+    p_far: float = 0.8,
+    weight: float = 3.0,
+    far: tuple[int, int] | None = None,
+) -> Sequence:
     """One record run followed by up to ``queries`` questions ``?ab=`` each answered and closed by
     EOS. Several answers per run, each weighted ``weight``: the long-context signal is otherwise
     sparse next to the short samples' answers. A far question (probability ``p_far``) asks a record
@@ -92,8 +105,16 @@ def recall_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, quer
     return Sequence(ids, target)
 
 
-def haystack_sequence(rng: random.Random, codec: CharCodec, lo: int, hi: int, queries: int = 8,
-                      p_far: float = 0.8, weight: float = 3.0, far: tuple[int, int] | None = None) -> Sequence:
+def haystack_sequence(
+    rng: random.Random,
+    codec: CharCodec,
+    lo: int,
+    hi: int,
+    queries: int = 8,
+    p_far: float = 0.8,
+    weight: float = 3.0,
+    far: tuple[int, int] | None = None,
+) -> Sequence:
     """The held-out recall format (:func:`tasks.make_recall`) with several answered questions: about
     lo..hi tokens of filler around one needle cluster, then up to ``queries`` questions about its
     records. With probability ``p_far`` the filler after the cluster is ``far`` = (lo, hi) tokens
@@ -122,9 +143,17 @@ NEAR_RUN = (20, 90)  # a near-phase record run: with NEAR_QUERIES questions it s
 NEAR_QUERIES = 4  # 1 + 90 + 4 × 8 tokens < 128
 
 
-def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len: tuple[int, int],
-                   exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
-                   far: tuple[int, int] | None = None, haystack: bool = True) -> Sequence:
+def mixed_sequence(
+    rng: random.Random,
+    codec: CharCodec,
+    length: int,
+    recall_len: tuple[int, int],
+    exclude: frozenset[str] = frozenset(),
+    n_recall: int = 1,
+    near: bool = False,
+    far: tuple[int, int] | None = None,
+    haystack: bool = True,
+) -> Sequence:
     """``n_recall`` recall runs (with their questions) and short samples, in random order, about
     ``length`` tokens.
 
@@ -150,8 +179,18 @@ def mixed_sequence(rng: random.Random, codec: CharCodec, length: int, recall_len
     return Sequence(sum((q.ids for q in parts), []), sum((q.target for q in parts), []))
 
 
-def make_batch(rng: random.Random, codec: CharCodec, n_seqs: int, length: int, recall_len: tuple[int, int],
-               exclude: frozenset[str] = frozenset(), n_recall: int = 1, near: bool = False,
-               far: tuple[int, int] | None = None, haystack: bool = True) -> list[Sequence]:
-    return [mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near, far, haystack)
-            for _ in range(n_seqs)]
+def make_batch(
+    rng: random.Random,
+    codec: CharCodec,
+    n_seqs: int,
+    length: int,
+    recall_len: tuple[int, int],
+    exclude: frozenset[str] = frozenset(),
+    n_recall: int = 1,
+    near: bool = False,
+    far: tuple[int, int] | None = None,
+    haystack: bool = True,
+) -> list[Sequence]:
+    return [
+        mixed_sequence(rng, codec, length, recall_len, exclude, n_recall, near, far, haystack) for _ in range(n_seqs)
+    ]

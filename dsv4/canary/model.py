@@ -225,7 +225,8 @@ def checkpoint_tensors(params: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
     return out
 
 
-def write_checkpoint(params: dict[str, torch.Tensor], cfg_dict: dict, out_dir: str | Path, extra: dict | None = None) -> Path:
+def write_checkpoint(params: dict[str, torch.Tensor], cfg_dict: dict, out_dir: str | Path,
+                     extra: dict | None = None) -> Path:
     """Write a loadable model directory: config.json, one safetensors shard + index, tokenizer,
     generation_config.json (greedy by default), and ``canary.json`` from ``extra``."""
     from safetensors.torch import save_file
@@ -237,11 +238,14 @@ def write_checkpoint(params: dict[str, torch.Tensor], cfg_dict: dict, out_dir: s
     fname = "model-00001-of-00001.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / fname), metadata={"format": "pt"})
     size = (out / fname).stat().st_size
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
-                                              "weight_map": {k: fname for k in tensors}}, indent=2) + "\n")
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": size}, "weight_map": {k: fname for k in tensors}}, indent=2) + "\n"
+    )
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "temperature": 0.0}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "temperature": 0.0}, indent=2)
+        + "\n"
+    )
     write_tokenizer(out, cfg.max_position_embeddings)
     if extra is not None:
         (out / "canary.json").write_text(json.dumps(extra, indent=2) + "\n")

@@ -35,8 +35,7 @@ def vocab() -> list[str]:
 
 def build_tokenizer():
     """A ``tokenizers.Tokenizer``: every character is one token, decoding concatenates."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     toks = vocab()
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(toks)}, unk_token=UNK_TOKEN))

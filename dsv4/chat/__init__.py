@@ -26,7 +26,7 @@ from .encoding import (
     render_tool_calls,
     render_tools,
 )
-from .parser import Delta, DeepseekV4OutputParser, accumulate, parse_completion
+from .parser import DeepseekV4OutputParser, Delta, accumulate, parse_completion
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer, tokenizer_json_path
 
 __all__ = [

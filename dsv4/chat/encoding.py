@@ -123,11 +123,9 @@ Otherwise, output directly after {think_end} with tool calls or final response.
 {tool_schemas}
 
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
+"""  # noqa: E501 (DeepSeek's text, verbatim)
 
-RESPONSE_FORMAT_TEMPLATE = (
-    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
-)
+RESPONSE_FORMAT_TEMPLATE = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,9 +169,7 @@ def effort_preamble(reasoning_effort: str | None, effort_version: str = "0423") 
     """The text prepended (thinking mode only) for ``reasoning_effort`` under ``effort_version``."""
     table = EFFORT_PREAMBLES.get(effort_version)
     if table is None:
-        raise ValueError(
-            f"effort_version: unknown {effort_version!r}, expected one of {sorted(EFFORT_PREAMBLES)}"
-        )
+        raise ValueError(f"effort_version: unknown {effort_version!r}, expected one of {sorted(EFFORT_PREAMBLES)}")
     if reasoning_effort not in table:
         accepted = ["None" if k is None else repr(k) for k in table]
         raise ValueError(
@@ -190,9 +186,7 @@ def to_json(value: Any) -> str:
 def render_tools(tools: list[Mapping[str, Any]]) -> str:
     """The "## Tools" section: DSML instructions and one JSON function schema per line."""
     schemas = "\n".join(to_json(dict(_function_of(t))) for t in tools)
-    return TOOLS_TEMPLATE.format(
-        dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas=schemas
-    )
+    return TOOLS_TEMPLATE.format(dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas=schemas)
 
 
 def render_response_format(response_format: Mapping[str, Any]) -> str:
@@ -217,13 +211,9 @@ def render_tool_calls(tool_calls: list[Mapping[str, Any]], *, where: str = "tool
                 is_str, text = "true", value
             else:
                 is_str, text = "false", to_json(value)
-            params.append(
-                f'<{DSML}parameter name="{key}" string="{is_str}">{text}</{DSML}parameter>'
-            )
+            params.append(f'<{DSML}parameter name="{key}" string="{is_str}">{text}</{DSML}parameter>')
         invokes.append(f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return (
-        f"<{DSML}{TOOL_CALLS_BLOCK}>\n" + "\n".join(invokes) + f"\n</{DSML}{TOOL_CALLS_BLOCK}>"
-    )
+    return f"<{DSML}{TOOL_CALLS_BLOCK}>\n" + "\n".join(invokes) + f"\n</{DSML}{TOOL_CALLS_BLOCK}>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,9 +258,7 @@ def _call_name_and_arguments(call: Mapping[str, Any], where: str) -> tuple[str, 
     if parsed is None:
         return name, {}
     if not isinstance(parsed, Mapping):
-        raise ValueError(
-            f"{where}.function.arguments: must be a JSON object, got {type(parsed).__name__}"
-        )
+        raise ValueError(f"{where}.function.arguments: must be a JSON object, got {type(parsed).__name__}")
     return name, dict(parsed)
 
 
@@ -316,17 +304,14 @@ def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}]: expected an object, got {type(msg).__name__}")
         role = msg.get("role")
         if role not in ROLES:
-            raise ValueError(
-                f"messages[{i}].role: unknown role {role!r} (expected one of {', '.join(ROLES)})"
-            )
+            raise ValueError(f"messages[{i}].role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
         m: dict[str, Any] = {"role": role, "_index": i}
         for key in ("tools", "response_format", "task", "wo_eos"):
             if msg.get(key) is not None:
                 m[key] = copy.deepcopy(msg[key])
         if "task" in m and m["task"] not in TASK_TOKENS:
             raise ValueError(
-                f"messages[{i}].task: unknown task {m['task']!r} (expected one of "
-                f"{', '.join(TASK_TOKENS)})"
+                f"messages[{i}].task: unknown task {m['task']!r} (expected one of {', '.join(TASK_TOKENS)})"
             )
         if "tools" in m and not isinstance(m["tools"], list):
             raise ValueError(f"messages[{i}].tools: expected a list")
@@ -362,8 +347,7 @@ def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 raise ValueError(f"messages[{i}].tool_call_id: missing or not a string")
             if last_call_ids is None:
                 raise ValueError(
-                    f"messages[{i}].tool_call_id: {call_id!r} has no matching call (no earlier "
-                    "assistant message)"
+                    f"messages[{i}].tool_call_id: {call_id!r} has no matching call (no earlier assistant message)"
                 )
             if call_id not in last_call_ids:
                 raise ValueError(
@@ -564,8 +548,7 @@ def encode_messages(
             prompt += m["content"]
             if m["tool_calls"]:
                 prompt += "\n\n" + render_tool_calls(
-                    [{"function": {"name": c["name"], "arguments": c["arguments"]}}
-                     for c in m["tool_calls"]],
+                    [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]],
                     where=f"messages[{m['_index']}].tool_calls",
                 )
             if not m.get("wo_eos"):
@@ -582,8 +565,6 @@ def encode_messages(
             if task == "action":
                 prompt += ASSISTANT + (THINK_START if thinking else THINK_END)
             prompt += TASK_TOKENS[task]
-        elif role in ("user", "developer") or (
-            role == "system" and next_role in (None, "assistant")
-        ):
+        elif role in ("user", "developer") or (role == "system" and next_role in (None, "assistant")):
             prompt += ASSISTANT + opener(k)
     return prompt

@@ -210,10 +210,6 @@ class DeepseekV4OutputParser:
         self.finished = True
         return self._take()
 
-    @property
-    def has_tool_calls(self) -> bool:
-        return bool(self.calls)
-
     # -- output helpers ---------------------------------------------------------------------------
     def _take(self) -> list[Delta]:
         out, self._out = self._out, []

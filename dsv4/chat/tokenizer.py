@@ -132,10 +132,6 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self._special_ids
-
     # -- encode / decode -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token strings in the text map to their single ids.
@@ -211,11 +207,6 @@ class IncrementalDetokenizer:
     def feed(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly empty)."""
         self._ids.append(int(token_id))
-        return self._advance(force=False)
-
-    def feed_many(self, token_ids: Iterable[int]) -> str:
-        for t in token_ids:
-            self._ids.append(int(t))
         return self._advance(force=False)
 
     def flush(self) -> str:

@@ -28,11 +28,13 @@ def inspect_checkpoint(model_dir: str | Path) -> tuple[str, bool]:
         f"config: hidden {c.hidden_size}, layers {c.num_hidden_layers}, heads {c.num_attention_heads}×{c.head_dim} "
         f"(rope {c.qk_rope_head_dim}), q_lora {c.q_lora_rank}, o {c.o_groups}×{c.o_lora_rank}, vocab {c.vocab_size}",
         f"moe: {c.n_routed_experts} experts top-{c.num_experts_per_tok} + {c.n_shared_experts} shared, inter "
-        f"{c.moe_intermediate_size}, expert dtype {c.expert_dtype}, scales {c.quant.scale_fmt or 'float32'}, hash layers {c.num_hash_layers}",
+        f"{c.moe_intermediate_size}, expert dtype {c.expert_dtype}, scales {c.quant.scale_fmt or 'float32'}, "
+        f"hash layers {c.num_hash_layers}",
         f"attention: window {c.sliding_window}, indexer {c.index_n_heads}×{c.index_head_dim} top-{c.index_topk}, "
         f"mHC ×{c.hc_mult} ({c.hc_sinkhorn_iters} Sinkhorn iters)",
-        f"rope: main θ={c.rope_main.theta:g}; compress θ={c.rope_compress.theta:g} YaRN ×{c.rope_compress.yarn_factor:g} "
-        f"(orig {c.rope_compress.original_max_position}, β {c.rope_compress.beta_fast:g}/{c.rope_compress.beta_slow:g})",
+        f"rope: main θ={c.rope_main.theta:g}; compress θ={c.rope_compress.theta:g} "
+        f"YaRN ×{c.rope_compress.yarn_factor:g} (orig {c.rope_compress.original_max_position}, "
+        f"β {c.rope_compress.beta_fast:g}/{c.rope_compress.beta_slow:g})",
         f"mtp: {c.num_mtp_layers} layer(s)" + (f"; DSpark fields {sorted(c.dspark)}" if c.is_dspark else ""),
         f"layer schedule: {c.schedule_summary()}",
     ]

@@ -59,7 +59,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if end > data_bytes:
             raise CheckpointError(
-                f"tensor '{name}' in {path.name}: truncated shard (bytes {begin}..{end} but only {data_bytes} data bytes present)"
+                f"tensor '{name}' in {path.name}: truncated shard (bytes {begin}..{end} but only {data_bytes} "
+                "data bytes present)"
             )
         numel = 1
         for s in shape:
@@ -83,8 +84,10 @@ def _shard_files(model_dir: Path) -> tuple[dict[str, str] | None, list[Path]]:
         for f in files:
             if not f.exists():
                 names = [k for k, v in weight_map.items() if model_dir / v == f]
-                raise CheckpointError(f"{INDEX_FILE} names shard {f.name}, which does not exist in {model_dir} "
-                                      f"(it maps {len(names)} tensor(s) there, e.g. '{names[0]}')")
+                raise CheckpointError(
+                    f"{INDEX_FILE} names shard {f.name}, which does not exist in {model_dir} "
+                    f"(it maps {len(names)} tensor(s) there, e.g. '{names[0]}')"
+                )
         return weight_map, files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -105,7 +108,9 @@ class Checkpoint:
         for f in self.files:
             for name, e in read_safetensors_header(f).items():
                 if name in self.entries:
-                    raise CheckpointError(f"tensor '{name}' appears in both {self.entries[name].file.name} and {f.name}")
+                    raise CheckpointError(
+                        f"tensor '{name}' appears in both {self.entries[name].file.name} and {f.name}"
+                    )
                 self.entries[name] = e
         if self.weight_map is not None:
             for name, fname in self.weight_map.items():
@@ -134,18 +139,25 @@ class Checkpoint:
             if e.dtype not in spec.dtypes:
                 out.append(f"tensor '{name}' in {e.file.name}: dtype expected {'|'.join(spec.dtypes)}, found {e.dtype}")
             if e.shape != spec.shape:
-                out.append(f"tensor '{name}' in {e.file.name}: shape expected {list(spec.shape)}, found {list(e.shape)}")
+                out.append(
+                    f"tensor '{name}' in {e.file.name}: shape expected {list(spec.shape)}, found {list(e.shape)}"
+                )
         skip = ignored_prefixes(self.config)
         for name, e in self.entries.items():
             if name not in self.specs and not name.startswith(skip):
-                out.append(f"unexpected tensor '{name}' in {e.file.name} ({e.dtype}{list(e.shape)}): not in the config's inventory")
+                out.append(
+                    f"unexpected tensor '{name}' in {e.file.name} ({e.dtype}{list(e.shape)}): not in the config's "
+                    "inventory"
+                )
         return out
 
     def validate(self) -> None:
         probs = self.problems()
         if probs:
             more = f"\n  … and {len(probs) - 20} more" if len(probs) > 20 else ""
-            raise CheckpointError(f"checkpoint {self.dir} is invalid ({len(probs)} problems):\n  " + "\n  ".join(probs[:20]) + more)
+            raise CheckpointError(
+                f"checkpoint {self.dir} is invalid ({len(probs)} problems):\n  " + "\n  ".join(probs[:20]) + more
+            )
 
     # ---- access --------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -187,8 +199,9 @@ class Checkpoint:
         # a copy: safetensors may hand out a view of the shared mmap, which callers must not modify
         return (sl[start:stop] if dim == 0 else sl[:, start:stop]).clone(memory_format=torch.contiguous_format)
 
-    def iter_tensors(self, names: list[str] | None = None, device="cpu", progress: bool = True,
-                     desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, names: list[str] | None = None, device="cpu", progress: bool = True, desc: str = "loading"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         names = list(self.specs) if names is None else names
         it = names
         if progress:

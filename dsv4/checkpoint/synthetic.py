@@ -65,7 +65,13 @@ REFERENCE_CONFIG: dict[str, Any] = {
         "weight_block_size": [128, 128],
     },
     "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536, "type": "yarn"},
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
     "rope_theta": 10000,
     "routed_scaling_factor": 1.5,
     "scoring_func": "sqrtsoftplus",
@@ -132,8 +138,12 @@ def _parse_override(item: str) -> tuple[str, Any]:
         return k, v
 
 
-def build_config(preset: str = "tiny", layers: int | None = None, expert_dtype: str = "fp4",
-                 overrides: list[str] | dict | None = None) -> dict[str, Any]:
+def build_config(
+    preset: str = "tiny",
+    layers: int | None = None,
+    expert_dtype: str = "fp4",
+    overrides: list[str] | dict | None = None,
+) -> dict[str, Any]:
     """The config.json dict for a preset, in the release's own key order and spelling."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -221,9 +231,17 @@ def tokenizer_source() -> Path | None:
     return hits[0] if hits else None
 
 
-def write_checkpoint(out_dir: str | Path, preset: str = "tiny", layers: int | None = None, seed: int = 0,
-                     expert_dtype: str = "fp4", overrides=None, shard_bytes: int = 2 << 30,
-                     device: str = "cpu", progress: bool = True) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    layers: int | None = None,
+    seed: int = 0,
+    expert_dtype: str = "fp4",
+    overrides=None,
+    shard_bytes: int = 2 << 30,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Path:
     """Write config.json, shards, index and tokenizer into ``out_dir``; returns the path."""
     from safetensors.torch import save_file
 
@@ -274,12 +292,23 @@ def write_checkpoint(out_dir: str | Path, preset: str = "tiny", layers: int | No
         total += final.stat().st_size
         for k in names:
             weight_map[k] = fname
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     tok = tokenizer_source()
     if tok is not None:
         shutil.copy(tok, out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-            "model_max_length": cfg.max_position_embeddings, "tokenizer_class": "PreTrainedTokenizerFast",
-        }, ensure_ascii=False, indent=2) + "\n")
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "bos_token": "<｜begin▁of▁sentence｜>",
+                    "eos_token": "<｜end▁of▁sentence｜>",
+                    "model_max_length": cfg.max_position_embeddings,
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                },
+                ensure_ascii=False,
+                indent=2,
+            )
+            + "\n"
+        )
     return out

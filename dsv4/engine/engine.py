@@ -129,7 +129,8 @@ class LLMEngine:
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
         if device.type == "cuda" and not config.enforce_eager and _graph_capturable(self.ops):
             self.capture_decode_graphs()
-        self.tokenizer = tokenizer or load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
+        own = Path(config.model, "tokenizer.json").exists()
+        self.tokenizer = tokenizer or load_tokenizer(config.model if own else None)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
         self.requests: dict[str, list[Request]] = {}
@@ -138,9 +139,16 @@ class LLMEngine:
         self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far
         self._stepping: list = []  # the schedule(s) of the step() call in progress (failed together)
         self.num_overlapped_steps = 0  # steps launched before the previous step's picks were read
-        log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
-                 config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
-                 budget.num_swa_pages, budget.total_bytes / 2**20)
+        log.info(
+            "dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
+            config.model,
+            dtype,
+            numerics.kv_cache_dtype,
+            budget.capacity_tokens,
+            budget.num_blocks,
+            budget.num_swa_pages,
+            budget.total_bytes / 2**20,
+        )
 
     def capture_decode_graphs(self) -> None:
         """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank
@@ -163,8 +171,13 @@ class LLMEngine:
             self._finalizer()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -182,8 +195,10 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_new, 1) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
+                f"max_model_len={self.max_model_len}"
+            )
         if params.max_tokens is None:
             params.max_tokens = max_new
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -195,8 +210,9 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 p = dataclasses.replace(params, seed=params.seed + i)
             detok = self.tokenizer.incremental_detokenizer(skip_special_tokens=params.skip_special_tokens)
-            r = Request(rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id,
-                        detokenizer=detok)
+            r = Request(
+                rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id, detokenizer=detok
+            )
             group.append(r)
             self.scheduler.add(r)
         self.requests[rid] = group
@@ -243,16 +259,25 @@ class LLMEngine:
         else every request of this call's schedules (for a failure inside ``schedule()``: the running
         requests and the first waiting one)."""
         rid = getattr(e, "request_id", None)
-        names = [rid] if rid in self.requests else [
-            r for r in self.requests if re.search(r"request " + re.escape(r) + r"\b", str(e))]
+        names = (
+            [rid]
+            if rid in self.requests
+            else [r for r in self.requests if re.search(r"request " + re.escape(r) + r"\b", str(e))]
+        )
         if not names:
             names = [sc.req.request_id for schedule in self._stepping for sc in schedule]
         if not names:
             sched = self.scheduler
             names = [r.request_id for r in sched.running] + [r.request_id for r in list(sched.waiting)[:1]]
         names = list(dict.fromkeys(n for n in names if n in self.requests))
-        log.error("engine step failed; failing %d request(s) %s: %s: %s", len(names), ", ".join(names),
-                  type(e).__name__, e, exc_info=e)
+        log.error(
+            "engine step failed; failing %d request(s) %s: %s: %s",
+            len(names),
+            ", ".join(names),
+            type(e).__name__,
+            e,
+            exc_info=e,
+        )
         for rid in names:
             for r in self.requests[rid]:
                 overlap.drop_placeholder(r)
@@ -307,8 +332,11 @@ class LLMEngine:
             if req.finished:  # aborted (or failed) while in flight
                 continue
             if not fins[row]:
-                req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
-                                            f"{len(req.output_token_ids)}"))
+                req.fail(
+                    FloatingPointError(
+                        f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
+                    )
+                )
             else:
                 req.append_token(toks[row], None, None)
             touched[req.request_id] = None
@@ -401,8 +429,15 @@ class LLMEngine:
     def _output(self, rid: str, group: list[Request], finished: bool) -> RequestOutput:
         first = group[0]
         failed = next((r.exception for r in group if r.exception is not None), None)
-        out = RequestOutput(rid, first.prompt, first.prompt_token_ids, [r.completion() for r in group], finished,
-                            prompt_logprobs=first.prompt_logprobs, exception=failed)
+        out = RequestOutput(
+            rid,
+            first.prompt,
+            first.prompt_token_ids,
+            [r.completion() for r in group],
+            finished,
+            prompt_logprobs=first.prompt_logprobs,
+            exception=failed,
+        )
         if finished:
             del self.requests[rid]
         return out

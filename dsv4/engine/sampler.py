@@ -84,7 +84,11 @@ def greedy_picks(logits: torch.Tensor, rows: list[int], pick=None) -> dict[int, 
     if not rows:
         return {}
     # a decode step samples every row: no index copy to the device, no gather
-    x = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    x = (
+        logits
+        if rows == list(range(logits.shape[0]))
+        else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    )
     both = device_picks(x, pick).tolist()
     return {r: t for r, t, ok in zip(rows, both[0], both[1]) if ok}
 
@@ -103,7 +107,9 @@ class Sampler:
         p = req.params
         raw = logits.float()
         if not torch.isfinite(raw).all():
-            raise FloatingPointError(f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}")
+            raise FloatingPointError(
+                f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
+            )
         x = apply_penalties(raw.clone(), req)
         if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids may not end the output yet
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos])

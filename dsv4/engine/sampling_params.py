@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..model.cache import KV_CACHE_ALIASES, KV_CACHE_DTYPES
+
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
 
@@ -60,14 +61,25 @@ class EngineConfig:
     seed: int = setting(0, "seed of the sampler (requests without a seed of their own)")
     act_quant: bool = setting(False, "round activations to FP8 per 128 with power-of-two scales before each "
                               "FP8 GEMM, as the release's own inference code can")
-    backend: str = setting("auto", "auto: Triton kernels where the platform has them; torch: the reference path; "
-                           "triton: every kernel (also in Triton's CPU interpreter)", choices=("auto", "torch", "triton"))
-    attention: str = setting("auto", "batched: one step's attention over the paged cache at once (the GPU default); "
-                             "reference: per request through the oracle", choices=("auto", "batched", "reference"))
+    backend: str = setting(
+        "auto",
+        "auto: Triton kernels where the platform has them; torch: the reference path; "
+        "triton: every kernel (also in Triton's CPU interpreter)",
+        choices=("auto", "torch", "triton"),
+    )
+    attention: str = setting(
+        "auto",
+        "batched: one step's attention over the paged cache at once (the GPU default); "
+        "reference: per request through the oracle",
+        choices=("auto", "batched", "reference"),
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
-    async_scheduling: bool | None = setting(None, "schedule and launch the next step while this one runs, when its "
-                                            "samples are plain greedy (outputs are reported one step later); "
-                                            "default: on for a single-process CUDA engine")
+    async_scheduling: bool | None = setting(
+        None,
+        "schedule and launch the next step while this one runs, when its "
+        "samples are plain greedy (outputs are reported one step later); "
+        "default: on for a single-process CUDA engine",
+    )
 
     def __post_init__(self):
         for f in fields(self):
@@ -95,8 +107,10 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"{caller}() got unknown setting(s) {', '.join(map(repr, unknown))}; the settings are "
-                            f"{', '.join(sorted(names))}")
+            raise TypeError(
+                f"{caller}() got unknown setting(s) {', '.join(map(repr, unknown))}; the settings are "
+                f"{', '.join(sorted(names))}"
+            )
         return cls(**kwargs)
 
     def replace(self, **changes) -> "EngineConfig":

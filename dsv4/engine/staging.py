@@ -12,6 +12,7 @@ import torch
 
 from ..cache.tables import Part, _dest, pack, split, upload
 
+
 class HostStaging:
     """A reused host buffer for :func:`upload`: pinned on CUDA, so the copy is asynchronous.
 

@@ -8,10 +8,18 @@ import torch
 
 from . import _paging
 from .fp8 import dequantize_fp8_pow2, get_fp8_format, quantize_fp8_pow2
-from .indexer_record import (INDEXER_DIM, INDEXER_RECORD_BYTES, INDEXER_SCALE_BYTES,  # noqa: F401
-                             INDEXER_VALUE_BYTES, alloc_indexer_pages, fake_quant_indexer_k,
-                             indexer_page_stride, quantize_indexer_k, read_indexer_k,
-                             write_indexer_k)
+from .indexer_record import (  # noqa: F401
+    INDEXER_DIM,
+    INDEXER_RECORD_BYTES,
+    INDEXER_SCALE_BYTES,
+    INDEXER_VALUE_BYTES,
+    alloc_indexer_pages,
+    fake_quant_indexer_k,
+    indexer_page_stride,
+    quantize_indexer_k,
+    read_indexer_k,
+    write_indexer_k,
+)
 
 KV_DIM = 512
 NOPE_DIM = 448

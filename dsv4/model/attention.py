@@ -162,7 +162,8 @@ class Attention:
         kpad = (-n_entries) % 64  # fixed-width columns: a score never depends on how many entries exist
         if kpad:
             k = torch.cat([k, k.new_zeros(kpad, k.shape[1])])
-        scores = ops.linear(q.reshape(t * cfg.index_n_heads, -1), k)[:, :n_entries].view(t, cfg.index_n_heads, n_entries)
+        scores = ops.linear(q.reshape(t * cfg.index_n_heads, -1), k)[:, :n_entries]
+        scores = scores.view(t, cfg.index_n_heads, n_entries)
         logits = (scores.relu() * weights[:, :, None]).sum(dim=1)  # [t, s]
         visible = ar[None, :] < ((pos + 1) // 4)[:, None]
         logits = logits.masked_fill(~visible, float("-inf"))
@@ -247,7 +248,7 @@ class Attention:
         wpos = pos[:, None] - (w - 1) + offs[None, :]
         win_idx = torch.where(wpos >= 0, n + wpos - win_start, -1)
         idx = left_align(torch.cat([comp_idx, win_idx], dim=1))
-        return sparse_attention(q, table, idx, self.sink, cfg.head_dim ** -0.5, self._check)
+        return sparse_attention(q, table, idx, self.sink, cfg.head_dim**-0.5, self._check)
 
 
 def left_align(idx: torch.Tensor) -> torch.Tensor:
@@ -259,8 +260,15 @@ def left_align(idx: torch.Tensor) -> torch.Tensor:
 KEY_BLOCK = 64  # keys are reduced in fixed blocks so a query's result never depends on its neighbours
 
 
-def sparse_attention(q: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float, check=None, query_block: int = 64) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor,
+    table: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    check=None,
+    query_block: int = 64,
+) -> torch.Tensor:
     """Softmax over the keys each query lists, plus a per-head sink logit; K = V (shared-KV MQA).
 
     q [t, h, d]; table [n, d] holds the keys; idx [t, L] lists each query's keys left-aligned
@@ -278,11 +286,11 @@ def sparse_attention(q: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, si
     sink_col = sink.float()[None, :, None]
     tf = table.float()
     for s in range(0, t, query_block):
-        ids = idx[s: s + query_block]
+        ids = idx[s : s + query_block]
         b = ids.shape[0]
         valid = ids >= 0
         keys = tf[ids.clamp(min=0)] * valid[..., None]  # [b, L, d]
-        logits = torch.bmm(q[s: s + b].float(), keys.transpose(1, 2)) * scale  # [b, h, L]
+        logits = torch.bmm(q[s : s + b].float(), keys.transpose(1, 2)) * scale  # [b, h, L]
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         full = torch.cat([sink_col.expand(b, h, 1), logits], dim=-1).double()
         probs = torch.softmax(full, dim=-1)[..., 1:].float()
@@ -293,6 +301,6 @@ def sparse_attention(q: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, si
         for k0 in range(0, L, KEY_BLOCK):
             if not bool(valid[:, k0].any()):
                 break  # left-aligned: nothing valid from here on in this query block
-            acc += torch.bmm(probs[..., k0: k0 + KEY_BLOCK], keys[:, k0: k0 + KEY_BLOCK])
-        out[s: s + b] = acc
+            acc += torch.bmm(probs[..., k0 : k0 + KEY_BLOCK], keys[:, k0 : k0 + KEY_BLOCK])
+        out[s : s + b] = acc
     return out.to(q.dtype)

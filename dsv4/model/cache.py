@@ -82,7 +82,9 @@ class _Rows:
 
     def read(self, pos: torch.Tensor, what: str) -> torch.Tensor:
         if self.data is None or int(pos.min()) < self.base or int(pos.max()) >= self.end:
-            raise RuntimeError(f"{what}: read of {int(pos.min())}..{int(pos.max())} outside cached {self.base}..{self.end - 1}")
+            raise RuntimeError(
+                f"{what}: read of {int(pos.min())}..{int(pos.max())} outside cached {self.base}..{self.end - 1}"
+            )
         return self.data[pos - self.base]
 
     def trim(self, keep_from: int) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 
-
 def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Column-normalise, then (iters-1)× (row, column). The softmax was the first row pass."""
     comb = comb0 / (comb0.sum(dim=-2, keepdim=True) + eps)

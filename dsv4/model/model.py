@@ -165,7 +165,8 @@ class ReferenceModel:
             return ForwardOutput(self.logits_from_streams(rows), streams)
 
     # ---- MTP -----------------------------------------------------------------------------
-    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0) -> torch.Tensor:
+    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk],
+                    m: int = 0) -> torch.Tensor:
         """Draft logits for token i+2 from target streams at row i and the token at i+1.
 
         ``chunks`` give the positions of the target rows and the MTP layer's own caches.
@@ -199,7 +200,7 @@ class ReferenceModel:
             raise ValueError(f"chunk sizes {sizes} do not sum to {len(ids)}")
         outs, off = [], 0
         for n in sizes:
-            out = self.forward(ids[off: off + n], [SeqChunk(cache, start0 + off, n)])
+            out = self.forward(ids[off : off + n], [SeqChunk(cache, start0 + off, n)])
             outs.append(out.logits)
             off += n
         return torch.cat(outs), cache
@@ -215,7 +216,8 @@ class ReferenceModel:
             out.append(tok)
             if i == max_new_tokens - 1:
                 break
-            last = self.forward(torch.tensor([tok], device=self.device),
-                                [SeqChunk(cache, cache.num_tokens, 1)]).logits[-1]
+            last = self.forward(torch.tensor([tok], device=self.device), [SeqChunk(cache, cache.num_tokens, 1)]).logits[
+                -1
+            ]
             steps.append(last)
         return out, torch.stack(steps)

@@ -23,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..formats import _paging, quantize_indexer_k, quantize_kv
-from ..formats.indexer_record import INDEXER_VALUE_BYTES, _scale_start as _idx_scale_start
-from ..formats.kv_record import DATA_BYTES, _scale_start as _kv_scale_start
+from ..formats.indexer_record import INDEXER_VALUE_BYTES
+from ..formats.indexer_record import _scale_start as _idx_scale_start
+from ..formats.kv_record import DATA_BYTES
+from ..formats.kv_record import _scale_start as _kv_scale_start
 from ..model.norms import rms_norm
 from ..model.rope import apply_rope, cos_sin
 

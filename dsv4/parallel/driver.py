@@ -224,7 +224,8 @@ class TPDriver:
     def _check_workers(self, when: str) -> None:
         for rank, p in self.procs.items():
             if not p.is_alive():
-                raise self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} {when}")
+                raise self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                                f"{when}")
 
     def ensure_alive(self) -> None:
         if self.dead is not None:
@@ -249,11 +250,15 @@ class TPDriver:
             multiprocessing.connection.wait(sentinels, timeout=10.0)
         for rank, p in self.procs.items():
             if not p.is_alive():
-                return self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
-                                 f"during the {what} ({type(e).__name__}: {e})")
-        return self._die(f"tensor-parallel {what} failed on rank 0 while every local worker is alive (a rank hung, "
-                         f"or one on another node is gone; distributed_timeout={self.spec.timeout_s:g} s): "
-                         f"{type(e).__name__}: {e}")
+                return self._die(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                    f"during the {what} ({type(e).__name__}: {e})"
+                )
+        return self._die(
+            f"tensor-parallel {what} failed on rank 0 while every local worker is alive (a rank hung, "
+            f"or one on another node is gone; distributed_timeout={self.spec.timeout_s:g} s): "
+            f"{type(e).__name__}: {e}"
+        )
 
     def _die(self, message: str) -> EngineDeadError:
         if self.dead is None:
@@ -297,8 +302,10 @@ class TPModel:
 
     def __getattr__(self, name):  # read-only attributes (w, numerics, blocks, …) of the shard-0 model
         if name in ("prefill", "greedy", "hidden", "mtp_forward", "new_cache"):
-            raise AttributeError(f"{name}() is not available at tensor_parallel_size > 1: only the engine's steps "
-                                 "run the sharded model (use a separate single-process model as an oracle)")
+            raise AttributeError(
+                f"{name}() is not available at tensor_parallel_size > 1: only the engine's steps "
+                "run the sharded model (use a separate single-process model as an oracle)"
+            )
         return getattr(self.inner, name)
 
     def forward(self, token_ids, chunks, logits_rows=None, tables=None, **kw):
@@ -307,8 +314,9 @@ class TPModel:
         d = self.driver
         d.ensure_alive()
         plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None)
-        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables),
-                          "forward")
+        return d.lockstep(
+            plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables), "forward"
+        )
 
 
 class TPDecodeGraphs:

@@ -105,14 +105,18 @@ class ShardPlan:
                 width = c.num_attention_heads // tp.world_size * c.head_dim  # this rank's heads' columns
                 return [rows, (1, part * width, (part + 1) * width)]
             if kind == "shared":
-                return [(dim, *tp.split(c.moe_intermediate_size * c.n_shared_experts, "shared expert intermediate size"))]
+                return [
+                    (dim, *tp.split(c.moe_intermediate_size * c.n_shared_experts, "shared expert intermediate size"))
+                ]
             if kind == "expert":
                 if tp.ep:
                     e = int(m.group(1))
                     lo, hi = tp.expert_range(c.n_routed_experts)
                     if not lo <= e < hi:
-                        raise ValueError(f"rank {tp.rank} holds experts [{lo}, {hi}) under expert parallelism; "
-                                         f"'{name}' belongs to another rank")
+                        raise ValueError(
+                            f"rank {tp.rank} holds experts [{lo}, {hi}) under expert parallelism; "
+                            f"'{name}' belongs to another rank"
+                        )
                     return None
                 return [(dim, *tp.split(c.moe_intermediate_size, "moe_intermediate_size"))]
             if kind == "vocab":
@@ -136,6 +140,7 @@ class ShardPlan:
     @staticmethod
     def _read_1d(ckpt, name, base, dim, s, e, t):
         """Slice [s, e) of ``dim``: from the file when ``t`` is None, else from ``t``."""
+
         def cut(lo, hi):
             if t is None:
                 return ckpt.get_slice(name, dim, lo, hi)

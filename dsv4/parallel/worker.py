@@ -153,6 +153,7 @@ def run_worker_node(config) -> int:
             live.remove(p)
             if p.exitcode and not code:
                 code = p.exitcode if p.exitcode > 0 else 128 - p.exitcode
-                log.error("node %d: worker %s exited with code %s; stopping this node", spec.node_rank, p.name, p.exitcode)
+                log.error("node %d: worker %s exited with code %s; stopping this node", spec.node_rank, p.name,
+                          p.exitcode)
                 stop()
     return code

@@ -33,7 +33,9 @@ def generation_defaults(model_dir: str) -> dict:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {k: cfg[k] for k in _GENERATION_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+    return {
+        k: cfg[k] for k in _GENERATION_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)
+    }
 
 
 def build_app(engine, *, served_model_name: str | list[str] | None = None, api_key: str | None = None) -> FastAPI:
@@ -46,9 +48,17 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     metrics = ServerMetrics(names[0])
     aengine = AsyncEngine(engine, metrics)
     cfg = engine.model_config
-    state = ServerState(engine=aengine, model_names=names, model_path=model_path, max_model_len=engine.max_model_len,
-                        vocab_size=cfg.vocab_size, metrics=metrics, effort_version=effort_version_for_config(cfg.raw),
-                        generation_defaults=generation_defaults(model_path), api_key=api_key)
+    state = ServerState(
+        engine=aengine,
+        model_names=names,
+        model_path=model_path,
+        max_model_len=engine.max_model_len,
+        vocab_size=cfg.vocab_size,
+        metrics=metrics,
+        effort_version=effort_version_for_config(cfg.raw),
+        generation_defaults=generation_defaults(model_path),
+        api_key=api_key,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -88,10 +98,23 @@ def serve(args, config) -> int:
     api_key = args.api_key or env.api_key()
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
     url = f"http://{args.host}:{args.port}"
-    log.info("dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s", args.model,
-             engine.kv_cache.budget.capacity_tokens, engine.max_model_len, url)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                           access_log=False, timeout_keep_alive=30))  # our request log replaces it
+    log.info(
+        "dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s",
+        args.model,
+        engine.kv_cache.budget.capacity_tokens,
+        engine.max_model_len,
+        url,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=False,
+            timeout_keep_alive=30,
+        )
+    )  # our request log replaces it
     aengine = app.state.async_engine
 
     def on_dead():  # a tensor-parallel rank died: answer what is in flight, then exit non-zero (never hang)

@@ -27,8 +27,20 @@ from starlette.responses import JSONResponse
 from ..chat import DSML, DeepseekV4OutputParser, encode_messages, map_reasoning_effort
 from .errors import APIError, bad_request, from_value_error
 from .protocol import ChatCompletionRequest
-from .serving import (EngineStreamingResponse, ServerState, check_stream_options, collect, finite, log_info, new_id,
-                      sampling_params, sse, sse_error, start_stream, usage)
+from .serving import (
+    EngineStreamingResponse,
+    ServerState,
+    check_stream_options,
+    collect,
+    finite,
+    log_info,
+    new_id,
+    sampling_params,
+    sse,
+    sse_error,
+    start_stream,
+    usage,
+)
 
 
 @dataclass
@@ -123,7 +135,8 @@ def fold(deltas: list[dict]) -> dict:
         content.append(d.get("content") or "")
         reasoning.append(d.get("reasoning_content") or "")
         for tc in d.get("tool_calls", []):
-            c = calls.setdefault(tc["index"], {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            c = calls.setdefault(tc["index"],
+                                 {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
             if tc.get("id"):
                 c["id"] = tc["id"]
             fn = tc.get("function", {})
@@ -132,8 +145,13 @@ def fold(deltas: list[dict]) -> dict:
             c["function"]["arguments"] += fn.get("arguments") or ""
     text, think = "".join(content), "".join(reasoning)
     tool_calls = [calls[i] for i in sorted(calls)]
-    return {"role": "assistant", "content": None if (not text and tool_calls) else text,
-            "reasoning_content": think or None, "reasoning": think or None, "tool_calls": tool_calls}
+    return {
+        "role": "assistant",
+        "content": None if (not text and tool_calls) else text,
+        "reasoning_content": think or None,
+        "reasoning": think or None,
+        "tool_calls": tool_calls,
+    }
 
 
 def chat_logprobs(tok, token_ids, dicts, top_n: int) -> list[dict]:
@@ -146,12 +164,20 @@ def chat_logprobs(tok, token_ids, dicts, top_n: int) -> list[dict]:
 
         entry = d.get(tid)
         s = name(tid, entry)
-        tops = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= top_n),
-                      key=lambda kv: kv[1].rank)[:top_n]
-        out.append({"token": s, "logprob": finite(entry.logprob) if entry is not None else None,
-                    "bytes": list(s.encode("utf-8")),
-                    "top_logprobs": [{"token": name(t, lp), "logprob": finite(lp.logprob),
-                                      "bytes": list(name(t, lp).encode("utf-8"))} for t, lp in tops]})
+        tops = sorted(
+            ((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= top_n), key=lambda kv: kv[1].rank
+        )[:top_n]
+        out.append(
+            {
+                "token": s,
+                "logprob": finite(entry.logprob) if entry is not None else None,
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": name(t, lp), "logprob": finite(lp.logprob), "bytes": list(name(t, lp).encode("utf-8"))}
+                    for t, lp in tops
+                ],
+            }
+        )
     return out
 
 
@@ -160,16 +186,24 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = render_chat(state, req.messages, tools=req.tools, tool_choice=req.tool_choice,
-                         chat_template_kwargs=req.chat_template_kwargs, reasoning_effort=req.reasoning_effort,
-                         response_format=req.response_format)
+    prompt = render_chat(
+        state,
+        req.messages,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort,
+        response_format=req.response_format,
+    )
     state.check_prompt(prompt.ids, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = state.max_tokens(len(prompt.ids), requested, field, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(lambda: req.sampling_params(max_tokens, state.generation_defaults, logprobs=top_n),
-                             rename={"logprobs": "top_logprobs", "max_tokens": field})
+    params = sampling_params(
+        lambda: req.sampling_params(max_tokens, state.generation_defaults, logprobs=top_n),
+        rename={"logprobs": "top_logprobs", "max_tokens": field},
+    )
     rid = new_id("chatcmpl")
     info = log_info(request)
     info.update(id=rid, prompt_tokens=len(prompt.ids), completion_tokens=0)
@@ -184,23 +218,49 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
             asm = ChoiceAssembler(prompt)
             deltas = asm.prefill_deltas + asm.feed(o.text) + asm.finish()
             n_completion += len(o.token_ids)
-            choices.append({
-                "index": o.index, "message": fold(deltas),
-                "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs or [], top_n)} if req.logprobs else None,
-                "finish_reason": asm.finish_reason(o.finish_reason), "stop_reason": o.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": fold(deltas),
+                    "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs or [], top_n)}
+                    if req.logprobs
+                    else None,
+                    "finish_reason": asm.finish_reason(o.finish_reason),
+                    "stop_reason": o.stop_reason,
+                }
+            )
         info["completion_tokens"] = n_completion
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": usage(len(prompt.ids), n_completion)})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": usage(len(prompt.ids), n_completion),
+            }
+        )
 
     first, it = await start_stream(request, [stream])
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(idx: int, delta: dict, finish_reason=None, logprobs=None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": idx, "delta": delta,
-                                 "logprobs": {"content": logprobs} if logprobs is not None else None,
-                                 "finish_reason": finish_reason}]})
+        return sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": idx,
+                        "delta": delta,
+                        "logprobs": {"content": logprobs} if logprobs is not None else None,
+                        "finish_reason": finish_reason,
+                    }
+                ],
+            }
+        )
 
     async def events():
         asms: dict[int, ChoiceAssembler] = {}
@@ -215,10 +275,12 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
                         yield chunk(o.index, d)
                 if a.done:
                     continue
-                new_text = o.text[a.chars:]
+                new_text = o.text[a.chars :]
                 a.chars = max(a.chars, len(o.text))
                 if req.logprobs:
-                    a.pending_logprobs += chat_logprobs(tok, o.token_ids[a.tokens:], (o.logprobs or [])[a.tokens:], top_n)
+                    a.pending_logprobs += chat_logprobs(
+                        tok, o.token_ids[a.tokens :], (o.logprobs or [])[a.tokens :], top_n
+                    )
                 a.tokens = len(o.token_ids)
                 deltas = a.feed(new_text)
                 if o.finish_reason is not None:
@@ -248,8 +310,16 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
                 for s in handle(out):
                     yield s
             if include_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage(len(prompt.ids), info["completion_tokens"])})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage(len(prompt.ids), info["completion_tokens"]),
+                    }
+                )
             complete = True
         except Exception as e:  # noqa: BLE001 - the stream has started: report the error in-band
             complete = True

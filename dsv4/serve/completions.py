@@ -14,8 +14,20 @@ from starlette.responses import JSONResponse
 
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest
-from .serving import (EngineStreamingResponse, ServerState, check_stream_options, collect, finite, log_info, new_id,
-                      sampling_params, sse, sse_error, start_stream, usage)
+from .serving import (
+    EngineStreamingResponse,
+    ServerState,
+    check_stream_options,
+    collect,
+    finite,
+    log_info,
+    new_id,
+    sampling_params,
+    sse,
+    sse_error,
+    start_stream,
+    usage,
+)
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:

@@ -185,6 +185,15 @@ class RequestLogMiddleware:
             if log.isEnabledFor(level):
                 extra = ""
                 if "prompt_tokens" in info:
-                    extra = f" prompt_tokens={info['prompt_tokens']} completion_tokens={info.get('completion_tokens', 0)}"
-                log.log(level, "request id=%s %s %s status=%s%s latency=%.3fs", info.get("id", "-"),
-                        scope.get("method"), path, code, extra, time.monotonic() - start)
+                    extra = (f" prompt_tokens={info['prompt_tokens']} "
+                             f"completion_tokens={info.get('completion_tokens', 0)}")
+                log.log(
+                    level,
+                    "request id=%s %s %s status=%s%s latency=%.3fs",
+                    info.get("id", "-"),
+                    scope.get("method"),
+                    path,
+                    code,
+                    extra,
+                    time.monotonic() - start,
+                )

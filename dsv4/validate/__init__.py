@@ -15,6 +15,6 @@
 Submodules import torch/httpx lazily where they can; import them directly.
 """
 
-from .verdict import VerdictConfig, SequenceVerdict, judge_tokens  # noqa: F401  (pure Python)
+from .verdict import SequenceVerdict, VerdictConfig, judge_tokens  # noqa: F401  (pure Python)
 
 __all__ = ["VerdictConfig", "SequenceVerdict", "judge_tokens"]

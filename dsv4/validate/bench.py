@@ -33,12 +33,14 @@ from .. import env
 
 MAX_PROMPTS = 100_000
 TOKEN_ID_RANGE = (1000, 100_000)  # random prompt ids: clear of special tokens at both ends of most vocabularies
-_WORDS = ("time year people way day man thing woman life child world school state family student group country "
-          "problem hand part place case week company system program question work government number night point "
-          "home water room mother area money story fact month lot right study book eye job word business issue "
-          "side kind head house service friend father power hour game line end member law car city community name "
-          "president team minute idea kid body information back parent face others level office door health person "
-          "art war history party result change morning reason research girl guy moment air teacher force education").split()
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office door health person "
+    "art war history party result change morning reason research girl guy moment air teacher force education"
+).split()
 
 
 @dataclass
@@ -96,15 +98,30 @@ def bench_options_from_args(a) -> BenchOptions:
     elif a.port is not None and a.base_url == "http://127.0.0.1:8000":
         base = f"http://127.0.0.1:{a.port}"
     return BenchOptions(
-        base_url=base.rstrip("/"), endpoint=a.endpoint, model=a.model, tokenizer=a.tokenizer,
-        random_input_len=a.random_input_len, random_output_len=a.random_output_len,
-        random_range_ratio=a.random_range_ratio, random_prefix_len=a.random_prefix_len, num_prompts=a.num_prompts,
-        max_concurrency=a.max_concurrency, sweep_concurrency=a.sweep_concurrency, request_rate=a.request_rate,
-        ignore_eos=a.ignore_eos, temperature=a.temperature, seed=a.seed,
-        api_key=a.api_key or env.openai_api_key(), timeout=a.timeout, request_timeout=a.request_timeout,
+        base_url=base.rstrip("/"),
+        endpoint=a.endpoint,
+        model=a.model,
+        tokenizer=a.tokenizer,
+        random_input_len=a.random_input_len,
+        random_output_len=a.random_output_len,
+        random_range_ratio=a.random_range_ratio,
+        random_prefix_len=a.random_prefix_len,
+        num_prompts=a.num_prompts,
+        max_concurrency=a.max_concurrency,
+        sweep_concurrency=a.sweep_concurrency,
+        request_rate=a.request_rate,
+        ignore_eos=a.ignore_eos,
+        temperature=a.temperature,
+        seed=a.seed,
+        api_key=a.api_key or env.openai_api_key(),
+        timeout=a.timeout,
+        request_timeout=a.request_timeout,
         percentile_metrics=tuple(m.strip() for m in a.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(float(p) for p in a.metric_percentiles.split(",") if p.strip()),
-        warmup=a.warmup, result_json=a.result_json, backend=a.backend)
+        warmup=a.warmup,
+        result_json=a.result_json,
+        backend=a.backend,
+    )
 
 
 # ---- per-request results and metrics ------------------------------------------------------------------
@@ -156,8 +173,12 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     e2els = [r.latency for r in ok]
     d = max(duration, 1e-9)
     m: dict = {
-        "completed": len(ok), "failed": len(results) - len(ok), "total_input_tokens": total_input,
-        "total_output_tokens": total_output, "request_throughput": len(ok) / d, "output_throughput": total_output / d,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / d,
+        "output_throughput": total_output / d,
         "total_token_throughput": (total_input + total_output) / d,
     }
     # peak output tok/s: chunks per 1-second bucket (a chunk carries one token on a streaming server)
@@ -171,7 +192,9 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
         m["max_output_tokens_per_s"] = float(max(buckets.values()))
     else:
         m["max_output_tokens_per_s"] = 0.0
-    events = sorted([(r.start, 1) for r in results if r.start] + [(r.start + r.latency, -1) for r in results if r.start])
+    events = sorted(
+        [(r.start, 1) for r in results if r.start] + [(r.start + r.latency, -1) for r in results if r.start]
+    )
     cur = peak = 0
     for _, e in events:
         cur += e
@@ -191,8 +214,14 @@ def _pword(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def format_table(m: dict, duration: float, max_concurrency: int | None, request_rate: float,
-                 percentile_metrics=("ttft", "tpot", "itl"), percentiles=(99.0,)) -> str:
+def format_table(
+    m: dict,
+    duration: float,
+    max_concurrency: int | None,
+    request_rate: float,
+    percentile_metrics=("ttft", "tpot", "itl"),
+    percentiles=(99.0,),
+) -> str:
     """The result table of ``vllm bench serve``."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
@@ -213,8 +242,12 @@ def format_table(m: dict, duration: float, max_concurrency: int | None, request_
     row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", m["max_concurrent_requests"], ".2f")
     row("Total token throughput (tok/s):", m["total_token_throughput"], ".2f")
-    heads = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-             "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+    heads = {
+        "ttft": ("TTFT", "Time to First Token"),
+        "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+        "itl": ("ITL", "Inter-token Latency"),
+        "e2el": ("E2EL", "End-to-end Latency"),
+    }
     for key in percentile_metrics:
         short, header = heads[key]
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
@@ -227,14 +260,18 @@ def format_table(m: dict, duration: float, max_concurrency: int | None, request_
 
 
 def format_sweep(runs: list[BenchResult]) -> str:
-    head = (f"{'Max concurrency':>15}  {'Successful':>10}  {'Failed':>6}  {'Output tok/s':>12}  {'Total tok/s':>11}  "
-            f"{'Median TTFT (ms)':>16}  {'Median TPOT (ms)':>16}")
+    head = (
+        f"{'Max concurrency':>15}  {'Successful':>10}  {'Failed':>6}  {'Output tok/s':>12}  {'Total tok/s':>11}  "
+        f"{'Median TTFT (ms)':>16}  {'Median TPOT (ms)':>16}"
+    )
     lines = [head]
     for r in runs:
         m = r.metrics
         c = "-" if r.max_concurrency is None else r.max_concurrency
-        lines.append(f"{c:>15}  {m['completed']:>10}  {m['failed']:>6}  {m['output_throughput']:>12.2f}  "
-                     f"{m['total_token_throughput']:>11.2f}  {m['median_ttft_ms']:>16.2f}  {m['median_tpot_ms']:>16.2f}")
+        lines.append(
+            f"{c:>15}  {m['completed']:>10}  {m['failed']:>6}  {m['output_throughput']:>12.2f}  "
+            f"{m['total_token_throughput']:>11.2f}  {m['median_ttft_ms']:>16.2f}  {m['median_tpot_ms']:>16.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -253,8 +290,9 @@ def _local_detokenizer(path: str):
 
 
 async def _server_detokenize(client, o: BenchOptions, headers: dict, ids: list[int]) -> str:
-    r = await client.post(f"{o.base_url}/detokenize", json={"model": o.model, "tokens": ids}, headers=headers,
-                          timeout=o.request_timeout)
+    r = await client.post(
+        f"{o.base_url}/detokenize", json={"model": o.model, "tokens": ids}, headers=headers, timeout=o.request_timeout
+    )
     r.raise_for_status()
     return r.json()["prompt"]
 
@@ -285,9 +323,17 @@ async def make_prompts(client, o: BenchOptions, headers: dict) -> tuple[list[tup
 
 
 # ---- requests ----------------------------------------------------------------------------------------
-async def send_one(client, o: BenchOptions, headers: dict, prompt: str, prompt_len: int, max_tokens: int) -> RequestResult:
-    payload = {"model": o.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": o.temperature,
-               "stream": True, "stream_options": {"include_usage": True}}
+async def send_one(
+    client, o: BenchOptions, headers: dict, prompt: str, prompt_len: int, max_tokens: int
+) -> RequestResult:
+    payload = {
+        "model": o.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": o.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if o.ignore_eos:
         payload["ignore_eos"] = True
     res = RequestResult(prompt_len=prompt_len)
@@ -297,8 +343,9 @@ async def send_one(client, o: BenchOptions, headers: dict, prompt: str, prompt_l
     chunks = 0
     usage = None
     try:
-        async with client.stream("POST", f"{o.base_url}{o.endpoint}", json=payload, headers=headers,
-                                 timeout=o.request_timeout) as resp:
+        async with client.stream(
+            "POST", f"{o.base_url}{o.endpoint}", json=payload, headers=headers, timeout=o.request_timeout
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -344,12 +391,16 @@ async def _run_once(o: BenchOptions, concurrency: int | None, out: TextIO) -> Be
     import httpx
 
     headers = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
-    limits = httpx.Limits(max_connections=max(concurrency or o.num_prompts, 1) + 4,
-                          max_keepalive_connections=max(concurrency or o.num_prompts, 1) + 4)
+    limits = httpx.Limits(
+        max_connections=max(concurrency or o.num_prompts, 1) + 4,
+        max_keepalive_connections=max(concurrency or o.num_prompts, 1) + 4,
+    )
     async with httpx.AsyncClient(limits=limits, trust_env=False, timeout=o.request_timeout) as client:
         prompts, how = await make_prompts(client, o, headers)
-        out.write(f"prompts: {len(prompts)} random ({how}); input {o.random_input_len} tokens, output "
-                  f"{o.random_output_len}, range ratio {o.random_range_ratio}\n")
+        out.write(
+            f"prompts: {len(prompts)} random ({how}); input {o.random_input_len} tokens, output "
+            f"{o.random_output_len}, range ratio {o.random_range_ratio}\n"
+        )
         if o.warmup:
             out.write("Starting initial single prompt test run...\n")
             t, n, _ = prompts[0]
@@ -393,16 +444,33 @@ async def _run_once(o: BenchOptions, concurrency: int | None, out: TextIO) -> Be
 
 
 def result_dict(o: BenchOptions, r: BenchResult) -> dict:
-    d = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": o.backend, "endpoint_type": "openai",
-         "base_url": o.base_url, "model_id": o.model, "tokenizer_id": o.tokenizer, "dataset_name": "random",
-         "num_prompts": o.num_prompts, "request_rate": "inf" if o.request_rate == math.inf else o.request_rate,
-         "max_concurrency": r.max_concurrency, "random_input_len": o.random_input_len,
-         "random_output_len": o.random_output_len, "random_range_ratio": o.random_range_ratio,
-         "ignore_eos": o.ignore_eos, "seed": o.seed, "prompt_text": r.detokenizer, "duration": r.duration}
+    d = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": o.backend,
+        "endpoint_type": "openai",
+        "base_url": o.base_url,
+        "model_id": o.model,
+        "tokenizer_id": o.tokenizer,
+        "dataset_name": "random",
+        "num_prompts": o.num_prompts,
+        "request_rate": "inf" if o.request_rate == math.inf else o.request_rate,
+        "max_concurrency": r.max_concurrency,
+        "random_input_len": o.random_input_len,
+        "random_output_len": o.random_output_len,
+        "random_range_ratio": o.random_range_ratio,
+        "ignore_eos": o.ignore_eos,
+        "seed": o.seed,
+        "prompt_text": r.detokenizer,
+        "duration": r.duration,
+    }
     d.update(r.metrics)
-    d.update(input_lens=[x.prompt_len for x in r.results], output_lens=[x.output_tokens for x in r.results],
-             ttfts=[x.ttft for x in r.results], itls=[x.itl for x in r.results],
-             errors=[x.error for x in r.results])
+    d.update(
+        input_lens=[x.prompt_len for x in r.results],
+        output_lens=[x.output_tokens for x in r.results],
+        ttfts=[x.ttft for x in r.results],
+        itls=[x.itl for x in r.results],
+        errors=[x.error for x in r.results],
+    )
     return d
 
 
@@ -428,8 +496,10 @@ def run_bench(o: BenchOptions, out: TextIO | None = None) -> BenchRun:
         for c in levels:
             r = asyncio.run(_run_once(o, c, out))
             runs.append(r)
-            out.write(format_table(r.metrics, r.duration, c, o.request_rate, o.percentile_metrics,
-                                   o.metric_percentiles) + "\n")
+            out.write(
+                format_table(r.metrics, r.duration, c, o.request_rate, o.percentile_metrics, o.metric_percentiles)
+                + "\n"
+            )
             errs = [x.error for x in r.results if x.error]
             if errs:
                 out.write(f"first error ({len(errs)} failed): {errs[0]}\n")

@@ -46,7 +46,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (then pending requests fail)")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for the whole run (then pending requests fail)"
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")

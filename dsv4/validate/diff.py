@@ -254,7 +254,8 @@ class Diff:
                     cmp[3] = "FAIL"
             if not values_ok:
                 note.insert(0, "values read back != the codec's fake quant: "
-                               + ("the bytes are right, so the reader" if bytes_ok else "the bytes are wrong (the writer)"))
+                               + ("the bytes are right, so the reader" if bytes_ok
+                                  else "the bytes are wrong (the writer)"))
             elif not bytes_ok:
                 note.insert(0, "the writer's bytes differ from the codec")
             cmp[4] = "; ".join([cmp[4]] + note if cmp[4] else note)
@@ -297,8 +298,12 @@ class Diff:
         def layer_hook(name, streams, where="prefill"):
             cap[where][name] = streams[-1].detach().float().cpu()  # the last token's streams
 
-        out = m.forward(ids, [SeqChunk(view, 0, len(prompt))], logits_rows=torch.tensor([len(prompt) - 1], device=dev),
-                        hook=layer_hook)
+        out = m.forward(
+            ids,
+            [SeqChunk(view, 0, len(prompt))],
+            logits_rows=torch.tensor([len(prompt) - 1], device=dev),
+            hook=layer_hook,
+        )
         cap["prefill_logits"] = out.logits[-1].float().cpu()
         first = _first_argmax(cap["prefill_logits"])
         tok = first if feed is None else feed
@@ -354,8 +359,10 @@ class Diff:
     def run(self) -> DiffReport:
         o = self.o
         A, B = self.sides
-        self.say(f"### dsv4 diff: A={A.backend} vs B={B.backend} on {o.model} (kv cache {o.kv_cache_dtype}, "
-                 f"{o.fp8_format}; prompt {o.prompt_len} tokens; tolerances 1-cos ≤ {o.cos_tol:g}, rel ≤ {o.rel_tol:g})")
+        self.say(
+            f"### dsv4 diff: A={A.backend} vs B={B.backend} on {o.model} (kv cache {o.kv_cache_dtype}, "
+            f"{o.fp8_format}; prompt {o.prompt_len} tokens; tolerances 1-cos ≤ {o.cos_tol:g}, rel ≤ {o.rel_tol:g})"
+        )
         why = self._availability()
         if why is not None:
             self.report.status = "UNAVAILABLE"
@@ -365,8 +372,13 @@ class Diff:
             return self.report
         t0 = time.perf_counter()
         self._build()
-        self.report.info.update(dtype=str(A.model.dtype), device=str(A.model.device), prompt_len=o.prompt_len,
-                                backend_a=A.backend, backend_b=B.backend)
+        self.report.info.update(
+            dtype=str(A.model.dtype),
+            device=str(A.model.device),
+            prompt_len=o.prompt_len,
+            backend_a=A.backend,
+            backend_b=B.backend,
+        )
         for s in (A, B):
             self._round_trip(s)
         g = torch.Generator().manual_seed(o.seed)
@@ -376,23 +388,38 @@ class Diff:
         cb = self._run_side(B, prompt, ca["fed"])
         for layer in range(self.cfg.num_hidden_layers):
             name = f"layers.{layer}"
-            self.add("prefill hidden", f"{name} (last token of {o.prompt_len})",
-                     compare_tensors(ca["prefill"][name], cb["prefill"].get(name, torch.empty(0)), o.cos_tol, o.rel_tol))
+            self.add(
+                "prefill hidden",
+                f"{name} (last token of {o.prompt_len})",
+                compare_tensors(ca["prefill"][name], cb["prefill"].get(name, torch.empty(0)), o.cos_tol, o.rel_tol),
+            )
         for name in ca["order"]:
             if name not in cb["decode"]:
                 self.add("decode step", name, (None, None, None, "FAIL", "missing on B"))
                 continue
             self.add("decode step", name, compare_tensors(ca["decode"][name], cb["decode"][name], o.cos_tol, o.rel_tol))
         self._annotate_selection()
-        self.add("next-token logits", "after prefill",
-                 compare_logits(ca["prefill_logits"], cb["prefill_logits"], o.top_k, o.cos_tol, o.rel_tol, o.margin_tol))
-        self.add("next-token logits", f"after decode of token {ca['fed']}",
-                 compare_logits(ca["decode_logits"], cb["decode_logits"], o.top_k, o.cos_tol, o.rel_tol, o.margin_tol))
+        self.add(
+            "next-token logits",
+            "after prefill",
+            compare_logits(ca["prefill_logits"], cb["prefill_logits"], o.top_k, o.cos_tol, o.rel_tol, o.margin_tol),
+        )
+        self.add(
+            "next-token logits",
+            f"after decode of token {ca['fed']}",
+            compare_logits(ca["decode_logits"], cb["decode_logits"], o.top_k, o.cos_tol, o.rel_tol, o.margin_tol),
+        )
         sa, sb = ca["greedy"], cb["greedy"]
         p = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y), None)
         self.report.greedy = {"A": sa, "B": sb, "first_difference": p}
-        self.report.rows.append(Row("greedy", f"{len(sa)} tokens", status="PASS" if p is None else "FAIL",
-                                    note="identical" if p is None else f"first differs at position {p}: {sa[p]} vs {sb[p]}"))
+        self.report.rows.append(
+            Row(
+                "greedy",
+                f"{len(sa)} tokens",
+                status="PASS" if p is None else "FAIL",
+                note="identical" if p is None else f"first differs at position {p}: {sa[p]} vs {sb[p]}",
+            )
+        )
         self.report.info["seconds"] = round(time.perf_counter() - t0, 2)
         bad = [r for r in self.report.rows if r.status == "FAIL"]
         self.report.status = "FAIL" if bad else "PASS"
@@ -415,8 +442,11 @@ class Diff:
             inputs = [rows.get(pre + k) for k in ("q", "k_window", "k_compressed")]
             if all(r is None or r.status == "PASS" for r in inputs):
                 csa = self.cfg.layer_type(layer) == LayerType.CSA
-                lg.note = ("q and keys agree: " + ("the Lightning Indexer's top-k selection differs (near-tie scores)"
-                                                   if csa else "the set of keys differs"))
+                lg.note = "q and keys agree: " + (
+                    "the Lightning Indexer's top-k selection differs (near-tie scores)"
+                    if csa
+                    else "the set of keys differs"
+                )
 
     # ---- output ------------------------------------------------------------------------------------------
     def _print(self) -> None:
@@ -429,8 +459,10 @@ class Diff:
                 stage = r.stage
                 self.say(f"--- {stage}")
                 self.say(f"  {'where / op':<44} {'cos':>12} {'max|a-b|':>11} {'rel':>10}  status  note")
-            self.say(f"  {r.where:<44} {f(r.cos, '.8f'):>12} {f(r.max_abs, '.3e'):>11} {f(r.rel, '.2e'):>10}  "
-                     f"{r.status:<6}  {r.note}")
+            self.say(
+                f"  {r.where:<44} {f(r.cos, '.8f'):>12} {f(r.max_abs, '.3e'):>11} {f(r.rel, '.2e'):>10}  "
+                f"{r.status:<6}  {r.note}"
+            )
         gr = self.report.greedy
         self.say(f"greedy A: {gr.get('A')}")
         self.say(f"greedy B: {gr.get('B')}")
@@ -438,9 +470,11 @@ class Diff:
         if fd is None:
             self.say("DIFF_VERDICT: PASS (A and B agree at every step of the chain)")
         else:
-            self.say(f"FIRST_DIVERGENCE: {fd.stage} / {fd.where}"
-                     + (f": cos {fd.cos:.6f}, max|a-b| {fd.max_abs:.3e}, rel {fd.rel:.2e}" if fd.cos is not None else "")
-                     + (f" ({fd.note})" if fd.note else ""))
+            self.say(
+                f"FIRST_DIVERGENCE: {fd.stage} / {fd.where}"
+                + (f": cos {fd.cos:.6f}, max|a-b| {fd.max_abs:.3e}, rel {fd.rel:.2e}" if fd.cos is not None else "")
+                + (f" ({fd.note})" if fd.note else "")
+            )
             self.say("DIFF_VERDICT: FAIL")
 
     def _write_json(self) -> None:

@@ -472,13 +472,18 @@ class Probe:
                  cache_mib=round(b.total_bytes / 2**20, 1), max_model_len=eng.max_model_len,
                  max_num_seqs=eng.config.max_num_seqs, prefix_caching=eng.config.enable_prefix_caching,
                  ops=eng.ops.describe())
-        self.say(f"  ENGINE_READY in {d['seconds']:.1f} s: {d['device']} {d['dtype']}, KV cache {d['kv_cache_dtype']} "
-                 f"({d['fp8_format']}): {b.capacity_tokens} tokens ({b.num_blocks} blocks, {b.num_swa_pages} SWA pages, "
-                 f"{d['cache_mib']} MiB), max_model_len {eng.max_model_len}")
+        self.say(
+            f"  ENGINE_READY in {d['seconds']:.1f} s: {d['device']} {d['dtype']}, KV cache {d['kv_cache_dtype']} "
+            f"({d['fp8_format']}): {b.capacity_tokens} tokens ({b.num_blocks} blocks, {b.num_swa_pages} SWA pages, "
+            f"{d['cache_mib']} MiB), max_model_len {eng.max_model_len}"
+        )
         self.tok = eng.tokenizer
-        self.vcfg = VerdictConfig(bos_token_id=eng.model_config.bos_token_id,
-                                  eos_token_id=eng.model_config.eos_token_id,
-                                  pad_token_id=getattr(self.tok, "pad_token_id", None), **self.o.verdict)
+        self.vcfg = VerdictConfig(
+            bos_token_id=eng.model_config.bos_token_id,
+            eos_token_id=eng.model_config.eos_token_id,
+            pad_token_id=getattr(self.tok, "pad_token_id", None),
+            **self.o.verdict,
+        )
         # logits are checked on every step (cheap: [rows, vocab] on the host); the sampler raises on
         # non-finite rows it samples from, this also covers rows it does not
         inner = eng.runner.execute  # the forward both the synchronous and the async step call
@@ -498,12 +503,16 @@ class Probe:
             from .finite import FiniteMonitor
 
             self.monitor = FiniteMonitor().install(eng.model)
-            self.say("  --validate: finite checks installed on every layer boundary and attention q / k_window / "
-                     "k_compressed / logits / probs")
+            self.say(
+                "  --validate: finite checks installed on every layer boundary and attention q / k_window / "
+                "k_compressed / logits / probs"
+            )
         for bs in self.o.batch_sizes:
             if bs > eng.config.max_num_seqs:
-                st.warn(f"batch size {bs} > max_num_seqs {eng.config.max_num_seqs}: at most "
-                        f"{eng.config.max_num_seqs} requests run at once")
+                st.warn(
+                    f"batch size {bs} > max_num_seqs {eng.config.max_num_seqs}: at most "
+                    f"{eng.config.max_num_seqs} requests run at once"
+                )
 
     # ---- generation helpers -------------------------------------------------------------------------
     def _set_context(self, ctx: str) -> None:
@@ -514,15 +523,25 @@ class Probe:
     def _params(self):
         from ..engine.sampling_params import SamplingParams
 
-        return SamplingParams(temperature=0.0, max_tokens=self.o.max_tokens, ignore_eos=True,
-                              logprobs=self.o.top_logprobs, seed=self.o.seed)
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=self.o.max_tokens,
+            ignore_eos=True,
+            logprobs=self.o.top_logprobs,
+            seed=self.o.seed,
+        )
 
     def _chat_ids(self, spec: PromptSpec) -> list[int]:
         from ..chat import effort_version_for_config, encode_messages
 
         eng = self.llm.engine
-        text = encode_messages(spec.messages, thinking=self.o.thinking, reasoning_effort=None, tools=None,
-                               effort_version=effort_version_for_config(eng.model_config.raw))
+        text = encode_messages(
+            spec.messages,
+            thinking=self.o.thinking,
+            reasoning_effort=None,
+            tools=None,
+            effort_version=effort_version_for_config(eng.model_config.raw),
+        )
         return self.tok.encode(text)
 
     def _call(self, fn: Callable[[], list], n: int) -> tuple[list | None, str | None]:
@@ -549,8 +568,13 @@ class Probe:
             g.text = c.text
             g.finish_reason = c.finish_reason
             g.logprobs = c.logprobs
-            g.verdict = judge_tokens(g.token_ids, finish_reason=c.finish_reason, max_tokens=self.o.max_tokens,
-                                     ignore_eos=True, config=self.vcfg)
+            g.verdict = judge_tokens(
+                g.token_ids,
+                finish_reason=c.finish_reason,
+                max_tokens=self.o.max_tokens,
+                ignore_eos=True,
+                config=self.vcfg,
+            )
         self.report.generations.append(g)
         return g
 
@@ -607,7 +631,7 @@ class Probe:
         params = self._params()
         gens: list[Generation] = []
         for j in range(0, len(order), bs):
-            group = order[j: j + bs]
+            group = order[j : j + bs]
             self._set_context(f"generate {ctx}")
             items = [{"prompt_token_ids": self.prompt_ids[pi]} for pi in group]
             outs, err = self._call(lambda: self.llm.generate(items, params), len(group))
@@ -631,14 +655,18 @@ class Probe:
             if g.token_ids == base.token_ids:
                 same += 1
                 continue
-            p = next((k for k, (x, y) in enumerate(zip(g.token_ids, base.token_ids)) if x != y),
-                     min(len(g.token_ids), len(base.token_ids)))
+            p = next(
+                (k for k, (x, y) in enumerate(zip(g.token_ids, base.token_ids)) if x != y),
+                min(len(g.token_ids), len(base.token_ids)),
+            )
             margin, how = _tie_margin(base, g, p)
             if p == 0:
                 msg = f"{tag}: first token {g.token_ids[:1]} differs from the {ref_name} run's {base.token_ids[:1]}"
             else:
-                msg = (f"{tag}: tokens differ from the {ref_name} run from position {p} "
-                       f"({g.token_ids[p:p + 4]} vs {base.token_ids[p:p + 4]})")
+                msg = (
+                    f"{tag}: tokens differ from the {ref_name} run from position {p} "
+                    f"({g.token_ids[p : p + 4]} vs {base.token_ids[p : p + 4]})"
+                )
             msg += f"; {how}"
             if margin is not None and margin <= self.o.batch_tie_tol:
                 st.warn(msg + f" ≤ --batch-tie-tol {self.o.batch_tie_tol:g}: a near-tie")
@@ -659,11 +687,14 @@ class Probe:
             gens = self._batch_run(bs, f"bs={bs}")
             self.batch_runs[bs] = gens
             same = self._compare(st, gens, [], f"bs={bs}", "bs=1")
-            first_same = sum(1 for g in gens
-                             if not g.error and g.token_ids[:1] == self.baseline[g.prompt_index].token_ids[:1])
+            first_same = sum(
+                1 for g in gens if not g.error and g.token_ids[:1] == self.baseline[g.prompt_index].token_ids[:1]
+            )
             st.data[f"bs={bs}"] = {"requests": len(gens), "identical_to_bs1": same, "first_token_equal": first_same}
-            self.say(f"  bs={bs}: {len(gens)} requests, first token equal to bs=1: {first_same}/{len(gens)}, "
-                     f"identical: {same}/{len(gens)}")
+            self.say(
+                f"  bs={bs}: {len(gens)} requests, first token equal to bs=1: {first_same}/{len(gens)}, "
+                f"identical: {same}/{len(gens)}"
+            )
         self._logits_check(st)
 
     # ---- stage: repeat ---------------------------------------------------------------------------------
@@ -709,11 +740,15 @@ class Probe:
         eng = self.llm.engine
         model = self._oracle_model()
         numerics = eng.numerics
-        st.data["oracle"] = (f"{'the engine model' if self.o.oracle == 'shared' else 'a separate torch reference model'}"
-                             f" on a dense cache ({numerics.kv_cache_dtype}, {numerics.fmt.name}), teacher-forced")
+        st.data["oracle"] = (
+            f"{'the engine model' if self.o.oracle == 'shared' else 'a separate torch reference model'}"
+            f" on a dense cache ({numerics.kv_cache_dtype}, {numerics.fmt.name}), teacher-forced"
+        )
         self.say(f"  oracle: {st.data['oracle']}")
         rows, judged = [], []  # judged: (generation, steps compared, same-precision logits, agreement)
-        kw = dict(tol=self.o.ref_tol, logprob_tol=self.o.logprob_tol, top_k=self.o.top_logprobs, logit_dtype=model.dtype)
+        kw = dict(
+            tol=self.o.ref_tol, logprob_tol=self.o.logprob_tol, top_k=self.o.top_logprobs, logit_dtype=model.dtype
+        )
         for g in self.baseline:
             i = g.prompt_index
             self._set_context(f"reference prompt {i}")
@@ -738,8 +773,10 @@ class Probe:
                     torch.cuda.empty_cache()
             exact = self._torch_reference(torch.float32)  # weights dequantized on its device
             st.data["exact_oracle"] = "the torch reference in float32, for the prompts that failed"
-            self.say(f"  {len(failing)} prompt(s) part from the {kw['logit_dtype']} reference: judged again "
-                     f"against the float32 reference")
+            self.say(
+                f"  {len(failing)} prompt(s) part from the {kw['logit_dtype']} reference: judged again "
+                f"against the float32 reference"
+            )
             for j in failing:
                 g, n, logits, _ = judged[j]
                 self._set_context(f"float32 reference prompt {g.prompt_index}")
@@ -751,11 +788,13 @@ class Probe:
             agree = sum(1 for s in a.steps if s.engine_token == s.oracle_token)
             dl = [abs(s.engine_logprob - s.oracle_logprob) for s in a.steps if s.engine_logprob is not None]
             ov = [s.topk_overlap for s in a.steps if s.topk_overlap is not None]
-            self.say(f"  [prompt {i}] {n} steps: top-1 agrees {agree}/{len(a.steps)}, "
-                     f"engine tokens {g.token_ids[:n]} reference top-1 {[s.oracle_token for s in a.steps]}, "
-                     f"max |Δlogprob| {max(dl) if dl else float('nan'):.3g}, "
-                     f"top-{self.o.top_logprobs} overlap {min(ov) if ov else float('nan'):.2f}"
-                     f" → {'PASS' if a.ok else 'FAIL'}")
+            self.say(
+                f"  [prompt {i}] {n} steps: top-1 agrees {agree}/{len(a.steps)}, "
+                f"engine tokens {g.token_ids[:n]} reference top-1 {[s.oracle_token for s in a.steps]}, "
+                f"max |Δlogprob| {max(dl) if dl else float('nan'):.3g}, "
+                f"top-{self.o.top_logprobs} overlap {min(ov) if ov else float('nan'):.2f}"
+                f" → {'PASS' if a.ok else 'FAIL'}"
+            )
             for p in a.problems:
                 st.fail(f"prompt {i}: {p}")
             for w in a.warnings:
@@ -784,12 +823,17 @@ class Probe:
                     continue
                 n = min(len(want), len(g.token_ids))
                 if len(want) != len(g.token_ids):
-                    st.warn(f"prompt {g.prompt_index}: golden has {len(want)} tokens, this run {len(g.token_ids)}; "
-                            f"comparing the first {n}")
+                    st.warn(
+                        f"prompt {g.prompt_index}: golden has {len(want)} tokens, this run {len(g.token_ids)}; "
+                        f"comparing the first {n}"
+                    )
                 p = next((k for k in range(n) if want[k] != g.token_ids[k]), None)
                 if g.error or p is not None or n == 0:
-                    where = g.error or (f"position {p}: {g.token_ids[p:p + 4]} vs golden {want[p:p + 4]}"
-                                        if p is not None else "no tokens")
+                    where = g.error or (
+                        f"position {p}: {g.token_ids[p : p + 4]} vs golden {want[p : p + 4]}"
+                        if p is not None
+                        else "no tokens"
+                    )
                     st.fail(f"prompt {g.prompt_index}: tokens differ from the golden run ({where})")
                     self.say(f"  [prompt {g.prompt_index}] golden TOKEN_IDS: {want}")
                     self.say(f"  [prompt {g.prompt_index}] this run    : {g.token_ids}")
@@ -801,11 +845,17 @@ class Probe:
             if any(g.error for g in self.baseline):
                 st.fail("not recording a golden file: some prompts produced no tokens")
                 return
-            gold = {"format": GOLDEN_FORMAT, "model": str(self.o.model), "max_tokens": self.o.max_tokens,
-                    "kv_cache_dtype": eng.config.kv_cache_dtype, "fp8_format": eng.config.fp8_format,
-                    "dtype": eng.config.dtype, "backend": eng.config.backend,
-                    "prompts": [{**p.to_dict(), "prompt_token_ids": ids} for p, ids in zip(self.prompts, self.prompt_ids)],
-                    "token_ids": [g.token_ids for g in self.baseline]}
+            gold = {
+                "format": GOLDEN_FORMAT,
+                "model": str(self.o.model),
+                "max_tokens": self.o.max_tokens,
+                "kv_cache_dtype": eng.config.kv_cache_dtype,
+                "fp8_format": eng.config.fp8_format,
+                "dtype": eng.config.dtype,
+                "backend": eng.config.backend,
+                "prompts": [{**p.to_dict(), "prompt_token_ids": ids} for p, ids in zip(self.prompts, self.prompt_ids)],
+                "token_ids": [g.token_ids for g in self.baseline],
+            }
             Path(self.o.record).write_text(json.dumps(gold, ensure_ascii=False, indent=1), encoding="utf-8")
             st.data["record"] = self.o.record
             self.say(f"  --record: golden tokens written to {self.o.record}")

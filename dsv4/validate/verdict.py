@@ -38,11 +38,6 @@ class VerdictConfig:
     loop_min_repeats: int = 3
     loop_min_tokens: int = 12
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer, **kw) -> "VerdictConfig":
-        """BOS/EOS/pad ids from a tokenizer (``bos_token_id``/``eos_token_id``/``pad_token_id``)."""
-        return cls(bos_token_id=getattr(tokenizer, "bos_token_id", 0), eos_token_id=getattr(tokenizer, "eos_token_id", 1),
-                   pad_token_id=getattr(tokenizer, "pad_token_id", None), **kw)
 
 
 @dataclass
@@ -89,8 +84,9 @@ def longest_run(ids: Sequence[int]) -> tuple[int, int, int]:
     return best
 
 
-def find_loop(ids: Sequence[int], max_period: int = 8, min_repeats: int = 3,
-              min_tokens: int = 12) -> tuple[int, int, int] | None:
+def find_loop(
+    ids: Sequence[int], max_period: int = 8, min_repeats: int = 3, min_tokens: int = 12
+) -> tuple[int, int, int] | None:
     """The first periodic stretch (period n ≥ 2) long enough to be a loop: (period, start, length).
 
     A stretch of period n is a maximal range where ``ids[i] == ids[i - n]``; its length counts the
@@ -108,14 +104,20 @@ def find_loop(ids: Sequence[int], max_period: int = 8, min_repeats: int = 3,
             while j < L and ids[j] == ids[j - n]:
                 j += 1
             start, length = i - n, j - (i - n)
-            if length >= need and len(set(ids[start:start + n])) > 1:
+            if length >= need and len(set(ids[start : start + n])) > 1:
                 return n, start, length
             i = j
     return None
 
 
-def judge_tokens(token_ids: Sequence[int], *, finish_reason: str | None = "length", max_tokens: int | None = None,
-                 ignore_eos: bool = False, config: VerdictConfig | None = None) -> SequenceVerdict:
+def judge_tokens(
+    token_ids: Sequence[int],
+    *,
+    finish_reason: str | None = "length",
+    max_tokens: int | None = None,
+    ignore_eos: bool = False,
+    config: VerdictConfig | None = None,
+) -> SequenceVerdict:
     """Verdict on one completion's token ids; see the module docstring for the rules."""
     c = config or VerdictConfig()
     ids = [int(t) for t in token_ids]
@@ -128,8 +130,10 @@ def judge_tokens(token_ids: Sequence[int], *, finish_reason: str | None = "lengt
         bos = _positions(ids, c.bos_token_id)
         later = [p for p in bos if p >= 1]
         if later:
-            v.problems.append(f"BOS (id {c.bos_token_id}) after the first token at positions {_short(later)} "
-                              f"({len(later)} of {len(ids)} tokens): the [token, BOS, BOS, …] pattern of a broken decode")
+            v.problems.append(
+                f"BOS (id {c.bos_token_id}) after the first token at positions {_short(later)} "
+                f"({len(later)} of {len(ids)} tokens): the [token, BOS, BOS, …] pattern of a broken decode"
+            )
         elif bos:
             v.problems.append(f"BOS (id {c.bos_token_id}) generated as the first token")
     ends = {t for t in (c.eos_token_id, c.pad_token_id) if t is not None and t != c.bos_token_id}
@@ -141,8 +145,9 @@ def judge_tokens(token_ids: Sequence[int], *, finish_reason: str | None = "lengt
         if ignore_eos and len(pos) >= 2:
             v.problems.append(f"{name} (id {t}) repeated {len(pos)} times at positions {_short(pos)}")
         elif not ignore_eos and pos and pos[0] != len(ids) - 1:
-            v.problems.append(f"{name} (id {t}) at position {pos[0]} is not the last token: the run should have "
-                              f"stopped there")
+            v.problems.append(
+                f"{name} (id {t}) at position {pos[0]} is not the last token: the run should have stopped there"
+            )
     # ---- repetition ---------------------------------------------------------------------------
     run, tok, start = longest_run(ids)
     if run >= c.max_run:
@@ -154,7 +159,7 @@ def judge_tokens(token_ids: Sequence[int], *, finish_reason: str | None = "lengt
     loop = find_loop(ids, c.loop_max_period, c.loop_min_repeats, c.loop_min_tokens)
     if loop is not None:
         n, s, length = loop
-        v.problems.append(f"{n}-gram loop {ids[s:s + n]} repeated over {length} tokens from position {s}")
+        v.problems.append(f"{n}-gram loop {ids[s : s + n]} repeated over {length} tokens from position {s}")
     # ---- termination ----------------------------------------------------------------------------
     if finish_reason not in ("length", "stop"):
         v.problems.append(f"did not finish normally (finish_reason={finish_reason!r})")
@@ -162,8 +167,10 @@ def judge_tokens(token_ids: Sequence[int], *, finish_reason: str | None = "lengt
         if len(ids) > max_tokens:
             v.problems.append(f"{len(ids)} tokens generated but max_tokens={max_tokens}")
         elif ignore_eos and len(ids) < max_tokens:
-            v.problems.append(f"stopped after {len(ids)} of max_tokens={max_tokens} tokens although ignore_eos was set "
-                              f"(finish_reason={finish_reason!r})")
+            v.problems.append(
+                f"stopped after {len(ids)} of max_tokens={max_tokens} tokens although ignore_eos was set "
+                f"(finish_reason={finish_reason!r})"
+            )
         elif finish_reason == "length" and len(ids) != max_tokens:
             v.problems.append(f"finish_reason 'length' after {len(ids)} tokens, max_tokens={max_tokens}")
         if max_tokens >= 2 and len(ids) == 1:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from canary_helpers import fnuz_read_as_ocp, llm, recorded_on, subset, swiglu_without_clamp
 
 import dsv4.cache.paged as paged
 import dsv4.model.moe as moe
 from dsv4.canary.eval import evaluate_engine
 from dsv4.formats import dequantize_kv
-
-from canary_helpers import fnuz_read_as_ocp, llm, recorded_on, subset, swiglu_without_clamp
 
 # Engine vs recorded accuracy, on identical examples. On CPU the engine is bitwise the reference
 # that recorded canary.json's checkpoint/* numbers, so the measured gap is 0; the margin (2 of 16)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dsv4.chat import encode_messages
-from dsv4.chat.parser import Delta, DeepseekV4OutputParser, accumulate, parse_completion
+from dsv4.chat.parser import DeepseekV4OutputParser, Delta, accumulate, parse_completion
 
 D = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
@@ -280,7 +280,8 @@ def test_wrapper_kept_when_schema_declares_it_or_more_params():
 
 
 def test_truncated_mid_parameter_still_valid_json():
-    text = "r</think>" + f"<{D}tool_calls>\n" + f'<{D}invoke name="get_weather">\n' + f'<{D}parameter name="city" string="true">Ber'
+    text = ("r</think>" + f"<{D}tool_calls>\n" + f'<{D}invoke name="get_weather">\n'
+            + f'<{D}parameter name="city" string="true">Ber')
     for extra in ("", "</", "</｜DSML｜para"):
         deltas = per_char(text + extra)
         assert_no_markup(deltas)
@@ -329,7 +330,7 @@ def test_feed_after_finish_raises():
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_round_trip_encode_then_parse(thinking):
-    args1 = {"city": "北京 \"x\"", "days": 3}
+    args1 = {"city": '北京 "x"', "days": 3}
     args2 = {"query": "a\nb", "limit": 10, "flags": [True, None], "opts": {"k": "v"}}
     assistant = {
         "role": "assistant",
@@ -357,11 +358,38 @@ def test_round_trip_encode_then_parse(thinking):
 
 
 FUZZ_FRAGMENTS = [
-    "a", " ", "\n", "\n\n", "<", "</", "x<y", "你好", "😀", '"', "\\", "<think>", "</think>", "</thi",
-    "<｜", "<｜DS", f"<{D}tool_calls>", f"</{D}tool_calls>", f"<{D}tool>", f'<{D}invoke name="f">',
-    f"</{D}invoke>", f'<{D}parameter name="a" string="true">', f'<{D}parameter name="b" string="false">',
-    f'<{D}parameter name="arguments" string="false">', f'<{D}parameter name="c">', f"</{D}parameter>",
-    EOS, "123", '{"k": [1]}', f"<{D}", f"</{D}par", ">",
+    "a",
+    " ",
+    "\n",
+    "\n\n",
+    "<",
+    "</",
+    "x<y",
+    "你好",
+    "😀",
+    '"',
+    "\\",
+    "<think>",
+    "</think>",
+    "</thi",
+    "<｜",
+    "<｜DS",
+    f"<{D}tool_calls>",
+    f"</{D}tool_calls>",
+    f"<{D}tool>",
+    f'<{D}invoke name="f">',
+    f"</{D}invoke>",
+    f'<{D}parameter name="a" string="true">',
+    f'<{D}parameter name="b" string="false">',
+    f'<{D}parameter name="arguments" string="false">',
+    f'<{D}parameter name="c">',
+    f"</{D}parameter>",
+    EOS,
+    "123",
+    '{"k": [1]}',
+    f"<{D}",
+    f"</{D}par",
+    ">",
 ]
 
 

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from engine_helpers import BOUNDARY_LENGTHS, rand_prompts
 
 

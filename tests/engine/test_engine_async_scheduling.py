@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import assert_no_leaks, make_llm, rand_prompts
 
 from dsv4.engine.sampling_params import SamplingParams
-
-from engine_helpers import assert_no_leaks, make_llm, rand_prompts
 
 
 def _plain(max_tokens: int, **kw) -> SamplingParams:
@@ -85,9 +84,8 @@ def test_async_under_preemption(tiny_ckpt):
     and recomputed later; the tokens are the synchronous engine's and every page comes back."""
     from dsv4.cache.paged import plan_budget, unit_bytes
     from dsv4.config import load_config
-    from dsv4.model.cache import CacheNumerics
-
     from dsv4.engine.engine import EngineConfig
+    from dsv4.model.cache import CacheNumerics
 
     cfg, num = load_config(tiny_ckpt), CacheNumerics("auto")
     dtype = EngineConfig(model=str(tiny_ckpt)).torch_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -9,7 +9,6 @@ shared system prompt from the prefix cache.
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompt, rand_prompts, signature
 
 MAX_TOKENS = 3

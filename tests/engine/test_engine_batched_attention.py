@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import BOUNDARY_LENGTHS, BOUNDARY_NEW_TOKENS, greedy, make_llm, rand_prompts, signature
 from step_control import add, decode_logits
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
 
 from dsv4.engine.sampling_params import SamplingParams
-
-from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
 
 MAX_LEN = 256
 

@@ -11,7 +11,6 @@ reused across requests in the invariance, preemption and accounting tests.
 from __future__ import annotations
 
 import torch
-
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 RUNS = 50

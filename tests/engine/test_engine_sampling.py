@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import Sampler, _first_argmax, apply_penalties, filter_logits, greedy_picks, plain_greedy
 from dsv4.engine.sampling_params import SamplingParams
-
-from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 NEG = float("-inf")
 

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import BOUNDARY_NEW_TOKENS as N_NEW
+from engine_helpers import DTYPES, assert_no_leaks, greedy, make_llm
 
 from dsv4.cache.paged import plan_budget, unit_bytes
 from dsv4.config import load_config
 from dsv4.model.cache import CacheNumerics
-
-from engine_helpers import BOUNDARY_NEW_TOKENS as N_NEW
-from engine_helpers import DTYPES, assert_no_leaks, greedy, make_llm
 
 
 def _check_against_reference(llm, prompts, outs, reference_greedy):

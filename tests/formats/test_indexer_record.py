@@ -2,9 +2,18 @@
 import pytest
 import torch
 
-from dsv4.formats import (FNUZ, OCP, alloc_indexer_pages, decode_fp8, fake_quant_indexer_k,
-                          indexer_page_stride, pow2_scale_exponent, quantize_indexer_k,
-                          read_indexer_k, write_indexer_k)
+from dsv4.formats import (
+    FNUZ,
+    OCP,
+    alloc_indexer_pages,
+    decode_fp8,
+    fake_quant_indexer_k,
+    indexer_page_stride,
+    pow2_scale_exponent,
+    quantize_indexer_k,
+    read_indexer_k,
+    write_indexer_k,
+)
 from dsv4.formats import kv_record as kr
 
 FMTS = [OCP, FNUZ]

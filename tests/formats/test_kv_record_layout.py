@@ -4,8 +4,19 @@ import math
 import pytest
 import torch
 
-from dsv4.formats import (FNUZ, OCP, alloc_kv_pages, dequantize_kv, fake_quant_kv, page_bytes,
-                          page_stride, quantize_kv, read_kv, read_kv_raw, write_kv)
+from dsv4.formats import (
+    FNUZ,
+    OCP,
+    alloc_kv_pages,
+    dequantize_kv,
+    fake_quant_kv,
+    page_bytes,
+    page_stride,
+    quantize_kv,
+    read_kv,
+    read_kv_raw,
+    write_kv,
+)
 from dsv4.formats import kv_record as kr
 
 FMTS = [OCP, FNUZ]

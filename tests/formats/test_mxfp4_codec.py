@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from dsv4.formats import (E2M1_VALUES, dequantize_mxfp4, encode_e2m1, pack_fp4, quantize_mxfp4,
-                          unpack_fp4)
+from dsv4.formats import E2M1_VALUES, dequantize_mxfp4, encode_e2m1, pack_fp4, quantize_mxfp4, unpack_fp4
 
 ONE = torch.tensor([[127]], dtype=torch.uint8)  # scale 2^0 for one 32-block
 

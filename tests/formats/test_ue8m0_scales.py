@@ -2,8 +2,17 @@
 import pytest
 import torch
 
-from dsv4.formats import (FNUZ, OCP, as_ue8m0_bytes, decode_fp8, dequantize_fp8_pow2,
-                          pow2_scale_exponent, quantize_fp8_pow2, ue8m0_decode, ue8m0_encode)
+from dsv4.formats import (
+    FNUZ,
+    OCP,
+    as_ue8m0_bytes,
+    decode_fp8,
+    dequantize_fp8_pow2,
+    pow2_scale_exponent,
+    quantize_fp8_pow2,
+    ue8m0_decode,
+    ue8m0_encode,
+)
 
 
 def test_ue8m0_decode_every_byte_exact():

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from foundation_helpers import CkptCopy, flash_0423_dict, flash_0731_dict as _flash_0731, write_small
+from foundation_helpers import CkptCopy, flash_0423_dict, write_small
+from foundation_helpers import flash_0731_dict as _flash_0731
 
 
 @pytest.fixture

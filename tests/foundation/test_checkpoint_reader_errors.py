@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from dsv4.checkpoint.reader import (INDEX_FILE, Checkpoint, CheckpointError, read_safetensors_header)
+from dsv4.checkpoint.reader import INDEX_FILE, Checkpoint, CheckpointError, read_safetensors_header
 from dsv4.config import ConfigError
 
 # Tensors of the small last shard of tiny (the MTP block's tail): rewriting it is cheap.

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from foundation_helpers import SMALL_LAYERS, SMALL_OVERRIDES, SMALL_SEED
 
 from dsv4.cli import build_parser, main
-
-from foundation_helpers import SMALL_LAYERS, SMALL_OVERRIDES, SMALL_SEED
 
 _ENTRY = Path(sys.executable).parent / "dsv4"
 

@@ -9,11 +9,9 @@ import math
 
 import pytest
 import torch
-
-from dsv4.config import ConfigError, LayerType, config_from_dict, load_config
-
 from foundation_helpers import DSPARK_FIELDS, FLASH_0423, FLASH_0731
 
+from dsv4.config import ConfigError, LayerType, config_from_dict, load_config
 
 # ---- the real configs ----------------------------------------------------------------------------
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from foundation_helpers import flash_0423_dict
 
 from dsv4.checkpoint.schema import expected_tensors, ignored_prefixes, layer_of
 from dsv4.config import config_from_dict
-
-
-from foundation_helpers import flash_0423_dict
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,12 @@ import json
 
 import pytest
 import torch
+from foundation_helpers import SMALL_OVERRIDES, write_small
 
 from dsv4.checkpoint.reader import INDEX_FILE, Checkpoint
 from dsv4.checkpoint.schema import expected_tensors
 from dsv4.checkpoint.synthetic import build_config, tokenizer_source, write_checkpoint
 from dsv4.config import ConfigError, LayerType, config_from_dict, load_config
-
-from foundation_helpers import SMALL_OVERRIDES, write_small
-
 
 # ---- the tiny preset -----------------------------------------------------------------------------
 
@@ -218,7 +216,8 @@ def test_bad_preset_and_expert_dtype():
 def test_flash_width_has_real_widths():
     d = build_config("flash-width")
     c = config_from_dict(d)
-    assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank, c.o_lora_rank) == (4096, 64, 512, 1024, 1024)
+    assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank, c.o_lora_rank) == \
+        (4096, 64, 512, 1024, 1024)
     assert (c.n_routed_experts, c.moe_intermediate_size, c.index_n_heads, c.vocab_size) == (256, 2048, 64, 129280)
     assert c.num_hidden_layers == 4 and set(c.layer_types) == {LayerType.CSA, LayerType.HCA}
     assert c.num_hash_layers == 1 and c.num_mtp_layers == 1

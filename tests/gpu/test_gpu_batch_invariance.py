@@ -6,7 +6,6 @@ the target together with B-1 others at a varying position in the batch.
 
 import pytest
 import torch
-
 from step_control import add, decode_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

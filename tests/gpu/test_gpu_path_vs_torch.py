@@ -48,7 +48,10 @@ def test_triton_path_matches_torch_path(tiny_ckpt):
         return ((x - oracle).norm(dim=-1) / oracle.norm(dim=-1)).max().item()
 
     cos = torch.nn.functional.cosine_similarity(fast16, oracle, dim=-1).min().item()
-    print(f"rel err vs fp32 oracle: torch bf16 {rel(torch16):.4f}, triton bf16 {rel(fast16):.4f}; triton cos min {cos:.5f}")
+    print(
+        f"rel err vs fp32 oracle: torch bf16 {rel(torch16):.4f}, triton bf16 {rel(fast16):.4f}; "
+        f"triton cos min {cos:.5f}"
+    )
     assert rel(fast16) <= 1.5 * rel(torch16) + 0.01
     top2 = oracle.topk(2, dim=-1).values
     err = (fast16 - oracle).abs().max(dim=-1).values

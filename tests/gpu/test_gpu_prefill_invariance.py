@@ -10,7 +10,6 @@ with seven other prompts, and in two chunks; its sampled logits must be bitwise 
 
 import pytest
 import torch
-
 from step_control import add, step_with
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

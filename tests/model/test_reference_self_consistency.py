@@ -82,7 +82,9 @@ def test_chunked_prefill_equals_full_forward(models, full_forward_640, dtype, na
     streams, last, cache = run_chunks(models[dtype], _prompt(), sizes)
     assert torch.equal(streams, full.streams), f"{dtype} chunking {name}: streams {_first_diff(streams, full.streams)}"
     ends = torch.tensor(sizes).cumsum(0) - 1
-    assert torch.equal(last, full.logits[ends]), f"{dtype} chunking {name}: logits {_first_diff(last, full.logits[ends])}"
+    assert torch.equal(last, full.logits[ends]), (
+        f"{dtype} chunking {name}: logits {_first_diff(last, full.logits[ends])}"
+    )
     assert cache.num_tokens == N_PROMPT
 
 
@@ -97,8 +99,10 @@ def test_prefill_then_decode_equals_full_forward(models, full_forward_640, dtype
     assert torch.equal(streams, full.streams[:P]), f"{dtype} prefill: {_first_diff(streams, full.streams[:P])}"
     assert torch.equal(last[0], full.logits[P - 1])
     for p in range(P, N_PROMPT):
-        out = model.forward(ids[p: p + 1], [SeqChunk(cache, p, 1)])
-        assert torch.equal(out.logits[0], full.logits[p]), f"{dtype} decode at {p}: {_first_diff(out.logits, full.logits[p:p + 1])}"
+        out = model.forward(ids[p : p + 1], [SeqChunk(cache, p, 1)])
+        assert torch.equal(out.logits[0], full.logits[p]), (
+            f"{dtype} decode at {p}: {_first_diff(out.logits, full.logits[p : p + 1])}"
+        )
         assert torch.equal(out.streams[0], full.streams[p])
     assert cache.num_tokens == N_PROMPT
 
@@ -128,11 +132,13 @@ def test_mixed_batch_is_batch_invariant(tiny_model_fp8):
     ca2, cb2, cc2 = copy.deepcopy(ca), copy.deepcopy(cb), copy.deepcopy(cc)
     batch = torch.cat([a[200:], b[128:], c[128:]])
     mixed = model.forward(batch, [SeqChunk(ca, 200, 1), SeqChunk(cb, 128, 57), SeqChunk(cc, 128, 3)])
-    alone = [model.forward(a[200:], [SeqChunk(ca2, 200, 1)]),
-             model.forward(b[128:], [SeqChunk(cb2, 128, 57)]),
-             model.forward(c[128:], [SeqChunk(cc2, 128, 3)])]
+    alone = [
+        model.forward(a[200:], [SeqChunk(ca2, 200, 1)]),
+        model.forward(b[128:], [SeqChunk(cb2, 128, 57)]),
+        model.forward(c[128:], [SeqChunk(cc2, 128, 3)]),
+    ]
     assert torch.equal(mixed.streams, torch.cat([o.streams for o in alone]))
     assert torch.equal(mixed.logits, torch.cat([o.logits for o in alone]))
     # the caches continue identically too
-    nxt = model.forward(b[185 - 1:], [SeqChunk(cb, 185, 1)]).logits
-    assert torch.equal(nxt, model.forward(b[185 - 1:], [SeqChunk(cb2, 185, 1)]).logits)
+    nxt = model.forward(b[185 - 1 :], [SeqChunk(cb, 185, 1)]).logits
+    assert torch.equal(nxt, model.forward(b[185 - 1 :], [SeqChunk(cb2, 185, 1)]).logits)

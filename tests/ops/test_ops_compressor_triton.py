@@ -32,11 +32,19 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
+from dsv4.cache.tables import StepTables  # noqa: E402
 from dsv4.checkpoint.synthetic import build_config  # noqa: E402
 from dsv4.config import config_from_dict  # noqa: E402
-from dsv4.cache.tables import StepTables  # noqa: E402
-from dsv4.formats import (FNUZ, OCP, alloc_indexer_pages, alloc_kv_pages, indexer_page_stride,  # noqa: E402
-                          page_stride, read_indexer_k, read_kv)
+from dsv4.formats import (  # noqa: E402
+    FNUZ,
+    OCP,
+    alloc_indexer_pages,
+    alloc_kv_pages,
+    indexer_page_stride,
+    page_stride,
+    read_indexer_k,
+    read_kv,
+)
 from dsv4.model.attention import SeqChunk  # noqa: E402
 from dsv4.ops import torch_compressor  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402

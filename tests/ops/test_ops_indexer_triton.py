@@ -21,8 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
-from dsv4.formats import (FNUZ, OCP, alloc_indexer_pages, fake_quant_fp8_pow2, fake_quant_indexer_k,  # noqa: E402
-                          write_indexer_k)
+from dsv4.formats import FNUZ, OCP, alloc_indexer_pages, fake_quant_fp8_pow2, fake_quant_indexer_k, write_indexer_k  # noqa: E402
 from dsv4.model.linear import stable_topk  # noqa: E402
 from dsv4.ops import torch_indexer as ref  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
@@ -353,7 +352,8 @@ def test_select_topk_ascending_wide_rows_sort_in_torch(monkeypatch):
     g = gen(60)
     x = torch.randn(2, 300, generator=g)
     monkeypatch.setattr(tri, "SELECT_MAX_COLS", 256)
-    assert torch.equal(tri.select_topk_ascending(x.to(DEV), 40).cpu(), ref.ascending_picks(ref.indexer_topk(x, 40), 300))
+    want = ref.ascending_picks(ref.indexer_topk(x, 40), 300)
+    assert torch.equal(tri.select_topk_ascending(x.to(DEV), 40).cpu(), want)
 
 
 def test_paged_indexer_ascending_triton_equals_torch():

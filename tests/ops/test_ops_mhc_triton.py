@@ -3,8 +3,9 @@
 Accuracy is judged against an exact reference (float64 everywhere, ``_exact``): the oracle itself
 is off from it by its fp32 mixes GEMM, and the kernel by its own fp32 GEMM (different summation
 order, and r applied after the dot instead of before), both then round the float64 gates to fp32.
-The kernel's error must not exceed twice the oracle's + 2 fp32 ulps of 1 (gates are O(1)). Measured (interpreter, tiny scales, T=64, H=256, worst of fp32/bf16
-streams): post/comb max |kernel − exact| 2.9e-7 / 7.7e-8 vs the oracle's 3.5e-7 / 1.8e-7
+The kernel's error must not exceed twice the oracle's + 2 fp32 ulps of 1 (gates are O(1)). Measured
+(interpreter, tiny scales, T=64, H=256, worst of fp32/bf16 streams): post/comb max |kernel − exact| 2.9e-7 /
+7.7e-8 vs the oracle's 3.5e-7 / 1.8e-7
 (|kernel − oracle| ≤ 4.8e-7); peaked inputs (scale·16, base·16, outlier channels ×40): 9.5e-7 /
 1.1e-6 vs 2.6e-6 / 2.3e-6 (|kernel − oracle| ≤ 2.6e-6). The collapse differs from the exact one
 by the output rounding (≤ u·|x|, u = 2^-8 bf16 / 2^-24 fp32) plus its pre error times Σ|R_i|:
@@ -21,22 +22,21 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
 from dsv4.model import mhc as ref  # noqa: E402
-from dsv4.model.opset import reference_ops  # noqa: E402
 from dsv4.model.linear import linear  # noqa: E402
 from dsv4.model.norms import unit_rms_norm  # noqa: E402
+from dsv4.model.opset import reference_ops  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import mhc as tm  # noqa: E402
 from dsv4.ops.triton._common import interpreting  # noqa: E402
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 ITERS, HC_EPS, RMS_EPS = 20, 1e-6, 1e-6
-ULP1 = 2.0 ** -23  # fp32 spacing at 1
-HALF_SPACING = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+ULP1 = 2.0**-23  # fp32 spacing at 1
+HALF_SPACING = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 
 
 def _inputs(T, n, H, seed, dtype, peaked=False):
@@ -64,8 +64,8 @@ def _exact(s, fn, base, scale):
     m = x @ fn.double().T
     b, sc = base.double(), scale.double()
     pre = torch.sigmoid(m[:, :n] * sc[0] + b[:n]) + HC_EPS
-    post = 2.0 * torch.sigmoid(m[:, n:2 * n] * sc[1] + b[n:2 * n])
-    comb0 = torch.softmax(m[:, 2 * n:].view(T, n, n) * sc[2] + b[2 * n:].view(n, n), dim=-1) + HC_EPS
+    post = 2.0 * torch.sigmoid(m[:, n : 2 * n] * sc[1] + b[n : 2 * n])
+    comb0 = torch.softmax(m[:, 2 * n :].view(T, n, n) * sc[2] + b[2 * n :].view(n, n), dim=-1) + HC_EPS
     comb = ref.sinkhorn(comb0, ITERS, HC_EPS)
     col = (pre.unsqueeze(-1) * s.double()).sum(1)
     return pre, post, comb, col
@@ -92,9 +92,9 @@ def _sequential_bounds(s, fn, scale):
     T, n, H = s.shape
     x = s.reshape(T, -1).double()
     xh = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
-    dot_err = math.sqrt(n * H) * 2.0 ** -24 * (xh.abs() @ fn.double().abs().T)  # [T, 2n+n²]
-    seq_post = (0.5 * scale.double()[1] * dot_err[:, n:2 * n]).max().item() + ULP1
-    seq_comb = n * (0.5 * scale.double()[2] * dot_err[:, 2 * n:]).max().item() + ULP1
+    dot_err = math.sqrt(n * H) * 2.0**-24 * (xh.abs() @ fn.double().abs().T)  # [T, 2n+n²]
+    seq_post = (0.5 * scale.double()[1] * dot_err[:, n : 2 * n]).max().item() + ULP1
+    seq_comb = n * (0.5 * scale.double()[2] * dot_err[:, 2 * n :]).max().item() + ULP1
     return seq_post, seq_comb
 
 
@@ -115,8 +115,10 @@ def test_hc_pre_matches_oracle(dtype, peaked):
     seq_post, seq_comb = _sequential_bounds(s, fn, scale)
     for name, k, o, e in (("post", post, o_post, e_post), ("comb", comb, o_comb, e_comb)):
         err_k, err_o = _max(k, e), _max(o, e)
-        print(f"\n{dtype} peaked={peaked} {name}: |kernel-exact| {err_k:.3g}, |oracle-exact| {err_o:.3g}, "
-              f"|kernel-oracle| {_max(k, o):.3g}, sequential-sum bound {seq_post if name == 'post' else seq_comb:.3g}")
+        print(
+            f"\n{dtype} peaked={peaked} {name}: |kernel-exact| {err_k:.3g}, |oracle-exact| {err_o:.3g}, "
+            f"|kernel-oracle| {_max(k, o):.3g}, sequential-sum bound {seq_post if name == 'post' else seq_comb:.3g}"
+        )
         lim = max(2 * err_o + 2 * ULP1, seq_post if name == "post" else seq_comb)
         assert err_k <= lim, (name, err_k, err_o)
     # collapse: the fp32 value x̃ is off from the exact x by ≤ δ·Σ|R_i| (δ: a pre error as large as
@@ -152,7 +154,7 @@ def test_hc_pre_batch_invariant():
     n, H, pool = 4, 256, 80
     s, fn, base, scale = _inputs(pool, n, H, 21, torch.bfloat16, peaked=True)
     probe = torch.tensor([0, 5, 17, 63, 79])
-    alone = [tm.hc_pre(s[r:r + 1], fn, base, scale, ITERS, HC_EPS, RMS_EPS) for r in probe.tolist()]
+    alone = [tm.hc_pre(s[r : r + 1], fn, base, scale, ITERS, HC_EPS, RMS_EPS) for r in probe.tolist()]
     g = gen(5)
     for m in (1, 3, 8, 64, 80):
         k = min(m, len(probe))
@@ -182,13 +184,16 @@ def test_hc_post_matches_oracle_and_is_batch_invariant(dtype):
     y = tm.hc_post(s, out, post, comb)
     o = ref.hc_post(s, out, post, comb)
     assert y.dtype == dtype and y.shape == (T, n, H)
-    terms = post.abs().unsqueeze(-1) * out.float().abs().unsqueeze(-2) + \
-        torch.matmul(comb.abs().transpose(-1, -2), s.float().abs())
+    terms = post.abs().unsqueeze(-1) * out.float().abs().unsqueeze(-2) + torch.matmul(
+        comb.abs().transpose(-1, -2), s.float().abs()
+    )
     u32, u = HALF_SPACING[torch.float32], HALF_SPACING[dtype]
     lim = 2 * (4 * u32 + u) * terms + 2 * u * o.float().abs() + 1e-30
     d = (y.float() - o.float()).abs()
-    print(f"\n{dtype} hc_post: max |kernel-oracle| {d.max().item():.3g}, "
-          f"{int((y != o).sum())} of {y.numel()} differ, max diff/limit {(d / lim).max().item():.3g}")
+    print(
+        f"\n{dtype} hc_post: max |kernel-oracle| {d.max().item():.3g}, "
+        f"{int((y != o).sum())} of {y.numel()} differ, max diff/limit {(d / lim).max().item():.3g}"
+    )
     assert bool((d <= lim).all())
     for m, rows in ((1, [7]), (3, [40, 7, 2]), (8, list(range(30, 38))), (64, list(range(63, -1, -1)))):
         idx = torch.tensor(rows, device=s.device)
@@ -203,8 +208,9 @@ def test_registry_and_errors():
     with pytest.raises(ValueError, match="fn must be"):
         tm.hc_pre(s, fn[:, :-1], base, scale, ITERS, HC_EPS, RMS_EPS)
     with pytest.raises(TypeError, match="out dtype"):
-        tm.hc_post(s, s[:, 0].to(torch.bfloat16), torch.ones(2, 4, device=s.device),
-                   torch.ones(2, 4, 4, device=s.device))
+        tm.hc_post(
+            s, s[:, 0].to(torch.bfloat16), torch.ones(2, 4, device=s.device), torch.ones(2, 4, 4, device=s.device)
+        )
     empty = tm.hc_pre(s[:0], fn, base, scale, ITERS, HC_EPS, RMS_EPS)
     assert [tuple(t.shape) for t in empty] == [(0, 64), (0, 4), (0, 4, 4)]
 
@@ -225,9 +231,12 @@ def test_mix_dot_bf16x3_split_is_exact():
     g = gen(77)
     b = 32
     mant = 1.0 + torch.randint(0, 1 << 23, (b, b), generator=g).double() / (1 << 23)
-    f = (mant * torch.exp2(torch.randint(-40, 41, (b, b), generator=g).double())
-         * torch.where(torch.rand(b, b, generator=g) < 0.5, -1.0, 1.0)).float()
-    f[0, :4] = torch.tensor([0.0, -0.0, 1.0, -(2.0 ** -30)])
+    f = (
+        mant
+        * torch.exp2(torch.randint(-40, 41, (b, b), generator=g).double())
+        * torch.where(torch.rand(b, b, generator=g) < 0.5, -1.0, 1.0)
+    ).float()
+    f[0, :4] = torch.tensor([0.0, -0.0, 1.0, -(2.0**-30)])
     out = torch.empty_like(f, device=DEV)
     _split_probe[(1,)](f.to(DEV).contiguous(), out, BLOCK=b, INTERP=interpreting(), num_warps=4)
     assert torch.equal(out.cpu(), f), (out.cpu() - f).abs().max()

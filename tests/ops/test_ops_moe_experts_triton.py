@@ -153,7 +153,8 @@ def test_groups_major_scales_give_the_same_bits(fp4_layer, dtype):
     cfg = {"direct": False, "BLOCK_N": 128, "BLOCK_K": 64}
     want = tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config=cfg)
     assert torch.equal(tmoe.moe_experts(x, ids, w, w13, s13g, w2, s2g, config=cfg), want)
-    assert torch.equal(torch_ops.moe_experts(x, ids, w, w13, s13g, w2, s2g), torch_ops.moe_experts(x, ids, w, *fp4_layer))
+    assert torch.equal(torch_ops.moe_experts(x, ids, w, w13, s13g, w2, s2g),
+                       torch_ops.moe_experts(x, ids, w, *fp4_layer))
 
 
 @pytest.mark.parametrize("kperm,dtype", [(False, torch.bfloat16), (True, torch.float32), (True, torch.bfloat16)])
@@ -163,14 +164,16 @@ def test_k_order_of_the_mma_operands(fp4_layer, kperm, dtype):
     several K steps (BLOCK_K 64) and a padding row."""
     assert tmoe.pick_moe_config(9, K, E, "fp4")["kperm"] and not tmoe.pick_moe_config(9, K, E, "fp8")["kperm"]
     x, ids, w, valid = _padded_batch(9, 51, dtype, pad_row=2)
-    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config={"direct": False, "BLOCK_N": 128, "BLOCK_K": 64,
-                                                          "kperm": kperm})
+    got = tmoe.moe_experts(
+        x, ids, w, *fp4_layer, config={"direct": False, "BLOCK_N": 128, "BLOCK_K": 64, "kperm": kperm}
+    )
     _check(got, torch_ops.moe_experts(x, ids, w, *fp4_layer), dtype)
     assert (got[~valid] == 0).all()
 
 
-@pytest.mark.parametrize("dtype,expert_dtype", [(torch.float32, "fp4"), (torch.bfloat16, "fp4"),
-                                                (torch.bfloat16, "fp8")])
+@pytest.mark.parametrize(
+    "dtype,expert_dtype", [(torch.float32, "fp4"), (torch.bfloat16, "fp4"), (torch.bfloat16, "fp8")]
+)
 def test_tail_blocks_at_half_the_rows_give_the_same_bits(fp4_layer, dtype, expert_dtype):
     """``tail``: blocks whose second half holds no slot run in a second launch of BLOCK_M / 2 rows. 40
     tokens × 6 over 8 experts at BLOCK_M 32 give both kinds of block (checked on the grouping), and padding
@@ -266,18 +269,27 @@ def test_group_slots_layout():
     assert (bexp[used:] == -1).all() and (bexp[:used] >= 0).all()
     assert torch.equal(bexp[:used], bexp[:used].sort().values)  # experts in ascending order
     for b in range(used):
-        rows = slot_ids[b * bm:(b + 1) * bm]
+        rows = slot_ids[b * bm : (b + 1) * bm]
         rows = rows[rows >= 0]
         assert rows.numel() > 0 and (flat[rows.long()] == bexp[b]).all()
-    assert (slot_ids[used * bm:] == -1).all()
+    assert (slot_ids[used * bm :] == -1).all()
 
 
 def _group_cases():
     """(name, ids [T, topk], n_experts, block_m) on fresh random inputs plus the corner cases."""
     g = gen(9)
     cases = []
-    for t, k, n_exp, bm in ((1, 6, 256, 16), (1, 1, 8, 16), (3, 6, 8, 16), (8, 6, 256, 32), (11, 6, 64, 16),
-                            (64, 6, 256, 16), (64, 6, 256, 32), (64, 6, 8, 16), (40, 4, 64, 32)):
+    for t, k, n_exp, bm in (
+        (1, 6, 256, 16),
+        (1, 1, 8, 16),
+        (3, 6, 8, 16),
+        (8, 6, 256, 32),
+        (11, 6, 64, 16),
+        (64, 6, 256, 16),
+        (64, 6, 256, 32),
+        (64, 6, 8, 16),
+        (40, 4, 64, 32),
+    ):
         ids = torch.randint(0, n_exp, (t, k), generator=g)
         cases.append((f"random t={t} k={k} E={n_exp} bm={bm}", ids, n_exp, bm))
         pad = ids.clone()
@@ -317,8 +329,10 @@ def test_group_slots_triton_chunks():
 
 # --- the PTX MXFP4 decode (CUDA sm_80+, bf16): bit-identical to the portable decode -------------
 
+
 def _ptx_available():
     from dsv4.ops.triton._common import ptx_fp4
+
     return DEV != "cpu" and ptx_fp4(torch.device(DEV), torch.bfloat16)
 
 
@@ -327,12 +341,22 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _decode_tile_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, KH, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PTX: tl.constexpr, FOLD: tl.constexpr = False):
+def _decode_tile_kernel(
+    w_ptr,
+    s_ptr,
+    lo_ptr,
+    hi_ptr,
+    KH,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PTX: tl.constexpr,
+    FOLD: tl.constexpr = False,
+):
     rows = tl.arange(0, BLOCK_N)
     sb = tmoe._fp4_scale_bytes(s_ptr, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 32, 1, BLOCK_K)
-    lo, hi = tmoe._w_tile_fp4(w_ptr, sb, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1,
-                              BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX, FOLD=FOLD)
+    lo, hi = tmoe._w_tile_fp4(
+        w_ptr, sb, rows, rows < BLOCK_N, 0, KH, BLOCK_K // 2, 1, BLOCK_N, BLOCK_K, tl.bfloat16, False, PTX, FOLD=FOLD
+    )
     j = tl.arange(0, BLOCK_K // 2)
     off = rows[:, None] * (BLOCK_K // 2) + j[None, :]
     tl.store(lo_ptr + off, lo)
@@ -344,8 +368,10 @@ def test_ptx_fp4_decode_is_the_portable_decode_bitwise():
     """Every byte (both nibbles) under scale codes from the subnormal end (0, 1, 2) through the
     weights' range to the top (253, 254) and NaN (255): the same bf16 bits as the portable path."""
     n, kb = 64, 128  # 64 rows × 128 k = 64 bytes a row, 4 scale groups a row
-    codes = torch.tensor([0, 1, 2, 3, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 129, 130, 140, 200, 252,
-                          253, 254, 255], dtype=torch.uint8)
+    codes = torch.tensor(
+        [0, 1, 2, 3, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 129, 130, 140, 200, 252, 253, 254, 255],
+        dtype=torch.uint8,
+    )
     w = (torch.arange(n * kb // 2) % 256).to(torch.uint8).view(n, kb // 2)
     w = w[torch.randperm(n, generator=torch.Generator().manual_seed(0))].contiguous()
     s = codes[torch.arange(n * kb // 32) % len(codes)].view(n, kb // 32).contiguous()
@@ -388,8 +414,9 @@ def test_folded_ptx_decode_is_the_portable_decode_bitwise():
         for mode in ("portable", "fold"):
             lo = torch.empty(n, kb // 2, dtype=torch.bfloat16, device=DEV)
             hi = torch.empty_like(lo)
-            _decode_tile_kernel[(1,)](w.to(DEV), s.to(DEV), lo, hi, kb, BLOCK_N=n, BLOCK_K=kb,
-                                      PTX=mode == "fold", FOLD=mode == "fold")
+            _decode_tile_kernel[(1,)](
+                w.to(DEV), s.to(DEV), lo, hi, kb, BLOCK_N=n, BLOCK_K=kb, PTX=mode == "fold", FOLD=mode == "fold"
+            )
             out[shift, mode] = (lo.cpu().view(torch.int16), hi.cpu().view(torch.int16))
         assert all(torch.equal(a, b) for a, b in zip(out[shift, "portable"], out[shift, "fold"]))
 

@@ -100,7 +100,9 @@ def test_an_op_set_dispatches_to_its_kernels():
             return fn(*a, **k)
         return f
 
-    ops = OpSet({"apply_rope": spy("apply_rope", tr.apply_rope), "unit_norm_rope": spy("unit_norm_rope", tr.unit_norm_rope)})
+    ops = OpSet(
+        {"apply_rope": spy("apply_rope", tr.apply_rope), "unit_norm_rope": spy("unit_norm_rope", tr.unit_norm_rope)}
+    )
     ops.apply_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), inverse=True, in_place=True)
     ops.unit_norm_rope(x.to(DEV), cos.to(DEV), sin.to(DEV), EPS)
     assert calls == ["apply_rope", "unit_norm_rope"]
@@ -136,12 +138,21 @@ def test_model_forward_with_the_rope_kernels_is_bitwise_the_unfused_fast_path(ti
         def f(*a, **k):
             calls.append(fn.__name__)
             return fn(*a, **k)
+
         return f
 
     runs = {}
-    for name, ops in (("pair", {"unit_rms_norm": td.unit_rms_norm}),
-                      ("fused", {"unit_rms_norm": td.unit_rms_norm, "apply_rope": spy(tr.apply_rope),
-                                 "unit_norm_rope": spy(tr.unit_norm_rope)})):
+    for name, ops in (
+        ("pair", {"unit_rms_norm": td.unit_rms_norm}),
+        (
+            "fused",
+            {
+                "unit_rms_norm": td.unit_rms_norm,
+                "apply_rope": spy(tr.apply_rope),
+                "unit_norm_rope": spy(tr.unit_norm_rope),
+            },
+        ),
+    ):
         model = ReferenceModel(weights, ops=OpSet(ops))
         with torch.no_grad():
             plain = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))]).logits

@@ -75,7 +75,9 @@ class ServeProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dsv4 serve exited with {self.proc.returncode} while starting:\n{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"dsv4 serve exited with {self.proc.returncode} while starting:\n{self.log()[-4000:]}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -85,13 +87,21 @@ class ServeProcess:
         raise TimeoutError(f"dsv4 serve did not become ready in {timeout} s:\n{self.log()[-4000:]}")
 
     def worker_pids(self) -> dict[int, int]:
-        return {int(r): int(p) for r, p in re.findall(r"started tensor-parallel worker rank (\d+), pid (\d+)", self.log())}
+        return {
+            int(r): int(p) for r, p in re.findall(r"started tensor-parallel worker rank (\d+), pid (\d+)", self.log())
+        }
 
     def complete(self, ids: list[int], timeout: float = 120.0):
         import httpx
 
-        body = {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0}
+        body = {
+            "model": "tiny",
+            "prompt": ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
         return httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
 
     def close(self) -> int:

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import torch
 
 from dsv4.cache.paged import CacheAllocation
-from dsv4.parallel.plan import plan_step
 from dsv4.model.attention import SeqChunk
+from dsv4.parallel.plan import plan_step
 
 
 def test_plan_sends_only_the_unreleased_window_pages_and_rebuilds_the_allocation():

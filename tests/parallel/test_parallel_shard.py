@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dsv4.checkpoint.reader import Checkpoint
-from dsv4.parallel.group import DistSpec, TPGroup
 from dsv4.formats import dequantize_block_fp8, dequantize_mxfp4
+from dsv4.parallel.group import DistSpec, TPGroup
 
 
 def _groups(n: int, ep: bool = False) -> list[TPGroup]:

@@ -25,8 +25,9 @@ def serve_model(tiny_ckpt):
 @pytest.fixture(scope="module")
 def real_server(tiny_ckpt, serve_model):
     """The tiny model behind the OpenAI API, served as "tiny"."""
-    from dsv4.serve import build_app
     from serve_test_support import ServerThread
+
+    from dsv4.serve import build_app
 
     app = build_app(make_engine(tiny_ckpt, serve_model), served_model_name="tiny")
     with ServerThread(app) as srv:

@@ -41,8 +41,9 @@ async def _all(url: str, hang: set[int]) -> list[dict]:
 
 
 def _serve(tiny_ckpt, serve_model, **kw):
-    from dsv4.serve import build_app
     from serve_test_support import ServerThread, make_engine
+
+    from dsv4.serve import build_app
 
     return ServerThread(build_app(make_engine(tiny_ckpt, serve_model, **kw), served_model_name="tiny"))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from serve_test_support import MAX_MODEL_LEN
 
 for _dep in ("fastapi", "uvicorn", "prometheus_client"):

@@ -23,7 +23,9 @@ for _dep in ("fastapi", "uvicorn", "prometheus_client"):
 
 HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 
-pytestmark = pytest.mark.skipif(not HAVE_LM_EVAL, reason='lm-eval is not installed (pip install "lm-eval[api]==0.4.13")')
+pytestmark = pytest.mark.skipif(
+    not HAVE_LM_EVAL, reason='lm-eval is not installed (pip install "lm-eval[api]==0.4.13")'
+)
 
 MC = [
     {"question": "What color is the sky?", "choices": ["blue", "green", "red"], "label": 0},
@@ -45,7 +47,7 @@ def _write_tasks(root) -> str:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tasks / 'mc.jsonl'}
+    test: {tasks / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
@@ -58,7 +60,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tasks / 'gen.jsonl'}
+    test: {tasks / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "Q: {{{{question}}}}\\nA:"
@@ -92,19 +94,35 @@ json.dump(res["results"], open(out, "w"), default=str)
 def test_lm_eval_local_completions(real_server, tiny_ckpt, tmp_path):
     tasks = _write_tasks(tmp_path)
     out = tmp_path / "results.json"
-    model_args = (f"model=tiny,base_url={real_server.url}/v1/completions,tokenizer={tiny_ckpt},"
-                  "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=300")
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-c", RUNNER, model_args, tasks, str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    model_args = (
+        f"model=tiny,base_url={real_server.url}/v1/completions,tokenizer={tiny_ckpt},"
+        "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=300"
+    )
+    env = dict(
+        os.environ,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", RUNNER, model_args, tasks, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"lm-eval failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert 0.0 <= results["tiny_mc"]["acc,none"] <= 1.0
     assert "exact_match,none" in results["tiny_gen"]
     # every request came through the server: 8 loglikelihood choices + 2 generations
     metrics = httpx.get(real_server.url + "/metrics").text
-    line = next(ln for ln in metrics.splitlines()
-                if ln.startswith('dsv4:http_requests_total{endpoint="/v1/completions",status="200"}'))
+    line = next(
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith('dsv4:http_requests_total{endpoint="/v1/completions",status="200"}')
+    )
     assert float(line.split()[-1]) == 10
     assert real_server.on_engine(lambda e: e.kv.leaks()) == []

@@ -12,7 +12,6 @@ import json
 
 import httpx
 import pytest
-
 from serve_test_support import ScriptedBackend, ScriptedSampler, ServerThread, make_engine
 
 for _dep in ("fastapi", "uvicorn", "prometheus_client"):

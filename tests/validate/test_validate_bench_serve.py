@@ -23,9 +23,10 @@ TABLE_ROWS = ["Successful requests:", "Failed requests:", "Maximum request concu
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, validate_model):
+    from validate_test_support import ServerThread
+
     from dsv4.engine.engine import EngineConfig, LLMEngine
     from dsv4.serve import build_app
-    from validate_test_support import ServerThread
 
     engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=128 << 20, max_model_len=256, max_num_seqs=8),
                        model=validate_model)
@@ -75,9 +76,13 @@ def test_bench_serve_counts_failures(server, capsys):
 
 
 def test_metrics_and_table_on_synthetic_timings():
-    rs = [RequestResult(True, 10, 3, ttft=0.1, latency=0.3, itl=[0.1, 0.1], start=0.0, chunk_times=[0.1, 0.2, 0.3]),
-          RequestResult(True, 20, 5, ttft=0.2, latency=1.0, itl=[0.2] * 4, start=0.5, chunk_times=[0.7, 0.9, 1.1, 1.3, 1.5]),
-          RequestResult(False, 7, 0, start=0.6, latency=0.1, error="HTTP 500")]
+    rs = [
+        RequestResult(True, 10, 3, ttft=0.1, latency=0.3, itl=[0.1, 0.1], start=0.0, chunk_times=[0.1, 0.2, 0.3]),
+        RequestResult(
+            True, 20, 5, ttft=0.2, latency=1.0, itl=[0.2] * 4, start=0.5, chunk_times=[0.7, 0.9, 1.1, 1.3, 1.5]
+        ),
+        RequestResult(False, 7, 0, start=0.6, latency=0.1, error="HTTP 500"),
+    ]
     m = calculate_metrics(rs, duration=2.0, percentiles=(50.0, 99.0))
     assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (2, 1, 30, 8)
     assert m["output_throughput"] == 4.0 and m["total_token_throughput"] == 19.0

@@ -13,9 +13,30 @@ def test_probe_cli_passes_on_the_tiny_model(tiny_ckpt, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# one chat prompt\nchat: 你好\n")
     report = tmp_path / "probe.json"
-    rc = main(["probe", "--model", str(tiny_ckpt), "--prompts", str(prompts), "--max-tokens", "2", "--batch-sizes", "1",
-               "--repeats", "1", "--kv-cache-memory", "64", "--max-num-seqs", "4", "--max-model-len", "128", "--validate",
-               "--json-report", str(report)])
+    rc = main(
+        [
+            "probe",
+            "--model",
+            str(tiny_ckpt),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "2",
+            "--batch-sizes",
+            "1",
+            "--repeats",
+            "1",
+            "--kv-cache-memory",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "128",
+            "--validate",
+            "--json-report",
+            str(report),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "DSV4_VERDICT: PASS" in out and "FIRST_NON_FINITE" not in out
@@ -58,10 +79,34 @@ def test_diff_cli_reports_triton_unavailable_on_plain_cpu(tiny_ckpt, monkeypatch
 
 
 def test_bench_serve_flags_parse_like_vllm():
-    a = build_parser().parse_args([
-        "bench", "serve", "--base-url", "http://127.0.0.1:8000", "--model", "m", "--dataset-name", "random",
-        "--random-input-len", "8192", "--random-output-len", "1024", "--num-prompts", "12", "--max-concurrency", "4",
-        "--ignore-eos", "--seed", "0", "--trust-remote-code", "--result-json", "r.json", "--sweep-concurrency", "1,2,4"])
+    a = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            "http://127.0.0.1:8000",
+            "--model",
+            "m",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "8192",
+            "--random-output-len",
+            "1024",
+            "--num-prompts",
+            "12",
+            "--max-concurrency",
+            "4",
+            "--ignore-eos",
+            "--seed",
+            "0",
+            "--trust-remote-code",
+            "--result-json",
+            "r.json",
+            "--sweep-concurrency",
+            "1,2,4",
+        ]
+    )
     assert a.fn.__name__ == "_cmd_bench_serve"
     assert (a.random_input_len, a.random_output_len, a.num_prompts, a.max_concurrency) == (8192, 1024, 12, 4)
     assert a.sweep_concurrency == [1, 2, 4] and a.ignore_eos and a.result_json == "r.json"

@@ -89,7 +89,11 @@ def test_planted_attention_fault_is_named_at_its_layer(tiny_ckpt, validate_model
     first_decode = next(r for r in rep.rows if r.stage == "decode step" and r.status == "FAIL")
     assert first_decode.where == "layers.2.attn.out"
     assert all(r.status == "PASS" for r in rep.rows if r.stage.startswith("cache round trip"))
-    assert all(r.status == "PASS" for r in rep.rows if r.stage == "prefill hidden" and r.where.startswith(("layers.0", "layers.1")))
+    assert all(
+        r.status == "PASS"
+        for r in rep.rows
+        if r.stage == "prefill hidden" and r.where.startswith(("layers.0", "layers.1"))
+    )
     rows = {r.where: r for r in rep.rows if r.stage == "decode step"}
     assert all(rows[w].status == "PASS" for w in rows if w.startswith(("layers.0", "layers.1")))
     assert rows["layers.2.attn.q"].status == "PASS" and rows["layers.2.attn.k_window"].status == "PASS"

@@ -9,10 +9,9 @@ kept its block, SWA page and state slot, and was stepped again by every later ``
 from __future__ import annotations
 
 import pytest
+from validate_test_support import greedy, llm_over
 
 from dsv4.engine.sampler import Sampler
-
-from validate_test_support import greedy, llm_over
 
 
 def test_generate_that_raises_releases_its_request(tiny_ckpt, validate_model, monkeypatch):

@@ -26,7 +26,7 @@ from dsv4.engine.sampler import Sampler
 from dsv4.formats import FNUZ, OCP, dequantize_kv, get_fp8_format
 from dsv4.model.linear import linear
 from dsv4.model.weights import ModelWeights
-from dsv4.validate.probe import PromptSpec, ProbeOptions, run_probe
+from dsv4.validate.probe import ProbeOptions, PromptSpec, run_probe
 
 PROMPTS = [PromptSpec("chat", "你好，请介绍一下你自己。"), PromptSpec("raw", "The capital of France is")]
 EXPERT_SCALE = 10.0  # |w1·x|, |w3·x| up to ~50 on this model: the clamp at 10 matters
@@ -58,8 +58,17 @@ def test_healthy_engine_passes_and_hooks_stay_off(tiny_ckpt, validate_model, mon
     st = statuses(report)
     assert [st[n] for n in ("env", "config", "checkpoint", "engine init", "generate", "batch consistency", "repeat",
                             "reference agreement")] == ["PASS"] * 8
-    for marker in ("### STAGE: env", "### STAGE: engine init", "TOKEN_IDS: [", "TOKEN_DECODE: [", "FINISH_REASON: length",
-                   "OUTPUT_REPR: ", "tokens (", "DSV4_VERDICT: PASS", "0:SWA+hash 1:CSA+hash 2:HCA 3:CSA"):
+    for marker in (
+        "### STAGE: env",
+        "### STAGE: engine init",
+        "TOKEN_IDS: [",
+        "TOKEN_DECODE: [",
+        "FINISH_REASON: length",
+        "OUTPUT_REPR: ",
+        "tokens (",
+        "DSV4_VERDICT: PASS",
+        "0:SWA+hash 1:CSA+hash 2:HCA 3:CSA",
+    ):
         assert marker in text
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "PASS" and len(data["stages"]) == 10
@@ -120,8 +129,9 @@ def scaled_experts(monkeypatch):
     monkeypatch.setattr(ModelWeights, "expert", expert)
 
 
-def test_fault_c_removed_swiglu_clamp_caught_by_golden_tokens(tiny_ckpt, validate_model, monkeypatch, tmp_path,
-                                                            scaled_experts):
+def test_fault_c_removed_swiglu_clamp_caught_by_golden_tokens(
+    tiny_ckpt, validate_model, monkeypatch, tmp_path, scaled_experts
+):
     gold = tmp_path / "golden.json"
     healthy, text = probe(tiny_ckpt, validate_model, record=str(gold))
     assert healthy.verdict == "PASS", text  # the scaled model is still a healthy run

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from validate_test_support import assert_healthy, greedy, llm_over, rand_prompt, signature
 
 

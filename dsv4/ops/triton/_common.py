@@ -71,10 +71,6 @@ def fp8_weight_bytes(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"expected an FP8 weight (float8_e4m3fn/fnuz or uint8), got {w.dtype}")
 
 
-def tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 @triton.jit
 def cast(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
     """x.to(DTYPE) rounding to nearest even. The interpreter truncates fp32 -> bf16, so there the

@@ -48,9 +48,20 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
+from ._common import (
+    cast,
+    fake_quant_rows,
+    fp8_to_f32,
+    fp8_weight_bytes,
+    grouped_tile,
+    interpreting,
+    native_fp8,
+    num_sms,
+    scale_kind,
+    sum_in_order,
+    ue8m0_to_f32,
+)
 from .dense import dot_acc
-from ._common import (cast, fake_quant_rows, fp8_to_f32, fp8_weight_bytes, grouped_tile, interpreting, native_fp8,
-                      num_sms, scale_kind, sum_in_order, ue8m0_to_f32)
 
 __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
 
@@ -70,11 +81,38 @@ def _dequant_tile(wb, sb, DTYPE: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE
 
 
 @triton.jit
-def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
-           stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
-           FNUZ: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, ACT_QUANT: tl.constexpr,
-           Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr, W16: tl.constexpr = False):
+def _chunk(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    c,
+    CHUNK,
+    K,
+    offs_m,
+    offs_n,
+    offs_k,
+    m_mask,
+    n_mask,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FNUZ: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    INTERP: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    MIN_E: tl.constexpr,
+    W16: tl.constexpr = False,
+):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values)."""
     x_dtype = x_ptr.dtype.element_ty
@@ -82,14 +120,23 @@ def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_m
     for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         if W16:
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
         else:
-            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                         mask=n_mask[:, None] & k_mask[None, :], other=0)
+            wb = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0,
+            )
             sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
             w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
         if ACT_QUANT:
@@ -104,14 +151,42 @@ def _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_m
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUNKS_PER_PROGRAM,
-                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-                       stride_ys, stride_ym, stride_yn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
-                       FNUZ: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, ACT_QUANT: tl.constexpr,
-                       Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                       W16: tl.constexpr = False):
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    GROUP_N,
+    CHUNK,
+    CHUNKS_PER_PROGRAM,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_ys,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FNUZ: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    INTERP: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    MIN_E: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    W16: tl.constexpr = False,
+):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -136,17 +211,76 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, GROUP_N, CHUNK, CHUN
     # accumulator is the total, plus 0.0 (= 0 + P_0, so -0 becomes +0 as in the general form);
     # no second fp32 tile is live (ptxas, sm_90a: the 256 × 128 prefill tile spilled 1.2 KB with two)
     if ONE_CHUNK:
-        total = _chunk(x_ptr, w_ptr, s_ptr, c_lo, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
-                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-                       BLOCK_M, BLOCK_N, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, ACT_QUANT,
-                       Q_MANT, Q_EXP, MIN_E, W16) + 0.0
+        total = (
+            _chunk(
+                x_ptr,
+                w_ptr,
+                s_ptr,
+                c_lo,
+                CHUNK,
+                K,
+                offs_m,
+                offs_n,
+                offs_k,
+                m_mask,
+                n_mask,
+                stride_xm,
+                stride_xk,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                SCALE_UE8M0,
+                NATIVE,
+                FNUZ,
+                DOT_F32,
+                INTERP,
+                ACT_QUANT,
+                Q_MANT,
+                Q_EXP,
+                MIN_E,
+                W16,
+            )
+            + 0.0
+        )
     else:
         total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for c in range(c_lo, c_hi):
-            total += _chunk(x_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask,
-                            stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, ACT_QUANT,
-                            Q_MANT, Q_EXP, MIN_E, W16)
+            total += _chunk(
+                x_ptr,
+                w_ptr,
+                s_ptr,
+                c,
+                CHUNK,
+                K,
+                offs_m,
+                offs_n,
+                offs_k,
+                m_mask,
+                n_mask,
+                stride_xm,
+                stride_xk,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                SCALE_UE8M0,
+                NATIVE,
+                FNUZ,
+                DOT_F32,
+                INTERP,
+                ACT_QUANT,
+                Q_MANT,
+                Q_EXP,
+                MIN_E,
+                W16,
+            )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -181,8 +315,7 @@ def shared_bytes(cfg: dict, x_bytes: int) -> int:
     return (cfg["num_stages"] - 1) * per_stage + upcast
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None,
-                x_bytes: int = 2) -> dict:
+def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None, x_bytes: int = 2) -> dict:
     """Launch configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override).
 
     ``x_bytes``: the activation's element size. fp32 activations (the fp32 dot) double the x
@@ -198,8 +331,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     decode = m <= DECODE_MAX_ROWS
     chunked = invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK  # K in several chunks
     if invariant and decode:  # one tile shape for every M ≤ 64 (weight shape only)
-        cfg = dict(BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=_decode_block_n(n), num_warps=4, num_stages=3,
-                   GROUP_M=1, split_k=None)
+        cfg = dict(
+            BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=_decode_block_n(n), num_warps=4, num_stages=3, GROUP_M=1, split_k=None
+        )
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
@@ -243,9 +377,25 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_wk, stride_sn, stride_sk, stride_on, stride_ok,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr,
-                    FNUZ: tl.constexpr, INTERP: tl.constexpr):
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_on,
+    stride_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_UE8M0: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FNUZ: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """out = the weight tile as ``_chunk`` dequantizes it in registers (``_dequant_tile``)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -267,14 +417,39 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     out = torch.empty((n, k), dtype=dtype, device=wb.device)
     if n and k:
         _dequant_kernel[(triton.cdiv(n, 64), triton.cdiv(k, BLOCK))](
-            wb, sc, out, n, k, wb.stride(0), wb.stride(1), sc.stride(0), sc.stride(1), out.stride(0), out.stride(1),
-            BLOCK_N=64, BLOCK_K=BLOCK, SCALE_UE8M0=ue8m0, NATIVE=bool(native_fp8(wb.device) and not fnuz), FNUZ=fnuz,
-            INTERP=interpreting(), num_warps=4)
+            wb,
+            sc,
+            out,
+            n,
+            k,
+            wb.stride(0),
+            wb.stride(1),
+            sc.stride(0),
+            sc.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_N=64,
+            BLOCK_K=BLOCK,
+            SCALE_UE8M0=ue8m0,
+            NATIVE=bool(native_fp8(wb.device) and not fnuz),
+            FNUZ=fnuz,
+            INTERP=interpreting(),
+            num_warps=4,
+        )
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
-               act_quant: bool = False, act_fmt=None, groups: int = 1, *, config: dict | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype=None,
+    act_quant: bool = False,
+    act_fmt=None,
+    groups: int = 1,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., groups·K] bf16/fp16/fp32; with
     ``groups`` > 1 one launch computes the block-diagonal product of the attention's grouped
     output projection: group g's N/groups weight rows times x's g-th K columns)."""
@@ -286,12 +461,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     if groups < 1 or (groups > 1 and (n % groups or (n // groups) % BLOCK)):
         raise ValueError(f"groups={groups} must split the weight's {n} rows into whole {BLOCK}-row blocks")
     if x.shape[-1] != groups * k:
-        raise ValueError(f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)} in {groups} group(s): "
-                         f"expected {groups * k}")
+        raise ValueError(
+            f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)} in {groups} group(s): expected {groups * k}"
+        )
     sc, ue8m0 = scale_kind(scale)
     if tuple(sc.shape) != (math.ceil(n / BLOCK), math.ceil(k / BLOCK)):
-        raise ValueError(f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "
-                         f"(expected {(math.ceil(n / BLOCK), math.ceil(k / BLOCK))})")
+        raise ValueError(
+            f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "
+            f"(expected {(math.ceil(n / BLOCK), math.ceil(k / BLOCK))})"
+        )
     q_mant = q_exp = min_e = 0
     if act_quant:
         if k % BLOCK:
@@ -310,8 +488,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
     cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
-        raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N "
-                         f"{cfg['BLOCK_N']}")
+        raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
     native = cfg.get("native", native_fp8(x.device) and not fnuz)
     w16 = cfg.get("w16")  # the weight dequantized to x's dtype beforehand: True (here), a tensor, or None
     if w16 is True:
@@ -320,7 +497,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         w16 = None
     if w16 is not None:
         if tuple(w16.shape) != (n, k) or w16.dtype != x.dtype:
-            raise ValueError(f"config w16 must be the [{n}, {k}] weight in {x.dtype}, got {tuple(w16.shape)} {w16.dtype}")
+            raise ValueError(
+                f"config w16 must be the [{n}, {k}] weight in {x.dtype}, got {tuple(w16.shape)} {w16.dtype}"
+            )
         wb = w16
     dot_f32 = interpreting() or x.dtype == torch.float32
     s = cfg["split_k"]
@@ -332,14 +511,43 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         ys = (0, *y.stride())
     grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
     _fp8_linear_kernel[grid](
-        x2, wb, sc, y, m, n, k, n // groups, cfg["chunk"], cfg["chunks_per_program"],
-        x2.stride(0), x2.stride(1), wb.stride(0), wb.stride(1), sc.stride(0), sc.stride(1),
-        ys[0], ys[1], ys[2],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
-        SCALE_UE8M0=ue8m0, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(), ACT_QUANT=bool(act_quant),
-        Q_MANT=q_mant, Q_EXP=q_exp, MIN_E=min_e, ONE_CHUNK=cfg["chunks_per_program"] == 1, W16=w16 is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x2,
+        wb,
+        sc,
+        y,
+        m,
+        n,
+        k,
+        n // groups,
+        cfg["chunk"],
+        cfg["chunks_per_program"],
+        x2.stride(0),
+        x2.stride(1),
+        wb.stride(0),
+        wb.stride(1),
+        sc.stride(0),
+        sc.stride(1),
+        ys[0],
+        ys[1],
+        ys[2],
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=BLOCK,
+        GROUP_M=cfg["GROUP_M"],
+        SCALE_UE8M0=ue8m0,
+        NATIVE=bool(native),
+        FNUZ=fnuz,
+        DOT_F32=dot_f32,
+        INTERP=interpreting(),
+        ACT_QUANT=bool(act_quant),
+        Q_MANT=q_mant,
+        Q_EXP=q_exp,
+        MIN_E=min_e,
+        ONE_CHUNK=cfg["chunks_per_program"] == 1,
+        W16=w16 is not None,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     if s > 1:
         y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))
     return y.reshape(*lead, n)
-

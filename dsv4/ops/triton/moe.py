@@ -52,8 +52,19 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
-from ._common import (cast, e2m1_bytes_to_bf16_ptx, e2m1_bytes_to_bf16_ptx_folded, e2m1_to_f32, fp8_to_f32,
-                      fp8_weight_bytes, interpreting, native_fp8, ptx_fp4, scale_kind, ue8m0_to_f32)
+from ._common import (
+    cast,
+    e2m1_bytes_to_bf16_ptx,
+    e2m1_bytes_to_bf16_ptx_folded,
+    e2m1_to_f32,
+    fp8_to_f32,
+    fp8_weight_bytes,
+    interpreting,
+    native_fp8,
+    ptx_fp4,
+    scale_kind,
+    ue8m0_to_f32,
+)
 
 __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
 
@@ -695,7 +706,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     bytes during this one (byte loads are below ``cp.async``'s 4-byte minimum, so the pipeliner leaves
     them in the loop as loads the same step waits for); the same values reach the same instructions.
     ``fold_scales`` (MXFP4 with the PTX decode; default on): the folded decode wherever the scale
-    codes allow it (``_fold_ok``), same bits. ``even_k`` (default on): no K masks where K is a multiple of BLOCK_K. ``kperm`` (grouped MXFP4;
+    codes allow it (``_fold_ok``), same bits. ``even_k`` (default on): no K masks where K is a multiple of
+    BLOCK_K. ``kperm`` (grouped MXFP4;
     default on): the weight bytes and the activations' columns in the wgmma register operand's order
     (``_kperm``): one 32-bit load per decode call instead of repacking 2-byte pieces; the same
     products summed in another order, so every grouped tile must use the same setting. ``tail`` (grouped
@@ -722,8 +734,14 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     else:
         avg = n / n_experts
         bm = 16 if avg <= 16 else (32 if avg <= 32 else (64 if avg <= 96 else 128))
-        cfg = dict(direct=False, BLOCK_M=bm, BLOCK_N=64 if bm <= 32 else 128, BLOCK_K=128,
-                   num_warps=4 if bm <= 32 else 8, num_stages=3)
+        cfg = dict(
+            direct=False,
+            BLOCK_M=bm,
+            BLOCK_N=64 if bm <= 32 else 128,
+            BLOCK_K=128,
+            num_warps=4 if bm <= 32 else 8,
+            num_stages=3,
+        )
     if x_dtype == torch.float32 and not interpreting():  # fp32 operands: 2x the shared memory
         cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=2)
         cfg.pop("down_BLOCK_N", None)
@@ -752,9 +770,19 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     return cfg
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
-                expert_dtype: str | None = None, *, config: dict | None = None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    limit: float = 10.0,
+    expert_dtype: str | None = None,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.moe_experts``."""
     from ...formats.experts import expert_dtype_of
 
@@ -776,8 +804,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         if not (ue1 and ue2):
             raise TypeError("MXFP4 expert scales must be UE8M0 bytes")
         if w13b.shape[2] * 2 != hdim or tuple(w2b.shape[1:]) != (hdim, idim // 2):
-            raise ValueError(f"FP4 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
-                             f"H={hdim}, I={idim}")
+            raise ValueError(
+                f"FP4 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match H={hdim}, I={idim}"
+            )
         s3_row = 0
     elif expert_dtype == "fp8":
         w13b, fnuz = fp8_weight_bytes(w13)
@@ -787,8 +816,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         if ue1 != ue2 or fnuz != fnuz2:
             raise TypeError("w13/s13 and w2/s2 must use the same FP8 flavour and scale encoding")
         if w13b.shape[2] != hdim or tuple(w2b.shape[1:]) != (hdim, idim):
-            raise ValueError(f"FP8 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
-                             f"H={hdim}, I={idim}")
+            raise ValueError(
+                f"FP8 expert shapes w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match H={hdim}, I={idim}"
+            )
         s3_row = math.ceil(idim / 128)
     else:
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
@@ -815,55 +845,181 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     ptx_ok = ptx_fp4(dev, x.dtype)
     ptx = bool(cfg.get("ptx_fp4", ptx_ok)) and expert_dtype == "fp4"
     if ptx and not ptx_ok:
-        raise ValueError(f"config ptx_fp4=True needs bf16 activations on a compiled CUDA sm_80+ device, got "
-                         f"{x.dtype} on {dev}{' (Triton interpreter)' if interpreting() else ''}")
+        raise ValueError(
+            f"config ptx_fp4=True needs bf16 activations on a compiled CUDA sm_80+ device, got "
+            f"{x.dtype} on {dev}{' (Triton interpreter)' if interpreting() else ''}"
+        )
     fold = ptx and bool(cfg.get("fold_scales", True))
     fold_up, fold_down = fold and _fold_ok(s13, s13b), fold and _fold_ok(s2, s2b)
-    common = dict(BLOCK_M=bm, BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4",
-                  SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz, DOT_F32=dot_f32, INTERP=interpreting(),
-                  PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(
+        BLOCK_M=bm,
+        BLOCK_K=cfg["BLOCK_K"],
+        FP4=expert_dtype == "fp4",
+        SCALE_UE8M0=ue1,
+        NATIVE=bool(native),
+        FNUZ=fnuz,
+        DOT_F32=dot_f32,
+        INTERP=interpreting(),
+        PTX_FP4=ptx,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]), KPERM=bool(cfg["kperm"]))
     even = cfg.get("even_k", True)  # K masks dropped where K is a multiple of BLOCK_K (False: kept, for A/B)
     even_up, even_down = even and hdim % cfg["BLOCK_K"] == 0, even and idim % cfg["BLOCK_K"] == 0
     bn = cfg["BLOCK_N"]
     if cfg["direct"]:
-        g = dict(BLOCK_K=cfg["BLOCK_K"], FP4=expert_dtype == "fp4", SCALE_UE8M0=ue1, NATIVE=bool(native), FNUZ=fnuz,
-                 INTERP=interpreting(), PTX_FP4=ptx, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        g = dict(
+            BLOCK_K=cfg["BLOCK_K"],
+            FP4=expert_dtype == "fp4",
+            SCALE_UE8M0=ue1,
+            NATIVE=bool(native),
+            FNUZ=fnuz,
+            INTERP=interpreting(),
+            PTX_FP4=ptx,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
-            x, w13b, s13b, h, ids32, hdim, idim, topk, s3_row, float(limit),
-            x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-            s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1), BLOCK_N=bn, EVEN_K=even_up,
-            FOLD=fold_up, **g)
+            x,
+            w13b,
+            s13b,
+            h,
+            ids32,
+            hdim,
+            idim,
+            topk,
+            s3_row,
+            float(limit),
+            x.stride(0),
+            x.stride(1),
+            w13b.stride(0),
+            w13b.stride(1),
+            w13b.stride(2),
+            s13b.stride(0),
+            s13b.stride(1),
+            s13b.stride(2),
+            h.stride(0),
+            h.stride(1),
+            BLOCK_N=bn,
+            EVEN_K=even_up,
+            FOLD=fold_up,
+            **g,
+        )
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
-            h, w2b, s2b, y, ids32, hdim, idim,
-            h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
-            s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1), BLOCK_N=bn, EVEN_K=even_down,
-            FOLD=fold_down, **g)
+            h,
+            w2b,
+            s2b,
+            y,
+            ids32,
+            hdim,
+            idim,
+            h.stride(0),
+            h.stride(1),
+            w2b.stride(0),
+            w2b.stride(1),
+            w2b.stride(2),
+            s2b.stride(0),
+            s2b.stride(1),
+            s2b.stride(2),
+            y.stride(0),
+            y.stride(1),
+            BLOCK_N=bn,
+            EVEN_K=even_down,
+            FOLD=fold_down,
+            **g,
+        )
     else:
         up = dict(common, **grouped_only, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-        down = dict(common, **grouped_only, num_warps=cfg["down_num_warps"], num_stages=cfg["down_num_stages"],
-                    **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}))
+        down = dict(
+            common,
+            **grouped_only,
+            num_warps=cfg["down_num_warps"],
+            num_stages=cfg["down_num_stages"],
+            **({"maxnreg": cfg["down_maxnreg"]} if cfg.get("down_maxnreg") else {}),
+        )
         # (PART, up launch, down launch): one launch per kernel, or with ``tail`` the blocks whose second
         # half is empty in a second launch of half the rows (``_block_rows``)
         parts = [(0, dict(up, BLOCK_N=bn), dict(down, BLOCK_N=cfg["down_BLOCK_N"]))]
         if cfg["tail"]:
-            half = dict(common, **grouped_only, BLOCK_M=bm // 2, BLOCK_N=cfg["tail_BLOCK_N"],
-                        num_warps=cfg["tail_num_warps"], num_stages=cfg["tail_num_stages"])
+            half = dict(
+                common,
+                **grouped_only,
+                BLOCK_M=bm // 2,
+                BLOCK_N=cfg["tail_BLOCK_N"],
+                num_warps=cfg["tail_num_warps"],
+                num_stages=cfg["tail_num_stages"],
+            )
             parts = [(1,) + parts[0][1:], (2, half, half)]
         for part, up_l, _ in parts:
             _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
-                x, w13b, s13b, h, slot_ids, bexp, hdim, idim, topk, s3_row, float(limit),
-                x.stride(0), x.stride(1), w13b.stride(0), w13b.stride(1), w13b.stride(2),
-                s13b.stride(0), s13b.stride(1), s13b.stride(2), h.stride(0), h.stride(1),
-                EVEN_K=even_up, FOLD=fold_up, ROWS=bm, PART=part, **up_l)
+                x,
+                w13b,
+                s13b,
+                h,
+                slot_ids,
+                bexp,
+                hdim,
+                idim,
+                topk,
+                s3_row,
+                float(limit),
+                x.stride(0),
+                x.stride(1),
+                w13b.stride(0),
+                w13b.stride(1),
+                w13b.stride(2),
+                s13b.stride(0),
+                s13b.stride(1),
+                s13b.stride(2),
+                h.stride(0),
+                h.stride(1),
+                EVEN_K=even_up,
+                FOLD=fold_up,
+                ROWS=bm,
+                PART=part,
+                **up_l,
+            )
         for part, _, down_l in parts:
             _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
-                h, w2b, s2b, y, slot_ids, bexp, hdim, idim,
-                h.stride(0), h.stride(1), w2b.stride(0), w2b.stride(1), w2b.stride(2),
-                s2b.stride(0), s2b.stride(1), s2b.stride(2), y.stride(0), y.stride(1),
-                EVEN_K=even_down, FOLD=fold_down, ROWS=bm, PART=part, **down_l)
+                h,
+                w2b,
+                s2b,
+                y,
+                slot_ids,
+                bexp,
+                hdim,
+                idim,
+                h.stride(0),
+                h.stride(1),
+                w2b.stride(0),
+                w2b.stride(1),
+                w2b.stride(2),
+                s2b.stride(0),
+                s2b.stride(1),
+                s2b.stride(2),
+                y.stride(0),
+                y.stride(1),
+                EVEN_K=even_down,
+                FOLD=fold_down,
+                ROWS=bm,
+                PART=part,
+                **down_l,
+            )
     block_h = min(1024, triton.next_power_of_2(hdim))
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
-        y, ids32, wts, out, hdim, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk, BLOCK_H=block_h, INTERP=interpreting(), num_warps=4)
+        y,
+        ids32,
+        wts,
+        out,
+        hdim,
+        y.stride(0),
+        y.stride(1),
+        out.stride(0),
+        out.stride(1),
+        TOPK=topk,
+        BLOCK_H=block_h,
+        INTERP=interpreting(),
+        num_warps=4,
+    )
     return out

@@ -252,7 +252,8 @@ def run_probe(a, spec: str, out_dir: Path) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         out, code = child.communicate()[0], f"timeout after {a.probe_timeout} s"
-    res = {"tp": tp, "dtype": dtype, "exit_code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": (out or "")[-3000:]}
+    res = {"tp": tp, "dtype": dtype, "exit_code": code, "seconds": round(time.perf_counter() - t0, 1),
+           "tail": (out or "")[-3000:]}
     if report.exists():
         rep = json.loads(report.read_text())
         res["verdict"] = rep.get("verdict")
@@ -261,15 +262,30 @@ def run_probe(a, spec: str, out_dir: Path) -> dict:
 
 def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) -> str:
     lines = []
-    head = ["config", "init s", "prefill tok/s"] + [f"decode b{b} ms" for b in batches] + \
-           [f"comm share b{b}" for b in batches] + [f"greedy = {ref_name}"]
+    head = (
+        ["config", "init s", "prefill tok/s"]
+        + [f"decode b{b} ms" for b in batches]
+        + [f"comm share b{b}" for b in batches]
+        + [f"greedy = {ref_name}"]
+    )
     lines.append(" | ".join(head))
     lines.append(" | ".join("---" for _ in head))
     for r in results:
         c = checks.get(r["config"])
-        eq = "ref" if r["config"] in (ref_name, ref_name + F32) else "-" if c is None else "yes" if all(x["equal"] for x in c) else \
-            "NO: " + ", ".join(f"p{x['prompt_len']}@{x['first_divergence']} (margin {x['tp1_top2_margin']})"
-                               for x in c if not x["equal"])
+        eq = (
+            "ref"
+            if r["config"] in (ref_name, ref_name + F32)
+            else "-"
+            if c is None
+            else "yes"
+            if all(x["equal"] for x in c)
+            else "NO: "
+            + ", ".join(
+                f"p{x['prompt_len']}@{x['first_divergence']} (margin {x['tp1_top2_margin']})"
+                for x in c
+                if not x["equal"]
+            )
+        )
         dec = {d["batch"]: d for d in r.get("decode", [])}
         row = [r["config"], str(r["init_s"]), str(r["prefill"]["tok_per_s"]) if "prefill" in r else "-"]
         row += [str(dec[b]["ms_per_step"]) if b in dec else "-" for b in batches]
@@ -278,10 +294,15 @@ def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) 
     for r in results:
         m = r["rank0_after_init"]
         dev = "" if m["device_peak_mib"] is None else f", device peak {m['device_peak_mib']:.0f} MiB"
-        lines.append(f"{r['config']} rank 0 after engine init (weights + KV cache): host peak {m['host_peak_mib']:.0f} MiB{dev}")
+        lines.append(
+            f"{r['config']} rank 0 after engine init (weights + KV cache): host peak {m['host_peak_mib']:.0f} MiB{dev}"
+        )
         for s in r.get("ranks", []):
             dev = "" if s["device_peak_mib"] is None else f", device peak {s['device_peak_mib']:.0f} MiB"
-            lines.append(f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s, host peak {s['host_peak_mib']:.0f} MiB{dev}")
+            lines.append(
+                f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s, "
+                f"host peak {s['host_peak_mib']:.0f} MiB{dev}"
+            )
     return "\n".join(lines)
 
 
@@ -300,11 +321,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
     p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
-    p.add_argument("--f32-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="backend of the float32 greedy configurations")
+    p.add_argument(
+        "--f32-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="backend of the float32 greedy configurations",
+    )
     p.add_argument("--skip-probe", action="store_true")
-    p.add_argument("--probe-tps", default=None,
-                   help="comma-separated probes, each TP or TP:dtype (default: --tp at --dtype)")
+    p.add_argument(
+        "--probe-tps", default=None, help="comma-separated probes, each TP or TP:dtype (default: --tp at --dtype)"
+    )
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--config-timeout", type=int, default=None, help="seconds allowed to one configuration")
     p.add_argument("--cpu", action="store_true", help="smoke test without GPUs: tiny checkpoint, gloo")
@@ -340,21 +366,35 @@ def main(argv=None) -> int:
         configuration and probe, so a run cut short by its caller's timeout still reports."""
         # The reference for greedy equality: TP=1 of the same dtype when it ran, else the first
         # configuration of that dtype that ran.
-        families = {False: [r for r in results if not r["config"].endswith(F32)],
-                    True: [r for r in results if r["config"].endswith(F32)]}
-        refs = {f32: next((r for r in rs if r["config"] in ("tp1", "tp1" + F32)), rs[0] if rs else None)
-                for f32, rs in families.items()}
+        families = {
+            False: [r for r in results if not r["config"].endswith(F32)],
+            True: [r for r in results if r["config"].endswith(F32)],
+        }
+        refs = {
+            f32: next((r for r in rs if r["config"] in ("tp1", "tp1" + F32)), rs[0] if rs else None)
+            for f32, rs in families.items()
+        }
         checks = {}
         for r in results:
             fref = refs[r["config"].endswith(F32)]
             if fref is not None and r is not fref and "greedy" in r and "greedy" in fref:
                 checks[r["config"]] = compare(fref["greedy"], r["greedy"])
-        doc = {"ckpt": a.ckpt, "tp": a.tp, "cpu": cpu, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype,
-               "env": {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                  "NVSHMEM_DISABLE_NVLS")},
-               "results": results,
-               "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
-               "greedy_vs_reference": checks, "probe": probes, "failures": failures}
+        doc = {
+            "ckpt": a.ckpt,
+            "tp": a.tp,
+            "cpu": cpu,
+            "dtype": a.dtype,
+            "kv_cache_dtype": a.kv_cache_dtype,
+            "env": {
+                k: os.environ[k]
+                for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+            },
+            "results": results,
+            "greedy_reference": {("float32" if k else a.dtype): v and v["config"] for k, v in refs.items()},
+            "greedy_vs_reference": checks,
+            "probe": probes,
+            "failures": failures,
+        }
         if a.out:
             Path(a.out).write_text(json.dumps(doc, indent=1))
         return refs[False] or refs[True], checks
@@ -365,8 +405,17 @@ def main(argv=None) -> int:
             continue
         one = out_dir / f"tp_gpu_{name}.json"
         one.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--ckpt", a.ckpt,
-               "--run-one", name, "--one-out", str(one)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *(argv if argv is not None else sys.argv[1:]),
+            "--ckpt",
+            a.ckpt,
+            "--run-one",
+            name,
+            "--one-out",
+            str(one),
+        ]
         print(f"== {name}", flush=True)
         child = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a timeout kills its ranks too
         try:
@@ -380,19 +429,26 @@ def main(argv=None) -> int:
         if one.exists():  # partial results of a failed run are kept (the table shows what finished)
             results.append(json.loads(one.read_text()))
         summarize()
-    for t in ([] if a.skip_probe else (a.probe_tps or str(a.tp)).split(",")):
+    for t in [] if a.skip_probe else (a.probe_tps or str(a.tp)).split(","):
         probes.append(run_probe(a, t, out_dir))
         summarize()
     ref, checks = summarize()
     if results and ref is not None:
         print(table(results, checks, a.batches, ref["config"]))
     for probe in probes:
-        print(f"probe at TP={probe['tp']} {probe['dtype']}: verdict {probe.get('verdict')} (exit code {probe['exit_code']}, {probe['seconds']} s)")
+        print(
+            f"probe at TP={probe['tp']} {probe['dtype']}: verdict {probe.get('verdict')} "
+            f"(exit code {probe['exit_code']}, {probe['seconds']} s)"
+        )
     for f in failures:
         print("FAILED:", f)
     if a.out:
         print("wrote", a.out)
-    ok = not failures and all(c["equal"] for cs in checks.values() for c in cs) and all(pr["exit_code"] == 0 for pr in probes)
+    ok = (
+        not failures
+        and all(c["equal"] for cs in checks.values() for c in cs)
+        and all(pr["exit_code"] == 0 for pr in probes)
+    )
     return 0 if ok else 1
 
 

