@@ -223,7 +223,7 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
         nonlocal eng
         eng = None
         torch.cuda.empty_cache()
-        return LLMEngine(dataclasses.replace(cfg0, **changes), backend=model, tokenizer=tok)
+        return LLMEngine(dataclasses.replace(cfg0, **changes), model=model, tokenizer=tok)
 
     g = torch.Generator().manual_seed(0)
     for variant in variants:

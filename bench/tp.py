@@ -170,8 +170,8 @@ def run_one(a, name: str, extra: dict, save) -> dict:
     llm = LLM(a.ckpt, **_engine_kwargs(a, extra))
     eng = llm.engine
     res = {"config": name, **extra, "init_s": round(time.perf_counter() - t0, 1)}
-    if eng.dist is not None:
-        res["ranks"] = eng.dist.rank_stats
+    if eng.executor is not None:
+        res["ranks"] = eng.executor.rank_stats
     res["rank0_after_init"] = peak_memory(eng.model.device)  # weights + KV cache (TP=1: the whole model)
     print(f"[{name}] init {res['init_s']} s, rank 0 {res['rank0_after_init']}", flush=True)
     save(res)
@@ -180,7 +180,7 @@ def run_one(a, name: str, extra: dict, save) -> dict:
         save(res)
         if name.endswith(F32):  # greedy tokens only
             return res
-        tp = eng.dist.tp if eng.dist is not None else None
+        tp = eng.executor.tp if eng.executor is not None else None
         # warm-up at the timed length (other tokens): Triton compiles a kernel per new shape class,
         # and NCCL sets up its first collectives; neither belongs in the timed prefill
         _prefill(eng, a.prefill_len, seed=4)

@@ -124,10 +124,11 @@ class LLMEngine:
         if executor is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
             executor.start_caches(budget, numerics, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self.ops.paged_attention)
+        paged = self.ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
+        self.runner = ModelRunner(self.model, self.kv, paged)
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
-        if device.type == "cuda" and not config.enforce_eager and _graph_capturable(self.ops):
+        if device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops):
             self.capture_decode_graphs()
         own = Path(config.model, "tokenizer.json").exists()
         self.tokenizer = tokenizer or load_tokenizer(config.model if own else None)
@@ -156,7 +157,7 @@ class LLMEngine:
         emulated (the same static inputs, run eagerly): how tests reach the path."""
         from .cuda_graphs import DecodeGraphs
 
-        if not self.ops.paged_attention:
+        if not self.runner.paged_attention:
             raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
         args = (self.kv_cache, self.config.max_num_seqs, self.max_model_len)
         if self.executor is not None:

@@ -102,7 +102,7 @@ class TPDriver:
                             name=f"dsv4-tp-rank{rank}", daemon=True)
             p.start()
             self.procs[rank] = p
-            log.info("dsv4 dist: started tensor-parallel worker rank %d, pid %d", rank, p.pid)
+            log.info("dsv4 parallel: started tensor-parallel worker rank %d, pid %d", rank, p.pid)
         self._finalizer = weakref.finalize(self, _finalize, self.procs)
         try:
             self._start(config)
@@ -138,7 +138,7 @@ class TPDriver:
             raise box["error"]
         self.tp = TPGroup(spec, 0, self.device, box["groups"])
         mode = "expert" if spec.ep else "tensor"
-        log.info("dsv4 dist: %d ranks (%d node(s)), routed experts split by %s, %s backend, rendezvous at %s:%d",
+        log.info("dsv4 parallel: %d ranks (%d node(s)), routed experts split by %s, %s backend, rendezvous at %s:%d",
                  spec.world_size, spec.nnodes, mode, dist.get_backend(), spec.master_addr, self.port)
         # every rank loads with this process's resolved config (flags given on other nodes do not matter)
         self._collective(lambda: dist.broadcast_object_list([config], src=0, group=self.tp.startup), "startup")
@@ -149,8 +149,8 @@ class TPDriver:
         self.rank_stats = stats
         for s in stats:
             dev = "" if s["device_peak_mib"] is None else f", peak device memory {s['device_peak_mib']:.0f} MiB"
-            log.info("dsv4 dist: rank %d (node %d, pid %d, %s) loaded its shard in %.1f s: peak host RSS %.0f MiB%s",
-                     s["rank"], s["node"], s["pid"], s["device"], s["load_s"], s["host_peak_mib"], dev)
+            log.info("dsv4 parallel: rank %d (node %d, pid %d, %s) loaded its shard in %.1f s: peak host RSS "
+                     "%.0f MiB%s", s["rank"], s["node"], s["pid"], s["device"], s["load_s"], s["host_peak_mib"], dev)
         self.model = TPModel(self, inner)
         if self.device.type == "cuda":
             threading.Thread(target=self._watch_cuda, name="dsv4-tp-watch", daemon=True).start()
@@ -263,7 +263,7 @@ class TPDriver:
     def _die(self, message: str) -> EngineDeadError:
         if self.dead is None:
             self.dead = message
-            log.critical("dsv4 dist: the engine is dead: %s", message)
+            log.critical("dsv4 parallel: the engine is dead: %s", message)
             for p in self.procs.values():
                 if p.is_alive():
                     p.terminate()
@@ -282,14 +282,14 @@ class TPDriver:
         time.sleep(5.0)
         if not self._in_step or self.closed:
             return  # the next step's liveness check reports it
-        log.critical("dsv4 dist: a worker died while rank 0 waits in a collective; aborting the NCCL communicator")
+        log.critical("dsv4 parallel: a worker died while rank 0 waits in a collective; aborting the NCCL communicator")
         try:
             torch.distributed.distributed_c10d._get_default_group()._get_backend(self.device).abort()
         except Exception as e:  # noqa: BLE001 - best effort; the exit below bounds the wait
-            log.critical("dsv4 dist: NCCL abort failed: %s", e)
+            log.critical("dsv4 parallel: NCCL abort failed: %s", e)
         time.sleep(10.0)
         if self._in_step:
-            log.critical("dsv4 dist: rank 0 is still blocked after a worker died; exiting")
+            log.critical("dsv4 parallel: rank 0 is still blocked after a worker died; exiting")
             os._exit(1)
 
 

@@ -22,8 +22,8 @@ cannot see a fault both share — a wrong activation formula, say. The probe's g
 **Precision-conditioned steps.** On random weights a bf16 model is ill-conditioned: MoE routing
 scores sit within 1e-3 of each other, so a last-bit difference in a hidden state swaps an expert,
 and one swapped expert moves a logprob by 0.1–0.5 nats. Two correct bf16 computations then part
-far beyond any rounding bound — measured on the 4-layer flash-width checkpoint
-(``bench/probe_divergence.py``, docs/perf.md): the bf16 reference itself is up to 0.25 nats from
+far beyond any rounding bound — measured on the 4-layer flash-width checkpoint on the H200: the
+bf16 reference itself is up to 0.25 nats from
 the float32 reference, with routing flips at score gaps of 3e-4..8e-2. When ``exact_logits`` (the
 same reference in float32, teacher-forced on the same tokens) is given, a step that fails against
 the same-precision reference is judged again against the exact one: it passes, as a warning, when

@@ -5,7 +5,7 @@ engine regression prompts (lengths around every page/window/block boundary, deco
 Greedy tokens must agree wherever the torch path's top-2 logprob margin exceeds the tolerance: a
 first disagreement is only allowed at a step whose margin is within it. The tolerance is stated,
 not fitted: TOL nats, several times the bf16 logit noise measured between the two paths
-(docs/perf.md).
+(docs/perf.md, "Correctness on the GPU").
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""Batch invariance of the weight kernels at decode sizes (issue 8).
+"""Batch invariance of the weight kernels at decode sizes.
 
 With ``dsv4.ops.invariance`` on (the default), a row's result must be bitwise the same whether it
 is computed alone or among any number of rows: the FP8 linear reduces K in the same chunks, in the

@@ -220,7 +220,7 @@ class _Tempered:
 
 def test_bf16_steps_the_reference_gets_wrong_are_judged_against_float32(tiny_ckpt, bf16_model, monkeypatch):
     """bf16 on random weights: the bf16 reference itself can be far from the exact function
-    (routing near-ties, docs/perf.md). The probe then asks the float32 reference; the engine passes
+    (routing near-ties, dsv4/validate/oracle.py). The probe then asks the float32 reference; the engine passes
     when it is no farther from it than the bf16 reference — here it is much closer."""
     from dsv4.validate.probe import Probe
 

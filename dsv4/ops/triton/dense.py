@@ -50,8 +50,8 @@ CONFIGS = {
 }
 # Fused-mode launch tile for 16-bit weights at prefill sizes (M ≥ PREFILL_MIN_ROWS): only the MMA
 # tile changes — K chunks (from the base tile) and K steps stay, so a row gets the same bits as in
-# a decode launch (checked on the H200: bench/kernels_mhc.py --sweep-dense-prefill). None: base tile.
-PREFILL_16BIT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)  # H200 sweep, tenth session:
+# a decode launch (checked on the H200, tests/gpu). None: base tile.
+PREFILL_16BIT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)  # H200 sweep:
 # M = 8192, router 50.5 → 44.3 µs, CSA compressor 375 → 327, HCA compressor 197 → 162, indexer
 # compressor 99 → 84; weights_proj (64 rows) was faster on the base tile (31.8 vs 39.6): PREFILL_MIN_N
 PREFILL_MIN_ROWS = 1024

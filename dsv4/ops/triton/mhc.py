@@ -61,7 +61,7 @@ __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
 
 # Fixed for every T: these set the reduction order of a token's arithmetic.
 CONFIG = dict(
-    # mixes tiles from the H200 sweep (bench/kernels_mhc.py --sweep-mix): 64 programs of 8 steps
+    # mixes tiles from an H200 sweep: 64 programs of 8 steps
     # instead of 32 of 32 halve the latency-bound decode launch (T = 1: 26 vs 55 µs; T = 64: 29 vs
     # 57 µs) for +3 % at T = 8192 (1.51 vs 1.47 ms)
     SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
@@ -72,15 +72,14 @@ CONFIG = dict(
     # hc_post + hc_pre at T = 8192: 754 µs at 4 warps, 587 at 2, 533 at 1)
     MIX_BF16X3=True,  # bf16 streams: the mixes as three exact bf16 tensor-core dots (``_mix_dot``)
     POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep, same
-    # bits; seventeenth session, tensor-core mixes: T = 8192 in 881 µs at 1 warp, 895 at 2, 1,028 at 4, against
-    # 1,223 for the FMA mixes at 1 warp; at T ≤ 64, MIX_WARPS = 4: 25.1 / 28.4 µs at T = 1 / 64)
+    # bits; tensor-core mixes: T = 8192 in 881 µs at 1 warp, 895 at 2, 1,028 at 4, against 1,223 for the FMA
+    # mixes at 1 warp; at T ≤ 64, MIX_WARPS = 4: 25.1 / 28.4 µs at T = 1 / 64)
     POST_MIX_FUSED_MAX_T=DECODE_MAX_ROWS,  # mhc_post_pre above this many tokens runs hc_post, then hc_pre (the
-    # same bits; None: always fused). H200, eighteenth session, CUDA-graph µs, fused / apart with 1 prefill warp:
+    # same bits; None: always fused). H200, CUDA-graph µs, fused / apart with 1 prefill warp:
     # T = 8192: 882 / 533, T = 1024: 107 / 78; at T = 1 and 64 apart was also faster (23 / 26 against 25 / 29)
     GATE_BLOCK_T=2,  # tokens per gate/collapse program (every value swept gave the same bits, H200 sweep below)
-    GATE_WARPS=1,    # warps per gate/collapse program; nineteenth session, bench/kernels_mhc.py --sweep-mix, hc_pre
-    # CUDA-graph µs at T = 1 / 64 / 8192: 8 tokens at 4 warps (the earlier constants) 20.6 / 23.2 / 374.2, 2 at 1
-    # warp 18.3 / 18.8 / 298.0, every variant the same bits
+    GATE_WARPS=1,    # warps per gate/collapse program; H200, hc_pre CUDA-graph µs at T = 1 / 64 / 8192: 8 tokens
+    # at 4 warps 20.6 / 23.2 / 374.2, 2 at 1 warp 18.3 / 18.8 / 298.0, every variant the same bits
     H_SLICE=1024,    # hidden columns per gate/collapse program
     GATE_BLOCK_H=256,  # hidden columns per collapse step
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)

@@ -723,9 +723,9 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         # on Hopper they run wgmma, which needs a multiple of 4 warps. The H200 sweep's fastest
         # decode tile, 32 columns × 2 warps (T=1/8/64 in 146/464/1736 us per layer against
         # 159/490/1854), falls back to mma.sync and changed a 10-token prompt's logits by 0.03
-        # between a prompt alone and in a larger chunk (docs/perf.md, session 7). The down kernel
-        # takes 128 columns (sixteenth session, with the folded decode: T=1/8/64 in 69.7/276.0/1159.6
-        # against 71.4/280.7/1172.4 us, same bits: BLOCK_N does not change a row's K steps)
+        # between a prompt alone and in a larger chunk. The down kernel takes 128 columns (with the
+        # folded decode: T=1/8/64 in 69.7/276.0/1159.6 against 71.4/280.7/1172.4 us at 64, same bits:
+        # BLOCK_N does not change a row's K steps)
         cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in

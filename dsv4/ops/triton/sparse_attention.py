@@ -33,7 +33,7 @@ path is wrong there; the values are the same.
 
 Keys decoded once (``PREDECODE_*``). At a prefill step every key is read by many queries, and each
 of a query's four 16-head programs decodes it again: ~900 of the ~1,850 instructions a program
-spends on a 32-key block (fifteenth session's PTX count). A step with at least PREDECODE_MIN_T
+spends on a 32-key block (counted in its PTX). A step with at least PREDECODE_MIN_T
 tokens whose tables hold at most PREDECODE_RECORDS_PER_TOKEN records per token (so decode-heavy
 mixed batches over long contexts keep the in-register decode) first writes every record its tables
 list as bf16 (``_decode_pages_kernel``: ``_load_raw`` + ``_decode_raw``, the expression the attention
@@ -44,8 +44,8 @@ the same, and so are the bits provided both forms group the products alike:
 MMA operand grouping. On the GPU the tensor core's fp32 accumulation is not exactly rounded, so how the
 products of one MMA are grouped sets its bits, and Triton picks that grouping (the operands' ``kWidth``)
 from the code around the dot: 4 consecutive k per thread when an operand traces back, within the loop
-iteration, to an 8-bit load; 2 for 16-bit loads or loads carried from the previous iteration (docs/perf.md,
-eleventh and eighteenth sessions). The two forms are arranged to agree per q dtype:
+iteration, to an 8-bit load; 2 for 16-bit loads or loads carried from the previous iteration (seen in the
+compiled PTX and in the bits on the H200). The two forms are arranged to agree per q dtype:
 
 * bf16 / fp16 q (the engine): kWidth 2. FP8 records are loaded one iteration ahead (``AHEAD``: the next
   block's table entries and bytes issued after the current block's MMAs, carried by the loop); bf16 pages
@@ -451,7 +451,7 @@ def _ones(device: torch.device) -> torch.Tensor:
     return _ONES[key]
 
 
-# the predecoded keys' tile (H200, eighteenth session, 8K prompt, µs: CSA 7,753 against 12,187 for the 16-head
+# the predecoded keys' tile (H200, 8K prompt, µs: CSA 7,753 against 12,187 for the 16-head
 # tile and 11,566 for the in-register decode; HCA 2,184 against 3,341 and 3,490)
 PREDECODE_TILE = dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1)
 PREDECODE_MIN_T = 512  # tokens of a step from which its keys are decoded once, not per program
