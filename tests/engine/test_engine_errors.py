@@ -97,3 +97,55 @@ def test_other_request_errors_leave_nothing_behind(llm):
     _raises(lambda: llm.engine.add_request(good, greedy(2), request_id="dup"), "'dup'")
     llm.engine.run_to_completion([rid])
     assert_no_leaks(llm)
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(llm, monkeypatch):
+    """Sampling one request raises: the engine finishes that request with ``finish_reason="error"``
+    and ``RequestOutput.error`` naming the failure, serves the others, and frees its pages; a failed
+    forward fails the requests of its step only."""
+    from dsv4.engine.sampler import Sampler
+
+    eng = llm.engine
+    true_sample = Sampler.sample
+
+    def sample(self, req, logits):
+        if req.request_id == "bad" and req.output_token_ids:
+            raise RuntimeError("scripted sampling failure")
+        return true_sample(self, req, logits)
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    monkeypatch.setattr(Sampler, "batched_greedy", False)
+    prompts = rand_prompts(43, [20, 30])
+    eng.add_request(prompt_token_ids=prompts[0], params=greedy(4), request_id="bad")
+    eng.add_request(prompt_token_ids=prompts[1], params=greedy(4), request_id="good")
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["bad"].outputs[0].finish_reason == "error" and "scripted sampling failure" in done["bad"].error
+    assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 4
+    assert_no_leaks(llm)
+
+    runner_execute = eng.runner.execute
+
+    def failing(batch):
+        raise RuntimeError("simulated device error")
+
+    eng.runner.execute = failing
+    try:
+        eng.add_request(prompt_token_ids=prompts[0], params=greedy(2), request_id="step")
+        outs = eng.step()
+    finally:
+        eng.runner.execute = runner_execute
+    assert [o.request_id for o in outs] == ["step"] and outs[0].finished
+    assert outs[0].outputs[0].finish_reason == "error" and "simulated device error" in outs[0].error
+    assert not eng.has_unfinished_requests()
+    assert_no_leaks(llm)
+    def always_fails(self, req, logits):
+        raise RuntimeError("scripted sampling failure")
+
+    monkeypatch.setattr(Sampler, "sample", always_fails)
+    with pytest.raises(RuntimeError, match="scripted sampling failure"):  # LLM.generate raises what failed it
+        llm.generate([prompts[0]], greedy(3))
+    assert_no_leaks(llm)
