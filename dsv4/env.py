@@ -9,6 +9,8 @@ cannot be parsed is an error naming the variable.
 | ``DSV4_BATCH_INVARIANT`` | ``0`` turns the batch-invariant kernel tiles off (``dsv4.ops.invariance``; default on) |
 | ``DSV4_PLATFORM_FP8`` | ``ocp`` / ``fnuz``: the FP8 encoding of this machine, whatever it is (``dsv4.ops.platform``) |
 | ``TRITON_INTERPRET`` | ``1``: Triton kernels run in its CPU interpreter (Triton's own switch, read here for dsv4) |
+| ``DSV4_CACHE_ROOT`` | dsv4's cache directory (default ``~/.cache/dsv4``): compiled kernels in ``triton/`` |
+| ``TRITON_CACHE_DIR`` | where Triton keeps compiled kernels (default here: ``$DSV4_CACHE_ROOT/triton``) |
 | ``DSV4_API_KEY`` | the server's API key when ``--api-key`` is not given |
 | ``OPENAI_API_KEY`` | the key ``dsv4 bench serve`` sends when ``--api-key`` is not given |
 """
@@ -16,6 +18,7 @@ cannot be parsed is an error naming the variable.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -54,6 +57,25 @@ def platform_fp8() -> str | None:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: Triton runs kernels in its CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def cache_root() -> Path:
+    """``DSV4_CACHE_ROOT``, default ``~/.cache/dsv4``."""
+    v = os.environ.get("DSV4_CACHE_ROOT")
+    return Path(v).expanduser() if v else Path.home() / ".cache" / "dsv4"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled Triton kernels are kept: ``TRITON_CACHE_DIR`` if set, else ``$DSV4_CACHE_ROOT/triton``."""
+    v = os.environ.get("TRITON_CACHE_DIR")
+    return Path(v).expanduser() if v else cache_root() / "triton"
+
+
+def use_kernel_cache_dir() -> Path:
+    """Point Triton at ``kernel_cache_dir()`` (it reads ``TRITON_CACHE_DIR`` when it first compiles)."""
+    path = kernel_cache_dir()
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    return path
 
 
 def api_key() -> str | None:

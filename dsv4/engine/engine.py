@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import re
+import time
 import weakref
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool
     return bool(config.async_scheduling)
 
 
+def _kernel_cache() -> str:
+    from .. import env
+
+    return str(env.kernel_cache_dir())
+
+
 def _shutdown_executor(runner: ModelRunner, executor) -> None:
     """A multi-process engine's teardown: captured NCCL launches go before the process group does (a
     live graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
@@ -75,8 +82,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, executor=None):
         from ..chat.tokenizer import load_tokenizer
         from ..model.model import ReferenceModel
+        from ..ops import compiles
         from ..ops.platform import detect_platform
         from ..ops.selection import resolve_op_set
+
+        compiles.install()  # count every kernel Triton builds from here on
+        phases, t0 = {}, time.perf_counter()
 
         if config.parallel and executor is None:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes}: a "
@@ -88,8 +99,7 @@ class LLMEngine:
         device = torch.device(config.device or getattr(executor or model, "device", None)
                               or ("cuda" if torch.cuda.is_available() else "cpu"))
         fp8_format = config.fp8_format if config.fp8_format != "auto" else detect_platform().fp8_format or "ocp"
-        self.config = config = config.replace(fp8_format=fp8_format,
-                                              async_scheduling=resolve_async_scheduling(config, device))
+        self.config = config = config.resolved(device, fp8_format, resolve_async_scheduling(config, device))
         self.numerics = numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)  # the one instance
         dtype = config.torch_dtype(device)
         self.executor = executor
@@ -100,6 +110,7 @@ class LLMEngine:
                                    act_quant=config.act_quant,
                                    ops=resolve_op_set(config.backend, config.attention, device))
         self.model = model
+        phases["weights"] = time.perf_counter() - t0
         self.ops = getattr(model, "ops", None) or reference_ops()
         if config.attention == "batched" and not self.ops.paged_attention:
             raise ValueError("attention='batched' needs a model built with the batched attention's ops "
@@ -119,17 +130,22 @@ class LLMEngine:
                 mem = 1 << 30
         budget = plan_budget(cfg, numerics, dtype, mem, config.max_num_seqs, config.max_num_batched_tokens,
                              self.max_model_len)
+        t = time.perf_counter()
         self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
+        phases["kv_cache"] = time.perf_counter() - t
         self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
         if executor is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
             executor.start_caches(budget, numerics, self.kv)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.long_prefill_token_threshold)
         paged = self.ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
         self.runner = ModelRunner(self.model, self.kv, paged)
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
         if device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops):
+            t = time.perf_counter()
             self.capture_decode_graphs()
+            phases["decode_graphs"] = time.perf_counter() - t
         own = Path(config.model, "tokenizer.json").exists()
         self.tokenizer = tokenizer or load_tokenizer(config.model if own else None)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
@@ -140,16 +156,21 @@ class LLMEngine:
         self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far
         self._stepping: list = []  # the schedule(s) of the step() call in progress (failed together)
         self.num_overlapped_steps = 0  # steps launched before the previous step's picks were read
-        log.info(
-            "dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
-            config.model,
-            dtype,
-            numerics.kv_cache_dtype,
-            budget.capacity_tokens,
-            budget.num_blocks,
-            budget.num_swa_pages,
-            budget.total_bytes / 2**20,
-        )
+        log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
+                 config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
+                 budget.num_swa_pages, budget.total_bytes / 2**20)
+        self.warm_up_report = None
+        if config.warm_up:
+            from .warmup import run_warm_up
+
+            t = time.perf_counter()
+            self.warm_up_report = run_warm_up(self)
+            phases["warm_up"] = time.perf_counter() - t
+        self.startup = {**{k: round(v, 2) for k, v in phases.items()}, "total": round(time.perf_counter() - t0, 2),
+                        "kernels_built": compiles.count()}
+        log.info("dsv4 engine started in %.1f s (%s); %d kernel specializations built (kernel cache %s)",
+                 self.startup["total"], ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
+                 compiles.count(), _kernel_cache())
 
     def capture_decode_graphs(self) -> None:
         """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank

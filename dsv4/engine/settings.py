@@ -43,7 +43,12 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "longest prompt + output in tokens (default: the model's, at most "
                                         "8192)")
     max_num_seqs: int = setting(64, "requests decoded together at most")
-    max_num_batched_tokens: int = setting(2048, "tokens one step computes at most (prefill chunks and decodes)")
+    max_num_batched_tokens: int | None = setting(None, "tokens one step computes at most, prefill chunks and "
+                                                 "decodes together (default: 8192 on a GPU, as vLLM serves; 2048 "
+                                                 "on the CPU)")
+    long_prefill_token_threshold: int | None = setting(None, "while other requests run or wait, a prefill chunk "
+                                                       "takes at most this many tokens (0: no cap; default: 1024 "
+                                                       "on a GPU, 0 on the CPU)")
     enable_prefix_caching: bool = setting(True, "reuse the caches of completed 256-token prompt blocks")
     kv_cache_memory: int | None = setting(None, "KV cache budget in MiB (default: 1 GiB on CPU, else a "
                                           "--gpu-memory-utilization share)", cli_unit=2**20, cli_type=float)
@@ -74,6 +79,8 @@ class EngineConfig:
         choices=("auto", "batched", "reference"),
     )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
+    warm_up: bool | None = setting(None, "run every step shape once at start, so that no kernel is built in a "
+                                   "request's path (default: on a GPU)")
     async_scheduling: bool | None = setting(
         None,
         "schedule and launch the next step while this one runs, when its "
@@ -91,8 +98,11 @@ class EngineConfig:
             raise ValueError("model: a model directory is required")
         self.model = str(self.model)
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise ValueError(f"{name} must be at least 1; got {v!r}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be ≥ 0; got {self.long_prefill_token_threshold!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1; got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -120,6 +130,16 @@ class EngineConfig:
     def parallel(self) -> bool:
         """More than one process: tensor parallelism or several nodes."""
         return self.tensor_parallel_size > 1 or self.nnodes > 1
+
+    def resolved(self, device: torch.device, fp8_format: str, async_scheduling: bool) -> "EngineConfig":
+        """A copy with every device-dependent default made definite (what the engine runs with)."""
+        gpu = torch.device(device).type != "cpu"
+        return self.replace(
+            fp8_format=fp8_format, async_scheduling=async_scheduling,
+            warm_up=self.warm_up if self.warm_up is not None else gpu,
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 2048),
+            long_prefill_token_threshold=(self.long_prefill_token_threshold
+                                          if self.long_prefill_token_threshold is not None else (1024 if gpu else 0)))
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         dt = DTYPES[self.dtype]

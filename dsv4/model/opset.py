@@ -41,7 +41,9 @@ class OpSet:
             missing = [op for op in ATTENTION_OPS if op not in fns]
             raise ValueError(f"the batched attention needs all of {list(ATTENTION_OPS)}; missing {missing}")
         self.kernels = {op: f for op, f in fns.items() if op in BLOCK_OPS}  # what replaces oracle code
-        self.backends = {op: (backends or {}).get(op, "torch" if op not in fns else "custom") for op in OPS}
+        off = {**dict.fromkeys(WEIGHT_OPS, "off (weights dequantized)"),
+               **dict.fromkeys(ATTENTION_OPS, "off (per-request attention)")}
+        self.backends = {op: (backends or {}).get(op, "custom") if op in fns else off.get(op, "torch") for op in OPS}
         for op in WEIGHT_OPS + ATTENTION_OPS + SAMPLER_OPS:
             setattr(self, op, fns.get(op))
         k = self.kernels
@@ -73,7 +75,11 @@ class OpSet:
         return self.sparse_attention is not None
 
     def describe(self) -> str:
-        return ", ".join(f"{op}={self.backends[op]}" for op in OPS)
+        """Each backend with the ops it runs (one line for the start-up log)."""
+        by: dict[str, list[str]] = {}
+        for op in OPS:
+            by.setdefault(self.backends[op], []).append(op)
+        return "; ".join(f"{name}: {', '.join(ops)}" for name, ops in by.items())
 
 
 REFERENCE: OpSet | None = None

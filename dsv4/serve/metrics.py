@@ -39,6 +39,11 @@ class ServerMetrics:
                                ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**lbl)
         self._e2e = Histogram("dsv4:e2e_request_latency_seconds", "Request latency in the engine", ["model_name"],
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lbl)
+        from ..ops import compiles
+
+        Gauge("dsv4:kernel_compiles", "Triton kernel specializations built since the engine started (start-up "
+              "included); a rise while serving is a request that waited for a compile", registry=r
+              ).set_function(compiles.count)
         self.model_name = model_name
 
     # ---- engine side (called from the engine thread; prometheus_client is thread-safe) --------

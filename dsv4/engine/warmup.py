@@ -1,0 +1,75 @@
+"""Start-up warm-up: the step shapes a request can hit, run once before the first real request.
+
+Triton builds a kernel per specialization (a constexpr tile picked from the step's size, an
+integer's divisibility by 16, a width that grows with the context); one built in a request's path
+stalls every stream for the seconds it takes. The warm-up runs dummy requests through the real
+scheduler and model so that those are built (or loaded from the on-disk cache) at start:
+
+- prefill steps of every length around the tile thresholds and the divisibility classes, up to the
+  step budget (``prefill_lengths``);
+- one prompt of ``max_model_len`` − 1 tokens, chunked by the budget: every context the caches reach;
+- decodes beside a prefill chunk (a mixed step).
+
+Decode batches themselves are covered by the decode graphs' capture. The caches are left as they
+were: the warm-up's prefix-cache blocks are dropped and its counters reset.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .sampling_params import SamplingParams
+
+TOKEN = 3  # a plain token id (0 and 1 are BOS and EOS)
+
+
+def prefill_lengths(budget: int) -> list[int]:
+    """Step sizes around every power of two up to ``budget`` (±1: the classes an integer argument's
+    divisibility by 16 and a power-of-two tile boundary fall in), and ``budget`` itself."""
+    out = {1, budget}
+    p = 2
+    while p <= budget:
+        out.update(n for n in (p - 1, p, p + 1) if 1 <= n <= budget)
+        p *= 2
+    return sorted(out)
+
+
+def run_warm_up(engine) -> dict:
+    """Run the plan on ``engine`` (no request of its own may be in flight); returns what ran."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_up() needs an idle engine")
+    t0 = time.perf_counter()
+    cfg = engine.config
+    budget = cfg.max_num_batched_tokens
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    steps = 0
+
+    def drain():
+        nonlocal steps
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error}")
+            steps += 1
+
+    lengths = prefill_lengths(min(budget, engine.max_model_len - 1))
+    for n in lengths:
+        engine.add_request(prompt_token_ids=[TOKEN] * n, params=greedy, request_id=f"warm-up-prefill-{n}")
+        drain()
+    longest = engine.max_model_len - 1
+    if longest > budget:  # every context the caches reach, a budget-sized chunk at a time
+        engine.add_request(prompt_token_ids=[TOKEN] * longest, params=greedy, request_id="warm-up-context")
+        drain()
+    # decodes with a prefill chunk beside them
+    for i in range(2):
+        engine.add_request(prompt_token_ids=[TOKEN] * 4, request_id=f"warm-up-decode-{i}",
+                           params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    steps += 1
+    engine.add_request(prompt_token_ids=[TOKEN] * min(budget - 2, 64), params=greedy, request_id="warm-up-mixed")
+    drain()
+    engine.kv.reset_prefix_cache()
+    engine.kv.hits = engine.kv.queries = 0
+    engine.scheduler.num_preemptions = 0
+    return {"prefill_lengths": lengths, "context": longest if longest > budget else None, "steps": steps,
+            "seconds": round(time.perf_counter() - t0, 2)}
