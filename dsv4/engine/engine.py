@@ -31,6 +31,7 @@ from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .settings import EngineConfig
+from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
 
@@ -165,6 +166,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
+        self.grammars = GrammarCompiler(tok, cfg.vocab_size, cfg.eos_token_id)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -236,20 +238,24 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
                 f"max_model_len={self.max_model_len}"
             )
-        if params.max_tokens is None:
-            params.max_tokens = max_new
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        guides = [None] * params.n
+        if params.structured_outputs is not None:  # (an invalid grammar fails here, naming its field)
+            guides = self.grammars.guides(params.structured_outputs, params.n)
+        if params.max_tokens is None:
+            params.max_tokens = max_new
         group = []
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
                 p = dataclasses.replace(params, seed=params.seed + i)
             detok = self.tokenizer.incremental_detokenizer(skip_special_tokens=params.skip_special_tokens)
-            r = Request(
-                rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id, detokenizer=detok
-            )
+            r = Request(rid, ids, p, prompt=prompt, index=i, eos_token_id=self.model_config.eos_token_id,
+                        detokenizer=detok, guide=guides[i])
             group.append(r)
             self.scheduler.add(r)
         self.requests[rid] = group
@@ -436,7 +442,8 @@ class LLMEngine:
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
         """Append each sampled request's next token. Plain greedy rows are picked on the logits'
         device in one batched pick (the ``greedy_pick`` op); the other rows (and any non-finite one)
-        are copied to the host at once and go through the sampler row by row; a row whose sampling
+        are copied to the host at once and go through the sampler row by row, with their grammar's
+        bitmask (computed first: on a GPU, while the step is still running); a row whose sampling
         fails fails its request."""
         rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
         picked = {}
@@ -447,21 +454,22 @@ class LLMEngine:
                 req.append_token(picked[row], None, None)
                 touched[req.request_id] = None
             return
+        guided = [(row, req) for row, req in rows if req.guide is not None and not req.finished]
+        masks = dict(zip((row for row, _ in guided), bitmask_rows([req.guide for _, req in guided],
+                                                                   self.model_config.vocab_size)))
         rest = [row for row, _ in rows if row not in picked]
         host = dict(zip(rest, logits[rest].float().cpu()))
         for row, req in rows:
             touched[req.request_id] = None
             if req.finished:  # failed earlier this step (its prompt logprobs)
                 continue
-            if row in picked:
-                req.append_token(picked[row], None, None)
-                continue
             try:
-                token, lp, tlp = self.sampler.sample(req, host[row])
+                if row in picked:
+                    req.append_token(picked[row], None, None)
+                else:
+                    req.append_token(*self.sampler.sample(req, host[row], mask=masks.get(row)))
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 req.fail(e)
-                continue
-            req.append_token(token, lp, tlp)
 
     def _output(self, rid: str, group: list[Request], finished: bool) -> RequestOutput:
         first = group[0]

@@ -21,7 +21,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  prompt: str | None = None, index: int = 0, eos_token_id: int | None = None,
-                 detokenizer=None, arrival: float | None = None):
+                 detokenizer=None, arrival: float | None = None, guide=None):
         self.request_id, self.index = request_id, index
         self.prompt, self.prompt_token_ids = prompt, list(prompt_token_ids)
         self.params = params
@@ -30,6 +30,7 @@ class Request:
         self.alloc = CacheAllocation()
         self.eos_token_id = eos_token_id
         self.detok = detokenizer
+        self.guide = guide  # the grammar state of a structured output (dsv4.engine.structured.Guide)
         self.text = ""
         self._emitted_chars = 0
         self._stop_scanned = 0  # text before this offset was already searched for stop strings
@@ -76,6 +77,8 @@ class Request:
         return self.status is Status.FINISHED
 
     def append_token(self, token: int, logprob: dict[int, Logprob] | None, token_logprob: float | None) -> None:
+        if self.guide is not None:  # first: a token the grammar rejects is not appended
+            self.guide.accept(token)
         self.output_token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
@@ -105,6 +108,9 @@ class Request:
                 self.finish("stop", s)
                 return
         self._stop_scanned = len(self.text)
+        if self.guide is not None and self.guide.done:  # the output is a complete sentence of its grammar
+            self.finish("stop", None)
+            return
         if p.max_tokens is not None and n_out >= p.max_tokens:
             self.finish("length", None)
 

@@ -1,10 +1,10 @@
-"""Token sampling: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+"""Token sampling: penalties, logit bias, grammar masks, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
 Each request's row is processed on its own, so a token never depends on the batch it was
 sampled in. Greedy picks the lowest token id among equal maxima. Plain greedy rows (no penalties,
-bans or logprobs) are picked where the logits are, in one batched pick (`greedy_picks`), so a
+bans, bias, grammar or logprobs) are picked where the logits are, in one batched pick (`greedy_picks`), so a
 decode step copies a few ids to the host instead of [batch, vocab] logits. Logprobs are those of the
-model's raw distribution (before penalties and temperature), as vLLM reports them.
+model's raw distribution (before penalties, bias, grammar masks and temperature), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from .outputs import Logprob
 from .request import Request
+from .structured import apply_bitmask
 
 
 def _first_argmax(x: torch.Tensor) -> int:
@@ -28,6 +29,12 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         ids, counts = torch.unique(torch.tensor(req.output_token_ids, dtype=torch.long), return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    logits[ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
     return logits
 
 
@@ -63,10 +70,10 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int, decode=None) -> dic
 
 def plain_greedy(req: Request) -> bool:
     """Whether ``req``'s next token is just the first argmax of its raw logits (no penalties, EOS or
-    stop-id bans, logprobs): the rows `greedy_picks` may pick on the device."""
+    stop-id bans, logit bias, grammar, logprobs): the rows `greedy_picks` may pick on the device."""
     p = req.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
+            and not p.frequency_penalty and not p.adjusts_logits and len(req.output_token_ids) >= p.min_tokens)
 
 
 def device_picks(x: torch.Tensor, pick=None) -> torch.Tensor:
@@ -102,8 +109,10 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.decode = decode
 
-    def sample(self, req: Request, logits: torch.Tensor) -> tuple[int, dict[int, Logprob] | None, float | None]:
-        """Pick the next token of ``req`` from its logits row [V] (float32)."""
+    def sample(self, req: Request, logits: torch.Tensor,
+               mask: torch.Tensor | None = None) -> tuple[int, dict[int, Logprob] | None, float | None]:
+        """Pick the next token of ``req`` from its logits row [V] (float32); ``mask``: the
+        allowed-token bitmask of its grammar (int32 [ceil(V/32)]), if it has one."""
         p = req.params
         raw = logits.float()
         if not torch.isfinite(raw).all():
@@ -114,6 +123,16 @@ class Sampler:
         if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids may not end the output yet
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos])
             x[banned] = float("-inf")
+        if p.logit_bias:
+            x = apply_logit_bias(x, p.logit_bias)
+        if mask is not None:
+            x = apply_bitmask(x[None], mask[None])[0]
+            if not torch.isfinite(x).any():
+                raise ValueError(
+                    f"request {req.request_id}: the structured output's grammar allows no token at output token "
+                    f"{len(req.output_token_ids)} (with min_tokens={p.min_tokens}, EOS and the stop ids are banned "
+                    f"until then)"
+                )
         if p.greedy:
             token = _first_argmax(x)
         else:

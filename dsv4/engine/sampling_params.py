@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from .structured import StructuredOutputsParams
 
 OUTPUT_KINDS = ("cumulative", "final_only")
 
@@ -31,12 +34,41 @@ class SamplingParams:
     # copy of its token list: O(output length) per step); "final_only": only once it finishes (what
     # ``LLM.generate`` uses). As vLLM's ``RequestOutputKind``.
     output_kind: str = "cumulative"
+    # the output must follow this grammar (JSON schema, regex, choice, Lark): dsv4.engine.structured
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id → value added to its logit before sampling (OpenAI's logit_bias: −100..100)
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self):
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        self._validate_adjustments()
+
+    def _validate_adjustments(self) -> None:
+        """The logit adjustments: structured outputs and logit_bias."""
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.logit_bias:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"SamplingParams.logit_bias: key {k!r} is not a token id") from None
+                if tid < 0 or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                        or not -100 <= v <= 100:
+                    raise ValueError(f"SamplingParams.logit_bias[{k!r}] must be a finite number in [-100, 100] "
+                                     f"for a token id ≥ 0, got {v!r}")
+                bias[tid] = float(v)
+            self.logit_bias = bias
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (a grammar mask, a bias)."""
+        return self.structured_outputs is not None or bool(self.logit_bias)
 
     def validate(self) -> None:
         def bad(name, value, rule):

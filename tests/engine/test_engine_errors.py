@@ -108,10 +108,10 @@ def test_a_request_that_fails_in_the_engine_fails_alone(llm, monkeypatch):
     eng = llm.engine
     true_sample = Sampler.sample
 
-    def sample(self, req, logits):
+    def sample(self, req, logits, mask=None):
         if req.request_id == "bad" and req.output_token_ids:
             raise RuntimeError("scripted sampling failure")
-        return true_sample(self, req, logits)
+        return true_sample(self, req, logits, mask)
 
     monkeypatch.setattr(Sampler, "sample", sample)
     monkeypatch.setattr(Sampler, "batched_greedy", False)
@@ -142,7 +142,8 @@ def test_a_request_that_fails_in_the_engine_fails_alone(llm, monkeypatch):
     assert outs[0].outputs[0].finish_reason == "error" and "simulated device error" in outs[0].error
     assert not eng.has_unfinished_requests()
     assert_no_leaks(llm)
-    def always_fails(self, req, logits):
+
+    def always_fails(self, req, logits, mask=None):
         raise RuntimeError("scripted sampling failure")
 
     monkeypatch.setattr(Sampler, "sample", always_fails)

@@ -126,7 +126,7 @@ class ScriptedSampler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def sample(self, req, logits):
+    def sample(self, req, logits, mask=None):
         prompt = req.prompt or ""
         if not req.output_token_ids:
             self.prompts.append(prompt)
@@ -136,4 +136,4 @@ class ScriptedSampler:
                     raise FloatingPointError(f"request {req.request_id}: scripted sampling failure")
                 i = len(req.output_token_ids)
                 return (ids[i] if i < len(ids) else req.eos_token_id), None, None
-        return self.inner.sample(req, logits)
+        return self.inner.sample(req, logits, mask)

@@ -18,11 +18,11 @@ def test_generate_that_raises_releases_its_request(tiny_ckpt, validate_model, mo
     llm = llm_over(validate_model, tiny_ckpt, kv_cache_memory=96 << 20, max_num_seqs=4, max_model_len=256)
     true_sample = Sampler.sample
 
-    def nan_at_second_token(self, req, logits):
+    def nan_at_second_token(self, req, logits, mask=None):
         if req.output_token_ids:
             logits = logits.clone()
             logits[5] = float("nan")
-        return true_sample(self, req, logits)
+        return true_sample(self, req, logits, mask)
 
     monkeypatch.setattr(Sampler, "sample", nan_at_second_token)
     monkeypatch.setattr(Sampler, "batched_greedy", False)  # every row through the patched sample()

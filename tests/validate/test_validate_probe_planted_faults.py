@@ -158,11 +158,11 @@ def test_fault_c_removed_swiglu_clamp_caught_by_golden_tokens(
 def test_fault_d_bos_after_the_first_token(tiny_ckpt, validate_model, monkeypatch):
     true_sample = Sampler.sample
 
-    def bos_after_first(self, req, logits):
+    def bos_after_first(self, req, logits, mask=None):
         if req.output_token_ids:  # decode steps: BOS wins
             logits = logits.clone()
             logits[0] = logits.max() + 5.0
-        return true_sample(self, req, logits)
+        return true_sample(self, req, logits, mask)
 
     monkeypatch.setattr(Sampler, "sample", bos_after_first)
     monkeypatch.setattr(Sampler, "batched_greedy", False)  # every row through the patched sample()
