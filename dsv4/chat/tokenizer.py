@@ -109,10 +109,21 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load ``path``. A missing file raises ``FileNotFoundError`` and a corrupt one ``ValueError``,
+        both naming the file, which the library's own errors do not."""
         from tokenizers import Tokenizer as _FastTokenizer  # lazy: keeps `import dsv4.chat` light
 
         path = Path(path)
-        return cls(_FastTokenizer.from_file(str(path)), path=path, pad_token=_read_pad_token(path))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such tokenizer file")
+        try:
+            backend = _FastTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception
+            raise ValueError(f"{path}: not a usable tokenizer.json ({exc})") from None
+        try:
+            return cls(backend, path=path, pad_token=_read_pad_token(path))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     # -- vocabulary ------------------------------------------------------------------------------
     @property
