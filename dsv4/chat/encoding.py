@@ -43,10 +43,6 @@ DSML = "｜DSML｜"
 TOOL_CALLS_BLOCK = "tool_calls"
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
-# The reference notes say images in OpenAI content lists "become the placeholder". The V4-Flash
-# tokenizer has no such token (it is a V4.1 / Vision token), so for this text-only model the
-# placeholder is just text; it is kept for format fidelity.
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 TASK_TOKENS = {
     "action": "<｜action｜>",
@@ -262,8 +258,10 @@ def _call_name_and_arguments(call: Mapping[str, Any], where: str) -> tuple[str, 
     return name, dict(parsed)
 
 
-def _flatten_content(content: Any, where: str, *, joiner: str = "") -> str | None:
-    """OpenAI content (str, list of parts, or None) → text. Images become IMAGE_PLACEHOLDER."""
+def _flatten_content(content: Any, where: str) -> str | None:
+    """OpenAI content (str, list of parts, or None) → text, parts joined by a blank line as
+    DeepSeek's encoder joins content blocks. Images are refused rather than dropped or turned into
+    a placeholder: the model is text-only."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -282,10 +280,12 @@ def _flatten_content(content: Any, where: str, *, joiner: str = "") -> str | Non
                 raise ValueError(f"{where}[{k}].text: missing or not a string")
             parts.append(text)
         elif kind in ("image", "image_url", "input_image"):
-            parts.append(IMAGE_PLACEHOLDER)
+            raise ValueError(
+                f"{where}[{k}]: images are not supported (DeepSeek-V4-Flash is a text-only model; got a {kind!r} part)"
+            )
         else:
             raise ValueError(f"{where}[{k}].type: unsupported content part type {kind!r}")
-    return joiner.join(parts)
+    return "\n\n".join(parts)
 
 
 def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -354,7 +354,7 @@ def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     f"messages[{i}].tool_call_id: {call_id!r} has no matching call in the "
                     f"preceding assistant tool_calls (ids: {', '.join(last_call_ids) or 'none'})"
                 )
-            content = _flatten_content(msg.get("content"), where, joiner="\n\n")
+            content = _flatten_content(msg.get("content"), where)
             if content is None:
                 raise ValueError(f"{where}: missing")
             m.update(content=content, tool_call_id=call_id)
