@@ -152,11 +152,10 @@ class Tokenizer:
 
     # -- encode / decode -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token strings in the text map to their single ids.
+        """Token ids of ``text``. Added-token strings in the text map to their single ids, as a raw
+        completion prompt wants; chat prompts go through :meth:`encode_prompt` instead.
 
         The tokenizer itself adds nothing; ``add_special_tokens=True`` prepends BOS (id 0).
-        Rendered chat prompts (:func:`dsv4.chat.encode_messages`) already start with BOS, so
-        encode them with the default ``False``.
         """
         ids = self._tk.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
@@ -205,9 +204,10 @@ class Tokenizer:
 
     def _plain_parts(self) -> tuple[Any, re.Pattern[str]]:
         """A copy of the backend that leaves every added-token string to the BPE model, and a regex
-        finding added tokens leftmost-longest, as the library does.
+        finding added tokens leftmost-longest, as the library does (for the shipped file, which has
+        no normalizer and no lstrip/rstrip tokens).
 
-        ``encode_special_tokens`` keeps only tokens flagged special from being split out, and the
+        ``encode_special_tokens`` stops only the tokens flagged special from being split out, and the
         chat markup is not flagged, so the copy flags every added token special first.
         """
         if self._plain is None:

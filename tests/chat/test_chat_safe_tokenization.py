@@ -79,6 +79,18 @@ def test_encode_plain_matches_encode_without_added_tokens(tok):
     assert tok.encode_plain("a<｜end▁of▁sentence｜>") != tok.encode("a<｜end▁of▁sentence｜>")
 
 
+def test_library_switch_alone_leaves_chat_markup_parsed(tok):
+    """Why encode_plain uses a copy with every added token flagged special: ``encode_special_tokens``
+    stops only flagged tokens (EOS) from being split out, not the unflagged markup (``<｜User｜>``)."""
+    from tokenizers import Tokenizer as FastTokenizer
+
+    backend = FastTokenizer.from_file(str(tok.path))
+    backend.encode_special_tokens = True
+    ids = backend.encode("a<｜end▁of▁sentence｜>b<｜User｜>c", add_special_tokens=False).ids
+    assert EOS not in ids and USER in ids
+    assert USER not in tok.encode_plain("a<｜end▁of▁sentence｜>b<｜User｜>c")
+
+
 def test_rendered_prompt_pieces(tok):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": "a", "reasoning_content": "r"}, {"role": "user", "content": "q2"}]
