@@ -104,7 +104,7 @@ class LLM:
 
         Defaults follow vLLM: thinking mode with effort "high" unless told otherwise.
         """
-        from .chat import effort_version_for_config, encode_messages, map_reasoning_effort
+        from .chat import effort_version_for_config, map_reasoning_effort, render_messages
 
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(chat_template_kwargs or {})
@@ -114,11 +114,11 @@ class LLM:
         if think is None:
             think = mapped_think
         version = effort_version_for_config(self.engine.model_config.raw)
-        prompts = [encode_messages(c, thinking=bool(think), reasoning_effort=mapped_effort if think else None,
+        prompts = [render_messages(c, thinking=bool(think), reasoning_effort=mapped_effort if think else None,
                                    tools=tools, effort_version=version) for c in convs]
         tok = self.engine.tokenizer
-        return self.generate([{"prompt": p, "prompt_token_ids": tok.encode(p)} for p in prompts], sampling_params,
-                             use_tqdm=use_tqdm)
+        return self.generate([{"prompt": p.text, "prompt_token_ids": tok.encode_prompt(p)} for p in prompts],
+                             sampling_params, use_tqdm=use_tqdm)
 
 
 def _copy(p: SamplingParams) -> SamplingParams:

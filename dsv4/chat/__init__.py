@@ -4,8 +4,10 @@ Importing this package is cheap: no torch, no server framework; the ``tokenizers
 imported only when a tokenizer is loaded.
 
 * :func:`load_tokenizer` / :class:`Tokenizer` / :class:`IncrementalDetokenizer`
-* :func:`encode_messages` renders OpenAI-style messages into the prompt text;
-  :func:`map_reasoning_effort` and :func:`effort_version_for_config` pick its arguments.
+* :func:`render_messages` renders OpenAI-style messages into a :class:`RenderedPrompt` (the text,
+  with what came from the request marked) and :meth:`Tokenizer.encode_prompt` turns it into ids
+  in which request text never becomes a control token; :func:`encode_messages` gives just the
+  text. :func:`map_reasoning_effort` and :func:`effort_version_for_config` pick their arguments.
 * :class:`DeepseekV4OutputParser` splits streamed output into reasoning, content and tool calls;
   :func:`parse_completion` does the same for a whole completion.
 """
@@ -19,10 +21,12 @@ from .encoding import (
     THINK_END,
     THINK_START,
     USER,
+    RenderedPrompt,
     effort_preamble,
     effort_version_for_config,
     encode_messages,
     map_reasoning_effort,
+    render_messages,
     render_tool_calls,
     render_tools,
 )
@@ -41,6 +45,7 @@ __all__ = [
     "Delta",
     "DeepseekV4OutputParser",
     "IncrementalDetokenizer",
+    "RenderedPrompt",
     "Tokenizer",
     "accumulate",
     "effort_preamble",
@@ -49,6 +54,7 @@ __all__ = [
     "load_tokenizer",
     "map_reasoning_effort",
     "parse_completion",
+    "render_messages",
     "render_tool_calls",
     "render_tools",
     "tokenizer_json_path",

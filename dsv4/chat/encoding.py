@@ -20,6 +20,10 @@ DeepSeek-V4 ships no Jinja chat template; the prompt format is defined by the of
   user/developer message is removed, and so are developer messages before it. It is forced off
   when any message carries tools.
 
+:func:`render_messages` also records which parts of the prompt are the template's and which came
+from the request, so that the tokenizer can keep request text from ever becoming control tokens
+(:meth:`dsv4.chat.Tokenizer.encode_prompt`); :func:`encode_messages` returns just the text.
+
 All validation errors are ``ValueError`` whose text starts with ``messages[i].field``.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 # ---------------------------------------------------------------------------------------------
@@ -43,10 +48,6 @@ DSML = "｜DSML｜"
 TOOL_CALLS_BLOCK = "tool_calls"
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
-# The reference notes say images in OpenAI content lists "become the placeholder". The V4-Flash
-# tokenizer has no such token (it is a V4.1 / Vision token), so for this text-only model the
-# placeholder is just text; it is kept for format fidelity.
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 TASK_TOKENS = {
     "action": "<｜action｜>",
@@ -127,6 +128,49 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 
 RESPONSE_FORMAT_TEMPLATE = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 
+# The templates around the request's schemas, which are request text.
+_TOOLS_HEAD, _TOOLS_TAIL = (
+    part.format(dsml=DSML, think_start=THINK_START, think_end=THINK_END)
+    for part in TOOLS_TEMPLATE.split("{tool_schemas}")
+)
+_RESPONSE_FORMAT_HEAD, _RESPONSE_FORMAT_TAIL = RESPONSE_FORMAT_TEMPLATE.split("{schema}")
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A rendered prompt and the origin of each part of its text.
+
+    ``pieces`` are ``(text, from_request)`` pairs whose texts concatenate to ``text``. Request pieces
+    hold what the caller supplied: message content, reasoning, tool-call names and arguments, tool
+    results, the tool and response-format schemas. Template pieces hold the format's own text,
+    the only place a control token (BOS, ``<｜User｜>``, ``</think>``, DSML…) may come from.
+    """
+
+    text: str
+    pieces: tuple[tuple[str, bool], ...]
+
+
+class _Builder:
+    """Prompt text collected in pieces, each marked template or request text."""
+
+    def __init__(self) -> None:
+        self._pieces: list[tuple[list[str], bool]] = []
+
+    def add(self, text: str, from_request: bool = False) -> None:
+        if not text:
+            return
+        if self._pieces and self._pieces[-1][1] == from_request:
+            self._pieces[-1][0].append(text)
+        else:
+            self._pieces.append(([text], from_request))
+
+    def request(self, text: str) -> None:
+        self.add(text, True)
+
+    def build(self) -> RenderedPrompt:
+        pieces = tuple(("".join(parts), from_request) for parts, from_request in self._pieces)
+        return RenderedPrompt("".join(text for text, _ in pieces), pieces)
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers exposed to the server layer
@@ -185,8 +229,9 @@ def to_json(value: Any) -> str:
 
 def render_tools(tools: list[Mapping[str, Any]]) -> str:
     """The "## Tools" section: DSML instructions and one JSON function schema per line."""
-    schemas = "\n".join(to_json(dict(_function_of(t))) for t in tools)
-    return TOOLS_TEMPLATE.format(dsml=DSML, think_start=THINK_START, think_end=THINK_END, tool_schemas=schemas)
+    b = _Builder()
+    _add_tools(b, tools)
+    return b.build().text
 
 
 def render_response_format(response_format: Mapping[str, Any]) -> str:
@@ -197,28 +242,52 @@ def render_response_format(response_format: Mapping[str, Any]) -> str:
     ``type`` of text/json_* is taken to be the schema itself and rendered whole (this is what the
     official encoder does with a message's ``response_format``).
     """
-    return RESPONSE_FORMAT_TEMPLATE.format(schema=to_json(_response_schema(response_format)))
+    b = _Builder()
+    _add_response_format(b, response_format)
+    return b.build().text
 
 
 def render_tool_calls(tool_calls: list[Mapping[str, Any]], *, where: str = "tool_calls") -> str:
     """DSML block for OpenAI-shape tool calls (without the leading blank line)."""
-    invokes = []
-    for j, call in enumerate(tool_calls):
-        name, arguments = _call_name_and_arguments(call, f"{where}[{j}]")
-        params = []
-        for key, value in arguments.items():
-            if isinstance(value, str):
-                is_str, text = "true", value
-            else:
-                is_str, text = "false", to_json(value)
-            params.append(f'<{DSML}parameter name="{key}" string="{is_str}">{text}</{DSML}parameter>')
-        invokes.append(f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return f"<{DSML}{TOOL_CALLS_BLOCK}>\n" + "\n".join(invokes) + f"\n</{DSML}{TOOL_CALLS_BLOCK}>"
+    b = _Builder()
+    _add_tool_calls(b, tool_calls, where)
+    return b.build().text
 
 
 # ---------------------------------------------------------------------------------------------
 # Internal helpers
 # ---------------------------------------------------------------------------------------------
+def _add_tools(b: _Builder, tools: list[Mapping[str, Any]]) -> None:
+    b.add(_TOOLS_HEAD)
+    b.request("\n".join(to_json(dict(_function_of(t))) for t in tools))
+    b.add(_TOOLS_TAIL)
+
+
+def _add_response_format(b: _Builder, response_format: Mapping[str, Any]) -> None:
+    b.add(_RESPONSE_FORMAT_HEAD)
+    b.request(to_json(_response_schema(response_format)))
+    b.add(_RESPONSE_FORMAT_TAIL)
+
+
+def _add_tool_calls(b: _Builder, tool_calls: list[Mapping[str, Any]], where: str) -> None:
+    b.add(f"<{DSML}{TOOL_CALLS_BLOCK}>\n")
+    for j, call in enumerate(tool_calls):
+        name, arguments = _call_name_and_arguments(call, f"{where}[{j}]")
+        b.add("\n" if j else "")
+        b.add(f'<{DSML}invoke name="')
+        b.request(name)
+        b.add('">\n')
+        for n, (key, value) in enumerate(arguments.items()):
+            b.add("\n" if n else "")
+            b.add(f'<{DSML}parameter name="')
+            b.request(str(key))
+            b.add(f'" string="{"true" if isinstance(value, str) else "false"}">')
+            b.request(value if isinstance(value, str) else to_json(value))
+            b.add(f"</{DSML}parameter>")
+        b.add(f"\n</{DSML}invoke>")
+    b.add(f"\n</{DSML}{TOOL_CALLS_BLOCK}>")
+
+
 def _function_of(spec: Mapping[str, Any]) -> Mapping[str, Any]:
     fn = spec.get("function") if isinstance(spec, Mapping) else None
     return fn if isinstance(fn, Mapping) else spec
@@ -262,8 +331,10 @@ def _call_name_and_arguments(call: Mapping[str, Any], where: str) -> tuple[str, 
     return name, dict(parsed)
 
 
-def _flatten_content(content: Any, where: str, *, joiner: str = "") -> str | None:
-    """OpenAI content (str, list of parts, or None) → text. Images become IMAGE_PLACEHOLDER."""
+def _flatten_content(content: Any, where: str) -> str | None:
+    """OpenAI content (str, list of parts, or None) → text, parts joined by a blank line as
+    DeepSeek's encoder joins content blocks. Images are refused rather than dropped or turned into
+    a placeholder: the model is text-only."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -282,10 +353,12 @@ def _flatten_content(content: Any, where: str, *, joiner: str = "") -> str | Non
                 raise ValueError(f"{where}[{k}].text: missing or not a string")
             parts.append(text)
         elif kind in ("image", "image_url", "input_image"):
-            parts.append(IMAGE_PLACEHOLDER)
+            raise ValueError(
+                f"{where}[{k}]: images are not supported (DeepSeek-V4-Flash is a text-only model; got a {kind!r} part)"
+            )
         else:
             raise ValueError(f"{where}[{k}].type: unsupported content part type {kind!r}")
-    return joiner.join(parts)
+    return "\n\n".join(parts)
 
 
 def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -354,7 +427,7 @@ def _normalize(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     f"messages[{i}].tool_call_id: {call_id!r} has no matching call in the "
                     f"preceding assistant tool_calls (ids: {', '.join(last_call_ids) or 'none'})"
                 )
-            content = _flatten_content(msg.get("content"), where, joiner="\n\n")
+            content = _flatten_content(msg.get("content"), where)
             if content is None:
                 raise ValueError(f"{where}: missing")
             m.update(content=content, tool_call_id=call_id)
@@ -455,23 +528,24 @@ def _attach_request_level(
     return messages
 
 
-def _render_user_blocks(blocks: list[dict[str, Any]]) -> str:
-    parts = []
-    for b in blocks:
-        if b["type"] == "tool_result":
-            parts.append(f"{TOOL_RESULT_OPEN}{b['content']}{TOOL_RESULT_CLOSE}")
+def _add_user_blocks(b: _Builder, blocks: list[dict[str, Any]]) -> None:
+    for k, block in enumerate(blocks):
+        b.add("\n\n" if k else "")
+        if block["type"] == "tool_result":
+            b.add(TOOL_RESULT_OPEN)
+            b.request(block["content"])
+            b.add(TOOL_RESULT_CLOSE)
         else:
-            parts.append(b["content"])
-    return "\n\n".join(parts)
+            b.request(block["content"])
 
 
-def _render_sections(m: dict[str, Any]) -> str:
-    text = ""
+def _add_sections(b: _Builder, m: dict[str, Any]) -> None:
     if m.get("tools"):
-        text += "\n\n" + render_tools(m["tools"])
+        b.add("\n\n")
+        _add_tools(b, m["tools"])
     if m.get("response_format") is not None:
-        text += "\n\n" + render_response_format(m["response_format"])
-    return text
+        b.add("\n\n")
+        _add_response_format(b, m["response_format"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +562,30 @@ def encode_messages(
     add_bos: bool = True,
     effort_version: str = "0423",
 ) -> str:
-    """Render ``messages`` (OpenAI chat format) into the DeepSeek-V4 prompt text.
+    """The prompt text of :func:`render_messages` (same arguments).
+
+    To tokenize a chat prompt use :func:`render_messages` and
+    :meth:`dsv4.chat.Tokenizer.encode_prompt`: encoding this text with ``Tokenizer.encode`` lets
+    message text such as ``<｜end▁of▁sentence｜>`` become control tokens.
+    """
+    return render_messages(
+        messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools, response_format=response_format,
+        drop_thinking=drop_thinking, add_bos=add_bos, effort_version=effort_version,
+    ).text
+
+
+def render_messages(
+    messages: list[dict],
+    *,
+    thinking: bool = True,
+    reasoning_effort: str | None = None,
+    tools: list[dict] | None = None,
+    response_format: dict | None = None,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+    effort_version: str = "0423",
+) -> RenderedPrompt:
+    """Render ``messages`` (OpenAI chat format) into the DeepSeek-V4 prompt, its text in pieces.
 
     ``thinking`` selects thinking mode (the prompt ends in ``<think>``) or chat mode (``</think>``).
     ``reasoning_effort`` picks the preamble for ``effort_version`` ("0423": None/"low"/"high" add
@@ -500,7 +597,8 @@ def encode_messages(
     continuing a prefilled turn), ``task`` (quick-instruction task token), per-message
     ``tools``/``response_format`` on system/developer messages.
 
-    The result is meant to be tokenized without adding special tokens.
+    Tokenize the result with :meth:`dsv4.chat.Tokenizer.encode_prompt`: control tokens only where
+    the template put them, everything from the request as plain text.
     """
     preamble = effort_preamble(reasoning_effort, effort_version)
     if tools is not None and not isinstance(tools, list):
@@ -526,33 +624,42 @@ def encode_messages(
             return THINK_START
         return THINK_END
 
-    prompt = BOS if add_bos else ""
+    b = _Builder()
+    b.add(BOS if add_bos else "")
     n = len(msgs)
     for k, m in enumerate(msgs):
         role = m["role"]
         if k == 0 and thinking:
-            prompt += preamble
+            b.add(preamble)
 
         if role == "system":
-            prompt += m["content"] + _render_sections(m)
+            b.request(m["content"])
+            _add_sections(b, m)
         elif role == "developer":
-            prompt += USER + m["content"] + _render_sections(m)
+            b.add(USER)
+            b.request(m["content"])
+            _add_sections(b, m)
         elif role == "user":
-            prompt += USER + _render_user_blocks(m["blocks"])
+            b.add(USER)
+            _add_user_blocks(b, m["blocks"])
         elif role == "latest_reminder":
-            prompt += LATEST_REMINDER + m["content"]
+            b.add(LATEST_REMINDER)
+            b.request(m["content"])
         elif role == "assistant":
             prev_task = k > 0 and msgs[k - 1].get("task") is not None
             if thinking and not prev_task and (not drop or k > last_user):
-                prompt += (m["reasoning"] or "") + THINK_END
-            prompt += m["content"]
+                b.request(m["reasoning"] or "")
+                b.add(THINK_END)
+            b.request(m["content"])
             if m["tool_calls"]:
-                prompt += "\n\n" + render_tool_calls(
+                b.add("\n\n")
+                _add_tool_calls(
+                    b,
                     [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]],
-                    where=f"messages[{m['_index']}].tool_calls",
+                    f"messages[{m['_index']}].tool_calls",
                 )
             if not m.get("wo_eos"):
-                prompt += EOS
+                b.add(EOS)
         else:  # pragma: no cover - tool messages were merged, roles validated
             raise AssertionError(role)
 
@@ -563,8 +670,8 @@ def encode_messages(
         task = m.get("task")
         if task is not None:
             if task == "action":
-                prompt += ASSISTANT + (THINK_START if thinking else THINK_END)
-            prompt += TASK_TOKENS[task]
+                b.add(ASSISTANT + (THINK_START if thinking else THINK_END))
+            b.add(TASK_TOKENS[task])
         elif role in ("user", "developer") or (role == "system" and next_role in (None, "assistant")):
-            prompt += ASSISTANT + opener(k)
-    return prompt
+            b.add(ASSISTANT + opener(k))
+    return b.build()

@@ -4,7 +4,8 @@ One state machine (reference notes, model-and-formats §10.3) fed with text delt
 
 * It starts in REASONING when thinking is on (the prompt already ended in ``<think>``), else in
   CONTENT. ``</think>`` ends reasoning; a stray ``</think>`` in content and a duplicate ``<think>``
-  are swallowed.
+  in reasoning are swallowed. In content ``<think>`` is not markup and stays: an answer may talk
+  about the tag.
 * ``<｜DSML｜tool_calls>`` (also ``<｜DSML｜toolcalls>`` and ``<｜DSML｜tool>``) opens a tool block,
   from content or from inside reasoning (which it ends). A bare ``<｜DSML｜invoke …>`` opens one
   implicitly. Whitespace right before the block (the renderer writes ``\\n\\n``) is not content.
@@ -50,16 +51,15 @@ BLOCK_NAMES = ("tool_calls", "toolcalls", "tool")
 WRAPPER_KEYS = ("arguments", "input")
 _WS = " \t\r\n"
 
-_TEXT_TAG_RE = re.compile(
-    re.escape(THINK_START) + "|" + re.escape(THINK_END) + "|" + re.escape(EOS)
-    + "|</?" + re.escape(DSML) + "[^>]*>"
-)
+_CONTENT_TAG_RE = re.compile(re.escape(THINK_END) + "|" + re.escape(EOS) + "|</?" + re.escape(DSML) + "[^>]*>")
+_REASONING_TAG_RE = re.compile(re.escape(THINK_START) + "|" + _CONTENT_TAG_RE.pattern)
 _TOOL_TAG_RE = re.compile("</?" + re.escape(DSML) + "[^>]*>|" + re.escape(EOS))
 _TAG_PARTS_RE = re.compile("<(/?)" + re.escape(DSML) + r"\s*([A-Za-z_]*)(.*)>\Z", re.S)
 _NAME_RE = re.compile(r"""name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
 _STRING_RE = re.compile(r"""string\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
 
-_TEXT_STARTERS = (THINK_START, THINK_END, EOS, DSML_OPEN, DSML_CLOSE)
+_CONTENT_STARTERS = (THINK_END, EOS, DSML_OPEN, DSML_CLOSE)
+_REASONING_STARTERS = (THINK_START, *_CONTENT_STARTERS)
 _TOOL_STARTERS = (DSML_OPEN, DSML_CLOSE, EOS)
 
 REASONING, CONTENT, TOOL_BLOCK, TOOL_INVOKE, TOOL_PARAM, DONE = (
@@ -282,9 +282,10 @@ class DeepseekV4OutputParser:
 
     def _step_text(self) -> bool:
         buf = self._buf
-        m = _TEXT_TAG_RE.search(buf)
+        reasoning = self.state == REASONING
+        m = (_REASONING_TAG_RE if reasoning else _CONTENT_TAG_RE).search(buf)
         if m is None:
-            k = _holdback_start(buf, _TEXT_STARTERS)
+            k = _holdback_start(buf, _REASONING_STARTERS if reasoning else _CONTENT_STARTERS)
             self._emit_text(buf[:k])
             self._buf = buf[k:]
             return False
@@ -292,7 +293,7 @@ class DeepseekV4OutputParser:
         self._buf = buf[m.end():]
         tag = m.group(0)
         if tag == THINK_START:
-            return True  # duplicate <think>: swallowed
+            return True  # duplicate <think> while reasoning: swallowed
         if tag == THINK_END:
             if self.state == REASONING:
                 self._flush_ws()

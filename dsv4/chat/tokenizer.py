@@ -11,7 +11,9 @@ Special tokens: in the shipped ``tokenizer.json`` only BOS/EOS/pad, the placehol
 similar (1,230 ids) are flagged ``special``; the chat-markup tokens (``<｜User｜>``, ``<think>``,
 ``</think>``, ``｜DSML｜``, ``<｜latest_reminder｜>``, task tokens) are added tokens with
 ``special=False``. So ``skip_special_tokens=True`` removes EOS but keeps the markup that
-:mod:`dsv4.chat.parser` needs. Either way every added-token string in a text encodes to its id.
+:mod:`dsv4.chat.parser` needs. Either way :meth:`Tokenizer.encode` turns every added-token string
+in a text into its id, which is right for raw completion prompts. Chat prompts go through
+:meth:`Tokenizer.encode_prompt`, where only the template's text may hold added tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .encoding import RenderedPrompt
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -97,9 +103,10 @@ class Tokenizer:
         pad_id = self._tk.token_to_id(pad_token) if pad_token else None
         self.pad_token = pad_token if pad_id is not None else EOS_TOKEN
         self.pad_token_id = pad_id if pad_id is not None else self.eos_token_id
-        self._special_ids = frozenset(
-            i for i, tok in self._tk.get_added_tokens_decoder().items() if tok.special
-        )
+        added = self._tk.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_ids = {tok.content: i for i, tok in added.items()}
+        self._plain: tuple[Any, re.Pattern[str]] | None = None  # built on first use (about a second)
 
     def _required_id(self, token: str) -> int:
         tid = self._tk.token_to_id(token)
@@ -109,10 +116,21 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load ``path``. A missing file raises ``FileNotFoundError`` and a corrupt one ``ValueError``,
+        both naming the file, which the library's own errors do not."""
         from tokenizers import Tokenizer as _FastTokenizer  # lazy: keeps `import dsv4.chat` light
 
         path = Path(path)
-        return cls(_FastTokenizer.from_file(str(path)), path=path, pad_token=_read_pad_token(path))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such tokenizer file")
+        try:
+            backend = _FastTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception
+            raise ValueError(f"{path}: not a usable tokenizer.json ({exc})") from None
+        try:
+            return cls(backend, path=path, pad_token=_read_pad_token(path))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     # -- vocabulary ------------------------------------------------------------------------------
     @property
@@ -134,16 +152,78 @@ class Tokenizer:
 
     # -- encode / decode -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token strings in the text map to their single ids.
+        """Token ids of ``text``. Added-token strings in the text map to their single ids, as a raw
+        completion prompt wants; chat prompts go through :meth:`encode_prompt` instead.
 
         The tokenizer itself adds nothing; ``add_special_tokens=True`` prepends BOS (id 0).
-        Rendered chat prompts (:func:`dsv4.chat.encode_messages`) already start with BOS, so
-        encode them with the default ``False``.
         """
         ids = self._tk.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: an added-token string in it (EOS, ``<｜User｜>``,
+        ``</think>``, ``｜DSML｜``…) becomes ordinary tokens, never its id. Text that holds no such
+        string gets the ids :meth:`encode` gives. The first call of this or :meth:`encode_prompt`
+        builds a second backend (about a second), so a server may call it once at start-up."""
+        return self._plain_parts()[0].encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, prompt: "RenderedPrompt") -> list[int]:
+        """Token ids of a rendered chat prompt (:func:`dsv4.chat.render_messages`).
+
+        Added tokens are taken only from the template's pieces; everything from the request is
+        plain text, so a message cannot forge a turn with ``<｜end▁of▁sentence｜><｜User｜>``. The
+        text is split only at the added tokens found in template pieces and each run in between is
+        encoded whole, so a prompt whose request text holds no added-token string gets exactly
+        ``encode(prompt.text)`` (the library splits on added tokens before the BPE model too).
+        """
+        plain, pattern = self._plain_parts()
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            text = "".join(run)
+            run.clear()
+            if text:
+                ids.extend(plain.encode(text, add_special_tokens=False).ids)
+
+        for text, from_request in prompt.pieces:
+            if from_request:
+                run.append(text)
+                continue
+            pos = 0
+            for m in pattern.finditer(text):
+                run.append(text[pos : m.start()])
+                flush()
+                ids.append(self._added_ids[m.group()])
+                pos = m.end()
+            run.append(text[pos:])
+        flush()
+        return ids
+
+    def _plain_parts(self) -> tuple[Any, re.Pattern[str]]:
+        """A copy of the backend that leaves every added-token string to the BPE model, and a regex
+        finding added tokens leftmost-longest, as the library does (for the shipped file, which has
+        no normalizer and no lstrip/rstrip tokens).
+
+        ``encode_special_tokens`` stops only the tokens flagged special from being split out, and the
+        chat markup is not flagged, so the copy flags every added token special first.
+        """
+        if self._plain is None:
+            from tokenizers import AddedToken
+            from tokenizers import Tokenizer as _FastTokenizer
+
+            plain = _FastTokenizer.from_str(self._tk.to_str())
+            plain.add_special_tokens([
+                AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                           normalized=t.normalized, special=True)
+                for t in self._tk.get_added_tokens_decoder().values()
+            ])
+            plain.encode_special_tokens = True
+            longest_first = sorted(self._added_ids, key=len, reverse=True)
+            self._plain = plain, re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        return self._plain
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         out = [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]

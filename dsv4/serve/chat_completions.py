@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..chat import DSML, DeepseekV4OutputParser, encode_messages, map_reasoning_effort
+from ..chat import DSML, DeepseekV4OutputParser, map_reasoning_effort, render_messages
 from .errors import APIError, bad_request, from_value_error
 from .protocol import ChatCompletionRequest
 from .serving import (
@@ -79,13 +79,13 @@ def render_chat(state: ServerState, messages, *, tools=None, tool_choice=None, c
     if prefill and think:
         prefill = "</think>" + prefill
     try:
-        text = encode_messages(msgs, thinking=bool(think), reasoning_effort=mapped_effort if think else None,
-                               tools=specs if choice != "none" else None, response_format=response_format,
-                               effort_version=state.effort_version)
+        rendered = render_messages(msgs, thinking=bool(think), reasoning_effort=mapped_effort if think else None,
+                                   tools=specs if choice != "none" else None, response_format=response_format,
+                                   effort_version=state.effort_version)
     except ValueError as e:
         raise from_value_error(e) from None
-    text += prefill
-    ids = state.tokenizer.encode(text)
+    text = rendered.text + prefill
+    ids = state.tokenizer.encode_prompt(rendered) + state.tokenizer.encode(prefill)
     return ChatPrompt(text, ids, bool(think), prefill, specs, report_tools=bool(specs) and choice != "none")
 
 

@@ -87,9 +87,46 @@ def test_system_last_or_before_assistant_opens_assistant_turn():
     assert encode_messages(msgs, thinking=False) == f"{BOS}S{A}{TE}a{EOS}"
 
 
-def test_openai_content_lists_are_flattened():
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert encode_messages(msgs, thinking=False) == f"{BOS}{U}ab{A}{TE}"
+def test_openai_content_lists_are_joined_by_a_blank_line():
+    """Like DeepSeek's encoder joins a user turn's content blocks (release-and-anchors §3)."""
+    parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}, "c"]
+    msgs = [{"role": "user", "content": parts}]
+    assert encode_messages(msgs, thinking=False) == f"{BOS}{U}a\n\nb\n\nc{A}{TE}"
+    assert encode_messages([{"role": "user", "content": [{"type": "text", "text": "only"}]}], thinking=False) == (
+        f"{BOS}{U}only{A}{TE}"
+    )
+    # The same for every role that takes content.
+    def two(a, b):
+        return [{"type": "text", "text": a}, {"type": "output_text", "text": b}]
+
+    msgs = [
+        {"role": "system", "content": two("s1", "s2")},
+        user("q"),
+        {"role": "assistant", "content": two("a1", "a2"), "tool_calls": [call("c1", "get_weather", {"city": "A"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": two("t1", "t2")},
+        {"role": "developer", "content": two("d1", "d2")},
+    ]
+    prompt = encode_messages(msgs, thinking=False)
+    for joined in ("s1\n\ns2", "a1\n\na2", "<tool_result>t1\n\nt2</tool_result>", f"{U}d1\n\nd2"):
+        assert joined in prompt
+
+
+@pytest.mark.parametrize("kind", ["image_url", "image", "input_image"])
+@pytest.mark.parametrize("role", ["user", "system", "assistant", "developer"])
+def test_image_parts_are_refused_naming_the_part(kind, role):
+    part = {"type": kind, kind: {"url": "data:image/png;base64,AAAA"}}
+    msgs = [user("q"), {"role": role, "content": [{"type": "text", "text": "look"}, part]}]
+    with pytest.raises(ValueError) as exc:
+        encode_messages(msgs)
+    assert str(exc.value).startswith("messages[1].content[1]: images are not supported")
+
+
+def test_image_part_in_a_tool_result_is_refused():
+    msgs = [user("q"), {"role": "assistant", "tool_calls": [call("c1", "f", {})]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError) as exc:
+        encode_messages(msgs)
+    assert str(exc.value).startswith("messages[2].content[0]: images are not supported")
 
 
 def test_consecutive_user_messages_share_one_turn():

@@ -196,17 +196,45 @@ def test_stray_and_duplicate_think_tags_swallowed():
     got = whole("<think>a<think>b</think>c</think>d</think>")
     assert got["reasoning_content"] == "ab"
     assert got["content"] == "cd"
+    # In content <think> is not markup (only a stray </think> is swallowed there).
     got = whole("<think>x</think>y", thinking=False)
-    assert got["content"] == "xy"
+    assert got["content"] == "<think>xy"
+
+
+@pytest.mark.parametrize(
+    "text,thinking,reasoning,content",
+    [
+        ("r</think>Use <think> tags?", True, "r", "Use <think> tags?"),
+        ("Use <think> tags?", False, "", "Use <think> tags?"),
+        ("r</think><think>", True, "r", "<think>"),
+        ("r</think>a <think>b</think> c", True, "r", "a <think>b c"),
+        ("<think>r<think></think>x<think>y<think", True, "r", "x<think>y<think"),
+        ("A <think> then a tool\n\n" + block(invoke("get_weather", param("city", "Oslo"))), False, "",
+         "A <think> then a tool"),
+    ],
+)
+def test_literal_think_in_content_is_kept(text, thinking, reasoning, content):
+    """Only the structural markers are consumed: ``</think>`` and, while reasoning, a duplicate
+    ``<think>`` (reference §10.3). Char-by-char streaming gives what the whole text gives."""
+    for deltas in (per_char(text, thinking), run_chunks(text, [len(text)], thinking)):
+        got = accumulate(deltas)
+        assert (got["reasoning_content"], got["content"]) == (reasoning, content)
+    assert parse_completion(text, thinking)["content"] == content
 
 
 def test_partial_tags_held_then_released_at_finish():
-    for tail in ("<｜DS", "</thi", "<", "<think", "<｜end▁of", "</"):
+    for tail in ("<｜DS", "</thi", "<", "<｜end▁of", "</"):
         text = "answer " + tail
         parser = DeepseekV4OutputParser(False, None)
         streamed = "".join(d.content or "" for d in parser.feed(text))
         assert streamed == "answer", tail  # trailing space and the tag prefix are held
         assert "".join(d.content or "" for d in parser.finish()) == " " + tail
+    # A <think> prefix is a possible tag only while reasoning; in content it streams at once.
+    parser = DeepseekV4OutputParser(True, None)
+    assert "".join(d.reasoning_content or "" for d in parser.feed("thought <think")) == "thought"
+    assert "".join(d.reasoning_content or "" for d in parser.finish()) == " <think"
+    parser = DeepseekV4OutputParser(False, None)
+    assert "".join(d.content or "" for d in parser.feed("answer <think")) == "answer <think"
 
 
 def test_unfinished_dsml_tag_dropped_at_finish():

@@ -159,3 +159,31 @@ def test_decode_one_cache_keeps_every_delta(tok):
             assert cached.flush() == plain.flush()
         for i in pool + list(range(0, len(tok), 997)):
             assert tok.decode_one(i, skip) == tok.decode([i], skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("body", [b'{"version": "1.0", "trunc', b"", b"{}", bytes(range(256)) * 4])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, body):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_bytes(body)
+    for load in (lambda: tokmod.Tokenizer.from_file(bad), lambda: load_tokenizer(tmp_path)):
+        with pytest.raises(ValueError) as exc:
+            load()
+        assert str(exc.value).startswith(f"{bad}: ") and "\n" not in str(exc.value)
+        assert exc.value.__cause__ is None and exc.value.__suppress_context__  # one short error, no chain
+
+
+def test_tokenizer_json_without_required_tokens_names_the_file(tmp_path):
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import WordLevel
+
+    path = tmp_path / "tokenizer.json"
+    FastTokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
+    with pytest.raises(ValueError) as exc:
+        tokmod.Tokenizer.from_file(path)
+    assert str(exc.value).startswith(f"{path}: ") and "begin▁of▁sentence" in str(exc.value)
+
+
+def test_missing_tokenizer_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError) as exc:
+        tokmod.Tokenizer.from_file(tmp_path / "nope.json")
+    assert str(tmp_path / "nope.json") in str(exc.value)
