@@ -18,7 +18,7 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> int:
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from .checkpoint.inspect import inspect_checkpoint
 
-    text, ok = inspect_checkpoint(a.model_dir)
+    text, ok = inspect_checkpoint(a.model_dir, check_values=a.check_values, progress=a.check_values)
     print(text)
     return 0 if ok else 1
 
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summarize and validate a model directory")
     i.add_argument("model_dir")
+    i.add_argument("--check-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="read every tensor and report NaN/±inf values (--no-check-values: the headers only)")
     i.set_defaults(fn=_cmd_inspect)
 
     _add_probe_args(sub.add_parser("probe", help="stage-by-stage bring-up probe with a token-level verdict"))
