@@ -91,9 +91,11 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         from .parallel.worker import run_worker_node
 
         return run_worker_node(config)
-    from .serve.app import serve  # lazy: fastapi/uvicorn only load for this command
+    if a.log_stats_interval <= 0:
+        raise ValueError(f"--log-stats-interval must be positive (seconds); got {a.log_stats_interval!r}")
+    from .serve.app import ServeOptions, serve  # lazy: fastapi/uvicorn only load for this command
 
-    return serve(a, config)
+    return serve(a, config, ServeOptions(log_stats=not a.disable_log_stats, log_stats_interval=a.log_stats_interval))
 
 
 def _cmd_eval_canary(a: argparse.Namespace) -> int:
@@ -207,6 +209,11 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=int, default=None, help="accepted for vLLM compatibility; must be 256")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, requests, KV cache, prefix-cache hits); /metrics "
+                        "stays on")
+    s.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines while the engine is busy (default: 10)")
     s.set_defaults(fn=_cmd_serve)
 
 

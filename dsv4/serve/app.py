@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -17,13 +18,21 @@ from fastapi import FastAPI
 from .. import __version__, env
 from .async_engine import AsyncEngine
 from .errors import install_handlers
-from .metrics import ServerMetrics
-from .openai_api import AuthMiddleware, RequestLogMiddleware, router
+from .metrics import HTTPMetricsMiddleware, ServerMetrics, StatsLog
+from .openai_api import KNOWN_ENDPOINTS, AuthMiddleware, RequestLogMiddleware, router
 from .serving import ServerState
 
 log = logging.getLogger("dsv4.serve")
 
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServeOptions:
+    """The server's own settings (``dsv4 serve``'s serve-only flags; the engine's are EngineConfig's)."""
+
+    log_stats: bool = True  # the periodic stats line (--disable-log-stats)
+    log_stats_interval: float = 10.0
 
 
 def generation_defaults(model_dir: str) -> dict:
@@ -38,15 +47,21 @@ def generation_defaults(model_dir: str) -> dict:
     }
 
 
-def build_app(engine, *, served_model_name: str | list[str] | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
+              options: ServeOptions | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``engine`` (an LLMEngine); its loop starts with the app."""
     from ..chat import effort_version_for_config
 
+    opts = options or ServeOptions()
     model_path = str(engine.config.model)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [model_path]
-    metrics = ServerMetrics(names[0])
-    aengine = AsyncEngine(engine, metrics)
+    metrics = ServerMetrics(names[0], engine.max_model_len)
+    device = getattr(getattr(engine, "kv_cache", None), "device", None)
+    stats_log = None
+    if opts.log_stats:
+        stats_log = StatsLog(opts.log_stats_interval, "CPU" if str(device) == "cpu" else "GPU")
+    aengine = AsyncEngine(engine, metrics, stats_log=stats_log)
     cfg = engine.model_config
     state = ServerState(
         engine=aengine,
@@ -83,11 +98,12 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     app.include_router(router)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
-    app.add_middleware(RequestLogMiddleware, metrics=metrics)  # outermost: also logs 401s
+    app.add_middleware(RequestLogMiddleware, metrics=metrics)  # also logs 401s
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, routes=KNOWN_ENDPOINTS)  # outermost
     return app
 
 
-def serve(args, config) -> int:
+def serve(args, config, options: ServeOptions) -> int:
     """``dsv4 serve``: build the engine of ``config`` (the command's flags) and serve it until interrupted."""
     import uvicorn
 
@@ -96,7 +112,7 @@ def serve(args, config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(config)
     api_key = args.api_key or env.api_key()
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options)
     url = f"http://{args.host}:{args.port}"
     log.info(
         "dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s",

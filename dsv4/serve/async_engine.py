@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ..engine.errors import EngineDeadError
 from ..engine.outputs import RequestOutput
+from ..engine.request import Status
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsv4.serve")
@@ -99,11 +100,13 @@ class RequestStream:
 
 @dataclass
 class _Track:
-    """Engine-thread bookkeeping of one request for metrics."""
+    """Engine-thread bookkeeping of one request for metrics (monotonic times)."""
 
     arrival: float
+    prompt_len: int
+    scheduled: float | None = None  # the start of the step that first scheduled it
     first: float | None = None
-    prompt_counted: bool = False
+    last: float | None = None  # the latest output with new tokens
     generated: int = 0
 
 
@@ -122,9 +125,11 @@ class EngineStats:
 class AsyncEngine:
     """Runs an LLMEngine in one background thread and multiplexes many concurrent requests onto it."""
 
-    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None):
+    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None, stats_log=None):
+        """``stats_log``: a :class:`~dsv4.serve.metrics.StatsLog` (the periodic stats line), or None."""
         self.engine = engine
         self.metrics = metrics
+        self.stats_log = stats_log
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.stats = EngineStats()
@@ -133,8 +138,11 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._tracks: dict[str, _Track] = {}
+        self._unscheduled: set[str] = set()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._newly_scheduled = 0
+        self._counters = (0, 0, 0)  # the engine's prefix-cache queries, hits and preemptions at the last publish
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +197,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         log.debug("engine loop started")
+        self._counters = self._engine_counters()
         while True:
             try:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):
@@ -196,6 +205,10 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
+                if self.stats_log is not None:
+                    now = time.monotonic()
+                    s = self.stats
+                    self.stats_log.maybe_log(now, s.running, s.waiting, s.cache_usage)
             except EngineDeadError as e:  # a tensor-parallel rank is gone: nothing can run any more
                 self._engine_died(e)
                 break
@@ -260,7 +273,8 @@ class AsyncEngine:
             stream._put(EngineRequestError(500, f"could not add the request: {type(e).__name__}: {e}"))
             return
         self._streams[stream.request_id] = stream
-        self._tracks[stream.request_id] = _Track(stream.arrival)
+        self._tracks[stream.request_id] = _Track(stream.arrival, len(ids))
+        self._unscheduled.add(stream.request_id)
 
     def _abort(self, rid: str) -> None:
         self._streams.pop(rid, None)
@@ -281,6 +295,7 @@ class AsyncEngine:
         self._end_track(rid, "error", time.monotonic())
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
         except EngineDeadError:
@@ -292,6 +307,7 @@ class AsyncEngine:
             return
         self.stats.steps += 1
         now = time.monotonic()
+        self._mark_scheduled(start)
         for out in outputs:
             rid = out.request_id
             if out.error is not None:
@@ -306,35 +322,76 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
 
     # ---- metrics (engine thread) ----------------------------------------------------------------
+    def _mark_scheduled(self, step_start: float) -> None:
+        """Requests a step took out of the waiting queue: their queue time ends at the step's start."""
+        if not self._unscheduled:
+            return
+        requests, n = self.engine.requests, 0
+        for rid in list(self._unscheduled):
+            group = requests.get(rid)
+            if group is None or any(r.status is not Status.WAITING for r in group):
+                self._unscheduled.discard(rid)
+                t = self._tracks.get(rid)
+                if t is not None:
+                    t.scheduled = step_start
+                    n += 1
+        self._newly_scheduled = n
+
     def _track(self, out: RequestOutput, now: float) -> None:
         t = self._tracks.get(out.request_id)
         if t is None:
             return
         n = sum(len(o.token_ids) for o in out.outputs)
-        if self.metrics is not None:
-            self.metrics.tokens(0 if t.prompt_counted else len(out.prompt_token_ids), max(0, n - t.generated))
-        t.prompt_counted, t.generated = True, max(t.generated, n)
-        if t.first is None and n > 0:
-            t.first = now
+        new = max(0, n - t.generated)
+        if new:
+            prompt = t.prompt_len if t.first is None else 0  # counted once its prefill is done, as vLLM does
             if self.metrics is not None:
-                self.metrics.first_token(now - t.arrival)
+                self.metrics.tokens(prompt, new)
+                if t.first is None:
+                    self.metrics.first_token(now - t.arrival)
+                else:
+                    self.metrics.inter_token(now - t.last)
+            if self.stats_log is not None:
+                self.stats_log.tokens(prompt, new)
+            if t.first is None:
+                t.first = now
+                if t.scheduled is None:
+                    t.scheduled = t.arrival
+                    self._unscheduled.discard(out.request_id)
+            t.last, t.generated = now, n
         if out.finished:
-            longest = max((len(o.token_ids) for o in out.outputs), default=0)
-            self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now, longest)
+            self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now)
 
-    def _end_track(self, rid: str, reason: str, now: float, n_tokens: int = 0) -> None:
+    def _end_track(self, rid: str, reason: str, now: float) -> None:
         t = self._tracks.pop(rid, None)
+        self._unscheduled.discard(rid)
         if t is None or self.metrics is None:
             return
-        tpot = (now - t.first) / (n_tokens - 1) if t.first is not None and n_tokens > 1 else None
-        self.metrics.finished(reason, now - t.arrival, tpot)
+        ran = t.scheduled is not None
+        self.metrics.finished(
+            reason, e2e=now - t.arrival, prompt_tokens=t.prompt_len, generation_tokens=t.generated,
+            queue=t.scheduled - t.arrival if ran else None,
+            prefill=((t.first if t.first is not None else now) - t.scheduled) if ran else None,
+            decode=(now - t.first) if t.first is not None else None)
+
+    def _engine_counters(self) -> tuple[int, int, int]:
+        kv, sched = self.engine.kv, self.engine.scheduler
+        return kv.queries, kv.hits, sched.num_preemptions
 
     def _publish(self) -> None:
         try:
             sched = self.engine.scheduler
             s = self.stats
             s.waiting, s.running, s.cache_usage = len(sched.waiting), len(sched.running), self.engine.kv.usage()
+            now = self._engine_counters()
+            # a counter that went down was reset (a warm-up): count from zero
+            delta = [c - p if c >= p else c for c, p in zip(now, self._counters)]
+            self._counters = now
+            if self.stats_log is not None:
+                self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
+            self._newly_scheduled = 0
             if self.metrics is not None:
                 self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage)
+                self.metrics.engine_counters(*delta)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

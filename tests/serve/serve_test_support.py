@@ -32,6 +32,14 @@ def make_engine(model_dir, backend, **kw):
     return LLMEngine(EngineConfig(**cfg), model=backend)
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``, in a /metrics page (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 class ServerThread:
     """Run an ASGI app with uvicorn on 127.0.0.1 (a free port) in a background thread."""
 
