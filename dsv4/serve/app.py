@@ -7,6 +7,7 @@ the engine loop as ``app.state.async_engine``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -33,52 +34,80 @@ class ServeOptions:
 
     log_stats: bool = True  # the periodic stats line (--disable-log-stats)
     log_stats_interval: float = 10.0
+    log_requests: bool = True  # one line per HTTP request (--disable-log-requests)
+    log_prompts: bool = False  # each request's prompt and parameters (--enable-log-requests)
+    max_log_len: int | None = None
+    generation_config: str = "auto"
 
 
-def generation_defaults(model_dir: str) -> dict:
-    """Sampling defaults from the checkpoint's generation_config.json (vLLM's ``--generation-config auto``)."""
-    path = Path(model_dir, "generation_config.json")
+def generation_defaults(model_dir: str, generation_config: str = "auto") -> dict:
+    """Sampling defaults, as vLLM's ``--generation-config``: ``auto`` reads the model's
+    generation_config.json (none: no defaults), ``vllm`` uses none, a folder reads its file."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        path = Path(model_dir, "generation_config.json")
+        if not path.is_file():
+            return {}
+    else:
+        folder = Path(generation_config)
+        if not folder.is_dir():
+            raise ValueError(f"--generation-config {generation_config}: not 'auto', 'vllm' or a directory")
+        path = folder / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"--generation-config {generation_config}: the directory has no generation_config.json")
     try:
         cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--generation-config {generation_config}: cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--generation-config {generation_config}: {path} is not a JSON object")
     return {
         k: cfg[k] for k in _GENERATION_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)
     }
 
 
 def build_app(engine, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              options: ServeOptions | None = None) -> FastAPI:
-    """An OpenAI-compatible FastAPI app serving ``engine`` (an LLMEngine); its loop starts with the app."""
+              options: ServeOptions | None = None, model_root: str | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app serving ``engine`` (an LLMEngine); its loop starts with the app.
+
+    Without ``served_model_name`` the model is served by its directory's name (no absolute path in
+    /v1/models and /metrics); ``model_root`` is what /v1/models reports as its ``root`` (default: the
+    model path)."""
     from ..chat import effort_version_for_config
 
     opts = options or ServeOptions()
     model_path = str(engine.config.model)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [model_path]
+    names = names or [Path(model_path).resolve().name]
+    root = model_root or model_path
     metrics = ServerMetrics(names[0], engine.max_model_len)
     device = getattr(getattr(engine, "kv_cache", None), "device", None)
     stats_log = None
     if opts.log_stats:
         stats_log = StatsLog(opts.log_stats_interval, "CPU" if str(device) == "cpu" else "GPU")
-    aengine = AsyncEngine(engine, metrics, stats_log=stats_log)
+    aengine = AsyncEngine(engine, metrics, stats_log=stats_log, log_prompts=opts.log_prompts,
+                          max_log_len=opts.max_log_len)
     cfg = engine.model_config
+    defaults = generation_defaults(model_path, opts.generation_config)
+    if defaults:
+        log.info("sampling defaults from %s/generation_config.json: %s (requests override them; "
+                 "--generation-config vllm ignores the file)",
+                 model_path if opts.generation_config == "auto" else opts.generation_config, defaults)
     state = ServerState(
         engine=aengine,
         model_names=names,
-        model_path=model_path,
+        model_path=root,
         max_model_len=engine.max_model_len,
         vocab_size=cfg.vocab_size,
         metrics=metrics,
         effort_version=effort_version_for_config(cfg.raw),
-        generation_defaults=generation_defaults(model_path),
+        generation_defaults=defaults,
         api_key=api_key,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        import asyncio
-
         aengine.start()
         log.debug("engine loop started for %s (served as %s)", model_path, ", ".join(names))
         try:
@@ -98,25 +127,29 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     app.include_router(router)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
-    app.add_middleware(RequestLogMiddleware, metrics=metrics)  # also logs 401s
+    if opts.log_requests:
+        app.add_middleware(RequestLogMiddleware, metrics=metrics)  # also logs 401s
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, routes=KNOWN_ENDPOINTS)  # outermost
     return app
 
 
-def serve(args, config, options: ServeOptions) -> int:
+def serve(args, config, options: ServeOptions, model_root: str | None = None) -> int:
     """``dsv4 serve``: build the engine of ``config`` (the command's flags) and serve it until interrupted."""
     import uvicorn
 
     from ..llm import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    generation_defaults(config.model, options.generation_config)  # a bad --generation-config fails before loading
     engine = build_engine(config)
     api_key = args.api_key or env.api_key()
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options,
+                    model_root=model_root)
     url = f"http://{args.host}:{args.port}"
     log.info(
-        "dsv4 serve: model %s, KV cache %d tokens (max_model_len %d), listening on %s",
+        "dsv4 serve: model %s served as %s, KV cache %d tokens (max_model_len %d), listening on %s",
         args.model,
+        ", ".join(app.state.dsv4.model_names),
         engine.kv_cache.budget.capacity_tokens,
         engine.max_model_len,
         url,

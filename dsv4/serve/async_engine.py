@@ -125,11 +125,15 @@ class EngineStats:
 class AsyncEngine:
     """Runs an LLMEngine in one background thread and multiplexes many concurrent requests onto it."""
 
-    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None, stats_log=None):
-        """``stats_log``: a :class:`~dsv4.serve.metrics.StatsLog` (the periodic stats line), or None."""
+    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None, stats_log=None,
+                 log_prompts: bool = False, max_log_len: int | None = None):
+        """``stats_log``: a :class:`~dsv4.serve.metrics.StatsLog` (the periodic stats line), or None.
+        ``log_prompts``: log every request's prompt and parameters as it is added (vLLM's
+        ``--enable-log-requests``), the prompt cut to ``max_log_len`` characters or token ids."""
         self.engine = engine
         self.metrics = metrics
         self.stats_log = stats_log
+        self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.stats = EngineStats()
@@ -170,6 +174,11 @@ class AsyncEngine:
         if not self.alive:
             raise EngineRequestError(503, f"the engine is not running{': ' + self.dead if self.dead else ''}")
         rid = request_id or self.new_request_id()
+        if self.log_prompts:
+            n = self.max_log_len
+            log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid,
+                     prompt if prompt is None or n is None else prompt[:n], params,
+                     list(prompt_token_ids)[:n] if n is not None else list(prompt_token_ids))
         stream = RequestStream(rid, asyncio.get_running_loop(), self)
         self._cmds.put(("add", stream, prompt, list(prompt_token_ids), params))
         return stream

@@ -1,8 +1,10 @@
-"""What a vLLM user reads: the periodic stats line and vLLM's metrics. In process, on a scripted back
-end (no model: fast)."""
+"""What a vLLM user types and reads: ``vllm serve``'s flags (accepted, or refused saying why), no
+abbreviated flags, the periodic stats line, request logging, vLLM's metrics, ``--generation-config``,
+and the served model's name. In process, on a scripted back end (no model: fast)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -56,6 +58,25 @@ def test_stats_line_while_busy_and_disable_log_stats(scripted_engine, caplog):
     assert not [m for m in _messages(caplog) if m.startswith("Engine 000:")]
 
 
+def test_request_logging_flags(scripted_engine, caplog):
+    caplog.set_level(logging.INFO, logger="dsv4.serve")
+    with _serve(scripted_engine, log_stats=False) as srv:  # the default: one line per request, no prompts
+        _complete(srv)
+    assert [m for m in _messages(caplog) if m.startswith("request id=cmpl-")]
+    assert not [m for m in _messages(caplog) if m.startswith("Received request")]
+    caplog.clear()
+    with _serve(scripted_engine, log_stats=False, log_requests=False) as srv:  # --disable-log-requests
+        _complete(srv)
+    assert not [m for m in _messages(caplog) if m.startswith(("request id=", "Received request"))]
+    caplog.clear()
+    with _serve(scripted_engine, log_stats=False, log_prompts=True, max_log_len=6) as srv:  # --enable-log-requests
+        _complete(srv, prompt="Once upon a time, in a land far away, there lived a king")
+    received = [m for m in _messages(caplog) if m.startswith("Received request")]
+    assert len(received) == 1 and "prompt: 'Once u'," in received[0] and "params: SamplingParams(" in received[0]
+    ids = json.loads(received[0].split("prompt_token_ids: ")[1])
+    assert len(ids) == 6  # cut to --max-log-len too
+
+
 def test_vllm_metrics_count_prefix_cache_tokens_preemptions_and_phases(scripted_engine):
     with _serve(scripted_engine, log_stats=False) as srv:
         prompt = "word " * 300  # past one 256-token block: the second request hits the prefix cache
@@ -78,3 +99,79 @@ def test_vllm_metrics_count_prefix_cache_tokens_preemptions_and_phases(scripted_
     # vLLM's token buckets: 1, 2, 5, … up to max_model_len (2048 here)
     les = re.findall(r'vllm:request_prompt_tokens_bucket\{[^}]*le="([^"]+)"', text)
     assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0", "+Inf"]
+
+
+def test_served_name_defaults_to_the_directory_name(scripted_engine, tiny_ckpt):
+    """(The embedded canary, served as dsv4-canary: tests/serve/test_serve_lifecycle.py.)"""
+    from pathlib import Path
+
+    from dsv4.serve.app import build_app
+
+    with ServerThread(build_app(scripted_engine)) as srv:
+        ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+        _ = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        text = httpx.get(srv.url + "/metrics").text
+    assert ids == [Path(tiny_ckpt).name]
+    assert f'model_name="{Path(tiny_ckpt).name}"' in text and str(tiny_ckpt) not in text
+
+
+def test_generation_config_auto_vllm_or_a_directory(tmp_path):
+    from dsv4.serve.app import generation_defaults
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "eos_token_id": 1}))
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 20}))
+    assert generation_defaults(str(model)) == {"temperature": 0.6, "top_p": 0.95}
+    assert generation_defaults(str(model), "auto") == {"temperature": 0.6, "top_p": 0.95}
+    assert generation_defaults(str(model), "vllm") == {}
+    assert generation_defaults(str(model), str(other)) == {"top_k": 20}
+    assert generation_defaults(str(other / "nothing-here")) == {}  # auto without the file: no defaults
+    with pytest.raises(ValueError, match="--generation-config .*not 'auto', 'vllm' or a directory"):
+        generation_defaults(str(model), str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="--generation-config .*no generation_config.json"):
+        generation_defaults(str(model), str(tmp_path))
+
+
+def test_vllm_serve_flags_are_accepted():
+    from dsv4.cli import build_parser
+
+    a = build_parser().parse_args(
+        ["serve", "/m", "--disable-log-requests", "--max-log-len", "100", "--disable-log-stats",
+         "--enable-chunked-prefill", "--generation-config", "vllm", "--tokenizer", "/t/tokenizer.json",
+         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert a.disable_log_requests and a.max_log_len == 100 and a.disable_log_stats and a.enable_chunked_prefill
+    assert a.generation_config == "vllm" and a.tokenizer == "/t/tokenizer.json" and a.tokenizer_mode == "deepseek_v4"
+    assert a.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+    assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
+    (["--chat-template", "t.jinja"], "--tokenizer-mode deepseek_v4"),
+    (["--enable-log-requests", "--disable-log-requests"], "give one of them"),
+    (["--max-log-len", "-1"], "--max-log-len must be ≥ 0"),
+    (["--log-stats-interval", "0"], "--log-stats-interval must be positive"),
+    (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir"),
+])
+def test_serve_flags_that_cannot_apply_say_why(argv, says, capsys, tiny_ckpt):
+    from dsv4.cli import main
+
+    assert main(["serve", str(tiny_ckpt), "--port", "0", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--tokenizer-mod", "deepseek_v4"],
+    ["serve", "--max-model", "100"],
+    ["generate", "--prompt", "x", "--max-tok", "3"],
+    ["bench", "serve", "--model", "m", "--random-input", "5"],
+    ["eval", "canary", "--per", "3"],
+])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    from dsv4.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "unrecognized arguments" in capsys.readouterr().err
