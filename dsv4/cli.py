@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 CANARY_NAME = "dsv4-canary"  # what the embedded canary is served as (no --model)
@@ -97,29 +98,59 @@ def _check_serve_flags(a: argparse.Namespace) -> None:
                          "(--max-num-batched-tokens and --long-prefill-token-threshold size the chunks)")
     if a.enable_log_requests and a.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests: give one of them")
-    if a.max_log_len is not None and a.max_log_len < 0:
-        raise ValueError(f"--max-log-len must be ≥ 0; got {a.max_log_len!r}")
+    for flag, value in (("--max-log-len", a.max_log_len), ("--shutdown-timeout", a.shutdown_timeout),
+                        ("--engine-stall-timeout", a.engine_stall_timeout)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be ≥ 0; got {value!r}")
     if a.log_stats_interval <= 0:
         raise ValueError(f"--log-stats-interval must be positive (seconds); got {a.log_stats_interval!r}")
 
 
+def _bind(host: str, port: int):
+    """The server's socket, bound before anything loads (listening starts with the server), so that a
+    taken port fails in a second and not after the model loaded; a ValueError naming the flag."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}"
+                         + (" (another process has it; pick another --port)" if e.errno == errno.EADDRINUSE else "")
+                         ) from None
+    return sock
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     _check_serve_flags(a)
-    canary = not (a.model or a.model_tag)
-    a.model = _model_or_canary(a.model or a.model_tag)
-    if canary and not a.served_model_name:  # never its path inside the installed package
-        a.served_model_name = [CANARY_NAME]
-    config = _engine_config(a)
-    if config.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/parallel)
-        from .parallel.worker import run_worker_node
+    sock = _bind(a.host, a.port) if a.node_rank == 0 else None  # (nodes > 0 serve nothing)
+    try:
+        canary = not (a.model or a.model_tag)
+        a.model = _model_or_canary(a.model or a.model_tag)
+        if canary and not a.served_model_name:  # never its path inside the installed package
+            a.served_model_name = [CANARY_NAME]
+        config = _engine_config(a)
+        if config.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/parallel)
+            from .parallel.worker import run_worker_node
 
-        return run_worker_node(config)
-    from .serve.app import ServeOptions, serve  # lazy: fastapi/uvicorn only load for this command
+            return run_worker_node(config)
+        from .serve.app import ServeOptions, serve  # lazy: fastapi/uvicorn only load for this command
 
-    options = ServeOptions(log_stats=not a.disable_log_stats, log_stats_interval=a.log_stats_interval,
-                           log_requests=not a.disable_log_requests, log_prompts=a.enable_log_requests,
-                           max_log_len=a.max_log_len, generation_config=a.generation_config)
-    return serve(a, config, options, model_root=CANARY_NAME if canary else None)
+        options = ServeOptions(log_stats=not a.disable_log_stats, log_stats_interval=a.log_stats_interval,
+                               log_requests=not a.disable_log_requests, log_prompts=a.enable_log_requests,
+                               max_log_len=a.max_log_len, generation_config=a.generation_config,
+                               engine_stall_timeout=a.engine_stall_timeout, shutdown_timeout=a.shutdown_timeout)
+        return serve(a, config, options, sock, model_root=CANARY_NAME if canary else None)
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def _cmd_eval_canary(a: argparse.Namespace) -> int:
@@ -252,6 +283,12 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     s.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="prompt characters (or token ids) --enable-log-requests shows at most (default: all)")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds the requests in flight get to finish; then their streams end with "
+                        "an error event and the server exits (default: 5)")
+    s.add_argument("--engine-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="/health answers 503 once the engine has made no progress for this long with requests in "
+                        "flight, e.g. a stopped tensor-parallel rank (0: never; default: 30)")
     s.set_defaults(fn=_cmd_serve)
 
 
@@ -327,12 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # (imports torch: interruptible too)
+    except KeyboardInterrupt:
+        return 130
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as e:  # config/checkpoint errors name what is wrong
         print(f"dsv4 {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the server has shut down already; no traceback
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 ``build_app`` takes an already built LLMEngine so that tests (and embedders) can serve any
 engine, including one with a scripted backend; the app exposes it as ``app.state.engine`` and
 the engine loop as ``app.state.async_engine``.
+
+``serve`` runs on a socket ``dsv4 serve`` bound before the model loaded (a taken port fails at once,
+not after minutes of loading), and bounds the graceful shutdown: on SIGTERM the requests in flight
+get ``--shutdown-timeout`` seconds, then their streams end with an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI
 
 from .. import __version__, env
@@ -38,6 +44,8 @@ class ServeOptions:
     log_prompts: bool = False  # each request's prompt and parameters (--enable-log-requests)
     max_log_len: int | None = None
     generation_config: str = "auto"
+    engine_stall_timeout: float = 30.0
+    shutdown_timeout: float = 5.0
 
 
 def generation_defaults(model_dir: str, generation_config: str = "auto") -> dict:
@@ -86,8 +94,8 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     stats_log = None
     if opts.log_stats:
         stats_log = StatsLog(opts.log_stats_interval, "CPU" if str(device) == "cpu" else "GPU")
-    aengine = AsyncEngine(engine, metrics, stats_log=stats_log, log_prompts=opts.log_prompts,
-                          max_log_len=opts.max_log_len)
+    aengine = AsyncEngine(engine, metrics, stats_log=stats_log, stall_timeout=opts.engine_stall_timeout,
+                          log_prompts=opts.log_prompts, max_log_len=opts.max_log_len)
     cfg = engine.model_config
     defaults = generation_defaults(model_path, opts.generation_config)
     if defaults:
@@ -113,7 +121,7 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
         try:
             yield
         finally:
-            await asyncio.to_thread(aengine.stop)
+            await asyncio.to_thread(aengine.stop, 10.0)
             # tensor-parallel workers: stopped here, before uvicorn re-raises a captured SIGTERM/SIGINT
             shutdown = getattr(engine, "shutdown", None)
             if shutdown is not None:
@@ -133,49 +141,66 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     return app
 
 
-def serve(args, config, options: ServeOptions, model_root: str | None = None) -> int:
-    """``dsv4 serve``: build the engine of ``config`` (the command's flags) and serve it until interrupted."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown with a bound: the engine takes no new requests, those in flight get
+    ``grace`` seconds, then the open streams end with an error event (and ``[DONE]``)."""
 
+    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine, grace: float):
+        super().__init__(config)
+        self.aengine, self.grace = aengine, grace
+
+    async def shutdown(self, sockets=None):
+        self.aengine.drain()
+        n = self.aengine.open_streams
+        if n:
+            log.info("shutting down: %d request(s) in flight get %g s to finish (--shutdown-timeout)", n, self.grace)
+        cut = asyncio.ensure_future(self._cut_off())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    async def _cut_off(self):
+        await asyncio.sleep(self.grace)
+        n = self.aengine.fail_open_streams(
+            503, f"the server is shutting down: requests still running after {self.grace:g} s were stopped")
+        if n:
+            log.warning("shutting down: stopped %d request(s) still running after %g s", n, self.grace)
+
+
+def serve(args, config, options: ServeOptions, sock: socket.socket, model_root: str | None = None) -> int:
+    """``dsv4 serve``: build the engine of ``config`` (the command's flags) and serve it on ``sock``
+    (bound already, see ``dsv4.cli``) until interrupted."""
     from ..llm import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     generation_defaults(config.model, options.generation_config)  # a bad --generation-config fails before loading
     engine = build_engine(config)
-    api_key = args.api_key or env.api_key()
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options,
-                    model_root=model_root)
-    url = f"http://{args.host}:{args.port}"
-    log.info(
-        "dsv4 serve: model %s served as %s, KV cache %d tokens (max_model_len %d), listening on %s",
-        args.model,
-        ", ".join(app.state.dsv4.model_names),
-        engine.kv_cache.budget.capacity_tokens,
-        engine.max_model_len,
-        url,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=False,
-            timeout_keep_alive=30,
-        )
-    )  # our request log replaces it
-    aengine = app.state.async_engine
-
-    def on_dead():  # a tensor-parallel rank died: answer what is in flight, then exit non-zero (never hang)
-        server.config.timeout_graceful_shutdown = 10
-        server.should_exit = True
-
-    aengine.on_dead = on_dead
     try:
-        server.run()
+        api_key = args.api_key or env.api_key()
+        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options,
+                        model_root=model_root)
+        state = app.state.dsv4
+        host, port = sock.getsockname()[:2]
+        log.info(
+            "dsv4 serve: model %s served as %s, KV cache %d tokens (max_model_len %d), listening on http://%s:%d",
+            args.model, ", ".join(state.model_names), engine.kv_cache.budget.capacity_tokens, engine.max_model_len,
+            f"[{host}]" if ":" in host else host, port,
+        )
+        aengine = app.state.async_engine
+        server = DrainingServer(
+            uvicorn.Config(app, host=args.host, port=port, log_level=args.uvicorn_log_level, access_log=False,
+                           timeout_keep_alive=30, timeout_graceful_shutdown=options.shutdown_timeout + 10),
+            aengine, options.shutdown_timeout)  # our request log replaces uvicorn's access log
+
+        def on_dead():  # a tensor-parallel rank died: answer what is in flight, then exit non-zero (never hang)
+            server.should_exit = True
+
+        aengine.on_dead = on_dead
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()  # tensor-parallel workers (nothing at TP=1)
     if aengine.dead:
         log.critical("dsv4 serve: exiting because the engine died: %s", aengine.dead)
         return 1
-    return 0 if server.started else 3  # 3: uvicorn's startup failure code (e.g. the port is taken)
+    return 0 if server.started else 3  # 3: uvicorn's startup failure code

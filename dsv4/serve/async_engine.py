@@ -17,6 +17,12 @@ Failure isolation, because one bad request must not hurt the others:
 * a dead engine (:class:`~dsv4.engine.errors.EngineDeadError`: a tensor-parallel rank died or timed
   out) fails every in-flight request, refuses new ones with a 503 and calls ``on_dead`` (the
   server then exits) — no step can run any more.
+
+Liveness: the loop beats after every step and every idle wait (a quarter second); ``stalled()`` says
+when it has not beaten for ``stall_timeout`` seconds (a step stuck in a collective of a stopped
+rank), and ``/health`` then answers 503. Shutdown: ``drain()`` refuses new requests and
+``fail_open_streams()`` ends the ones still open with an error, from the event loop, so it works
+even when the engine thread is stuck.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -97,6 +104,12 @@ class RequestStream:
             self._owner.abort(self.request_id)
             self._queue.put_nowait(_ABORTED)
 
+    def fail(self, status: int, message: str) -> None:
+        """End the stream with an error (on the handler's loop, without the engine thread) and drop the request."""
+        if not self.finished:
+            self._queue.put_nowait(EngineRequestError(status, message))
+            self._owner.abort(self.request_id)
+
 
 @dataclass
 class _Track:
@@ -126,31 +139,37 @@ class AsyncEngine:
     """Runs an LLMEngine in one background thread and multiplexes many concurrent requests onto it."""
 
     def __init__(self, engine, metrics=None, *, max_model_len: int | None = None, stats_log=None,
-                 log_prompts: bool = False, max_log_len: int | None = None):
+                 stall_timeout: float = 0.0, log_prompts: bool = False, max_log_len: int | None = None):
         """``stats_log``: a :class:`~dsv4.serve.metrics.StatsLog` (the periodic stats line), or None.
+        ``stall_timeout``: seconds without loop progress after which ``stalled()`` reports (0: never).
         ``log_prompts``: log every request's prompt and parameters as it is added (vLLM's
         ``--enable-log-requests``), the prompt cut to ``max_log_len`` characters or token ids."""
         self.engine = engine
         self.metrics = metrics
         self.stats_log = stats_log
+        self.stall_timeout = stall_timeout
         self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.stats = EngineStats()
         self.dead: str | None = None  # set if the loop itself died, or the engine did (EngineDeadError)
         self.on_dead: Callable[[], None] | None = None  # called once the engine is dead (serve: exit)
+        self.draining = False  # shutting down: new requests are refused
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._open: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # loop side: every unfinished stream
         self._tracks: dict[str, _Track] = {}
         self._unscheduled: set[str] = set()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._beat = time.monotonic()
         self._newly_scheduled = 0
         self._counters = (0, 0, 0)  # the engine's prefix-cache queries, hits and preemptions at the last publish
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self._beat = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
             self._thread.start()
 
@@ -161,8 +180,48 @@ class AsyncEngine:
             self._thread = None
 
     @property
-    def alive(self) -> bool:
+    def running(self) -> bool:
+        """The loop runs and the engine is not dead (requests are accepted)."""
         return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    @property
+    def alive(self) -> bool:
+        """Running and making progress (what ``/health`` reports)."""
+        return self.running and self.stalled() is None
+
+    def stalled(self) -> str | None:
+        """Why the loop counts as stuck (no step or idle wait finished for ``stall_timeout`` s), or None."""
+        if not self.stall_timeout or self._thread is None:
+            return None
+        quiet = time.monotonic() - self._beat
+        if quiet <= self.stall_timeout:
+            return None
+        return (f"the engine has made no progress for {quiet:.0f} s with {len(self._streams)} request(s) in "
+                f"flight (--engine-stall-timeout {self.stall_timeout:g})")
+
+    def health(self) -> str | None:
+        """None when healthy, else what is wrong (for ``/health``'s 503)."""
+        if self.dead:
+            return f"the engine is dead: {self.dead}"
+        if not self.running:
+            return "the engine is not running"
+        return self.stalled()
+
+    # ---- shutdown (event-loop side) -------------------------------------------------------------
+    def drain(self) -> None:
+        """Refuse new requests from now on (503); those in flight run on."""
+        self.draining = True
+
+    @property
+    def open_streams(self) -> int:
+        return sum(not s.finished for s in self._open)
+
+    def fail_open_streams(self, status: int, message: str) -> int:
+        """End every unfinished stream with an error and abort its request; returns how many."""
+        streams = [s for s in self._open if not s.finished]
+        for s in streams:
+            s.fail(status, message)
+        return len(streams)
 
     # ---- handler API (event-loop side) ----------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
@@ -171,8 +230,10 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
                     request_id: str | None = None) -> RequestStream:
         """Queue a request; the returned stream yields its outputs. Must be called on an event loop."""
-        if not self.alive:
+        if not self.running:
             raise EngineRequestError(503, f"the engine is not running{': ' + self.dead if self.dead else ''}")
+        if self.draining:
+            raise EngineRequestError(503, "the server is shutting down")
         rid = request_id or self.new_request_id()
         if self.log_prompts:
             n = self.max_log_len
@@ -180,6 +241,7 @@ class AsyncEngine:
                      prompt if prompt is None or n is None else prompt[:n], params,
                      list(prompt_token_ids)[:n] if n is not None else list(prompt_token_ids))
         stream = RequestStream(rid, asyncio.get_running_loop(), self)
+        self._open.add(stream)
         self._cmds.put(("add", stream, prompt, list(prompt_token_ids), params))
         return stream
 
@@ -214,8 +276,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
+                self._beat = now = time.monotonic()
                 if self.stats_log is not None:
-                    now = time.monotonic()
                     s = self.stats
                     self.stats_log.maybe_log(now, s.running, s.waiting, s.cache_usage)
             except EngineDeadError as e:  # a tensor-parallel rank is gone: nothing can run any more

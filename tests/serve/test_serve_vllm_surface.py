@@ -140,10 +140,12 @@ def test_vllm_serve_flags_are_accepted():
     a = build_parser().parse_args(
         ["serve", "/m", "--disable-log-requests", "--max-log-len", "100", "--disable-log-stats",
          "--enable-chunked-prefill", "--generation-config", "vllm", "--tokenizer", "/t/tokenizer.json",
-         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}', "--shutdown-timeout", "2",
+         "--engine-stall-timeout", "0"])
     assert a.disable_log_requests and a.max_log_len == 100 and a.disable_log_stats and a.enable_chunked_prefill
     assert a.generation_config == "vllm" and a.tokenizer == "/t/tokenizer.json" and a.tokenizer_mode == "deepseek_v4"
     assert a.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+    assert (a.shutdown_timeout, a.engine_stall_timeout) == (2.0, 0.0)
     assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
 
 
@@ -152,6 +154,7 @@ def test_vllm_serve_flags_are_accepted():
     (["--chat-template", "t.jinja"], "--tokenizer-mode deepseek_v4"),
     (["--enable-log-requests", "--disable-log-requests"], "give one of them"),
     (["--max-log-len", "-1"], "--max-log-len must be ≥ 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be ≥ 0"),
     (["--log-stats-interval", "0"], "--log-stats-interval must be positive"),
     (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir"),
 ])
