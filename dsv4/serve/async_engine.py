@@ -454,10 +454,10 @@ class AsyncEngine:
             sched = self.engine.scheduler
             s = self.stats
             s.waiting, s.running, s.cache_usage = len(sched.waiting), len(sched.running), self.engine.kv.usage()
-            now = self._engine_counters()
+            current = self._engine_counters()
             # a counter that went down was reset (a warm-up): count from zero
-            delta = [c - p if c >= p else c for c, p in zip(now, self._counters)]
-            self._counters = now
+            delta = [c - p if c >= p else c for c, p in zip(current, self._counters)]
+            self._counters = current
             if self.stats_log is not None:
                 self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
             self._newly_scheduled = 0
