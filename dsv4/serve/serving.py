@@ -7,8 +7,10 @@ engine requests and how outputs map back to its response shape.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from starlette.responses import StreamingResponse
 
 from ..engine.sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineRequestError, RequestStream
-from .errors import APIError, bad_request, from_value_error
+from .errors import APIError, bad_request, client_error, from_value_error, internal_error
 from .metrics import ServerMetrics
 
 
@@ -118,9 +120,19 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+# the id of the request whose SSE stream is being sent, for its in-band error (set by start_stream;
+# the stream's body runs in the task, or a child of the task, that called it)
+_stream_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv4_stream_request_id",
+                                                                                 default=None)
+
+
 def sse_error(e: EngineRequestError | APIError) -> str:
-    status = e.status
-    return sse(APIError(status, e.message).body())
+    """The in-band error event of a stream that has started; a 5xx's detail goes to the log only."""
+    if e.status >= 500:
+        # called in the handler's except block: a handler bug's traceback is worth logging, an engine error's is not
+        exc_info = not isinstance(e, EngineRequestError) and sys.exc_info()[1] is not None
+        return sse(internal_error(e.status, e.message, _stream_request_id.get(), exc_info=exc_info).body())
+    return sse(APIError(e.status, e.message).body())
 
 
 def log_info(request: Request) -> dict:
@@ -174,7 +186,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list:
     try:
         return await or_disconnect(request, asyncio.gather(*tasks))
     except EngineRequestError as e:
-        raise APIError(e.status, e.message) from None
+        raise client_error(e, log_info(request).get("id")) from None
     finally:
         for s in streams:
             s.abort()
@@ -242,13 +254,15 @@ async def start_stream(request: Request, streams: list[RequestStream]):
 
     Returns ``(first, iterator)`` where ``first`` is the first (index, output) pair.
     """
+    rid = log_info(request).get("id")
+    _stream_request_id.set(rid)
     it = merged(streams).__aiter__()
     try:
         first = await or_disconnect(request, it.__anext__())
     except EngineRequestError as e:
         for s in streams:
             s.abort()
-        raise APIError(e.status, e.message) from None
+        raise client_error(e, rid) from None
     except BaseException:
         for s in streams:
             s.abort()
