@@ -134,4 +134,8 @@ def install_handlers(app) -> None:
     @app.exception_handler(Exception)
     async def _unhandled(req: Request, e: Exception):
         detail = f"unhandled error on {req.url.path}: {type(e).__name__}: {e}"
-        return internal_error(500, detail, request_id(req), exc_info=e).response()
+        response = internal_error(500, detail, request_id(req), exc_info=e).response()
+        # Starlette re-raises after this response and uvicorn then drops the connection: say so, or a
+        # client reusing it for its next request gets a reset
+        response.headers["Connection"] = "close"
+        return response

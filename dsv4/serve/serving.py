@@ -24,6 +24,8 @@ from .async_engine import AsyncEngine, EngineRequestError, RequestStream
 from .errors import APIError, bad_request, client_error, from_value_error, internal_error
 from .metrics import ServerMetrics
 
+MAX_BODY_BYTES = 32 << 20
+
 
 @dataclass
 class ServerState:
@@ -38,6 +40,7 @@ class ServerState:
     effort_version: str = "0423"
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
