@@ -32,9 +32,11 @@ from .serving import (
     ServerState,
     check_stream_options,
     collect,
+    encode_text,
     finite,
     log_info,
     new_id,
+    off_loop,
     sampling_params,
     sse,
     sse_error,
@@ -85,7 +87,7 @@ def render_chat(state: ServerState, messages, *, tools=None, tool_choice=None, c
     except ValueError as e:
         raise from_value_error(e) from None
     text += prefill
-    ids = state.tokenizer.encode(text)
+    ids = encode_text(state.tokenizer, text)
     return ChatPrompt(text, ids, bool(think), prefill, specs, report_tools=bool(specs) and choice != "none")
 
 
@@ -186,7 +188,9 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = render_chat(
+    prompt = await off_loop(
+        request,
+        render_chat,
         state,
         req.messages,
         tools=req.tools,

@@ -7,6 +7,7 @@ decoder accepts but nothing after it can handle (deep nesting, lone surrogates) 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -22,7 +23,7 @@ from .chat_completions import create_chat_completion, render_chat
 from .completions import create_completion
 from .errors import APIError, bad_request, field_path, from_validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import ClientGone, ServerState
+from .serving import OFF_LOOP_BYTES, ClientGone, ServerState, decode_ids, encode_text, off_loop
 
 log = logging.getLogger("dsv4.serve")
 
@@ -154,6 +155,9 @@ def decode_body(raw: bytes, model):
 async def parse_body(request: Request, model):
     check_content_type(request)
     raw = await read_body(request, _state(request).max_body_bytes)
+    request.scope.setdefault("state", {})["dsv4_body_bytes"] = len(raw)
+    if len(raw) >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(decode_body, raw, model)
     return decode_body(raw, model)
 
 
@@ -187,15 +191,9 @@ async def chat_completions(request: Request):
         return _client_gone()
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request):
-    st = _state(request)
-    req = await parse_body(request, TokenizeRequest)
-    st.model_name(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise bad_request("give exactly one of prompt or messages", param="prompt")
+def _tokenize(st: ServerState, req: TokenizeRequest) -> dict:
     if req.prompt is not None:
-        ids = st.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        ids = encode_text(st.tokenizer, req.prompt, req.add_special_tokens is not False)
     else:
         # the rendered conversation starts with BOS already; add_special_tokens does not add another
         ids = render_chat(st, req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs).ids
@@ -205,13 +203,27 @@ async def tokenize(request: Request):
     return out
 
 
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    st = _state(request)
+    req = await parse_body(request, TokenizeRequest)
+    st.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    return await off_loop(request, _tokenize, st, req)
+
+
+def _detokenize(st: ServerState, req: DetokenizeRequest) -> dict:
+    st.check_prompt(req.tokens or [0], "tokens")
+    return {"prompt": decode_ids(st.tokenizer, req.tokens)}
+
+
 @router.post("/detokenize")
 async def detokenize(request: Request):
     st = _state(request)
     req = await parse_body(request, DetokenizeRequest)
     st.model_name(req.model)
-    st.check_prompt(req.tokens or [0], "tokens")
-    return {"prompt": st.tokenizer.decode(req.tokens)}
+    return await off_loop(request, _detokenize, st, req)
 
 
 @router.get("/health")
