@@ -106,7 +106,7 @@ def _too_deep_field(text: str) -> str | None:
 
 
 def _scan(data: dict, surrogates: bool) -> APIError | None:
-    """A 400 for the first value nested deeper than MAX_JSON_DEPTH or holding a lone surrogate.
+    """A 400 naming a value nested deeper than MAX_JSON_DEPTH or holding a lone surrogate, if there is one.
 
     Iterative, so that it cannot itself run out of stack; it only looks at strings when the body
     had a surrogate escape at all.

@@ -120,9 +120,10 @@ async def off_loop(request: Request, fn, *args, **kwargs):
 
 def encode_text(tok, text: str, add_special_tokens: bool = False) -> list[int]:
     """``tok.encode``; a long text through ``encode_batch``, whose native call releases the GIL."""
-    if len(text) < LONG_INPUT:
+    batch = getattr(tok, "encode_batch", None)
+    if batch is None or len(text) < LONG_INPUT:
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    return batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 def decode_ids(tok, ids: list[int]) -> str:
