@@ -102,6 +102,8 @@ def _check_serve_flags(a: argparse.Namespace) -> None:
                         ("--engine-stall-timeout", a.engine_stall_timeout)):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be ≥ 0; got {value!r}")
+    if a.max_request_body_mb <= 0:
+        raise ValueError(f"--max-request-body-mb must be positive; got {a.max_request_body_mb!r}")
     if a.log_stats_interval <= 0:
         raise ValueError(f"--log-stats-interval must be positive (seconds); got {a.log_stats_interval!r}")
 
@@ -146,7 +148,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         options = ServeOptions(log_stats=not a.disable_log_stats, log_stats_interval=a.log_stats_interval,
                                log_requests=not a.disable_log_requests, log_prompts=a.enable_log_requests,
                                max_log_len=a.max_log_len, generation_config=a.generation_config,
-                               engine_stall_timeout=a.engine_stall_timeout, shutdown_timeout=a.shutdown_timeout)
+                               engine_stall_timeout=a.engine_stall_timeout, shutdown_timeout=a.shutdown_timeout,
+                               max_body_bytes=int(a.max_request_body_mb * 2**20))
         return serve(a, config, options, sock, model_root=CANARY_NAME if canary else None)
     finally:
         if sock is not None:
@@ -289,6 +292,8 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--engine-stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="/health answers 503 once the engine has made no progress for this long with requests in "
                         "flight, e.g. a stopped tensor-parallel rank (0: never; default: 30)")
+    s.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MIB",
+                   help="request bodies larger than this get a 413 (default: 32)")
     s.set_defaults(fn=_cmd_serve)
 
 

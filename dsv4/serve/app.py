@@ -27,7 +27,7 @@ from .async_engine import AsyncEngine
 from .errors import install_handlers
 from .metrics import HTTPMetricsMiddleware, ServerMetrics, StatsLog
 from .openai_api import KNOWN_ENDPOINTS, AuthMiddleware, RequestLogMiddleware, router
-from .serving import ServerState
+from .serving import MAX_BODY_BYTES, ServerState
 
 log = logging.getLogger("dsv4.serve")
 
@@ -46,6 +46,7 @@ class ServeOptions:
     generation_config: str = "auto"
     engine_stall_timeout: float = 30.0
     shutdown_timeout: float = 5.0
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413 (--max-request-body-mb)
 
 
 def generation_defaults(model_dir: str, generation_config: str = "auto") -> dict:
@@ -112,6 +113,7 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
         effort_version=effort_version_for_config(cfg.raw),
         generation_defaults=defaults,
         api_key=api_key,
+        max_body_bytes=opts.max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -136,7 +138,7 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
     if opts.log_requests:
-        app.add_middleware(RequestLogMiddleware, metrics=metrics)  # also logs 401s
+        app.add_middleware(RequestLogMiddleware)  # also logs 401s
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, routes=KNOWN_ENDPOINTS)  # outermost
     return app
 

@@ -202,7 +202,7 @@ class AsyncEngine:
     def health(self) -> str | None:
         """None when healthy, else what is wrong (for ``/health``'s 503)."""
         if self.dead:
-            return f"the engine is dead: {self.dead}"
+            return "the engine stopped after a failure; see the server log"  # (its text may name hosts, paths)
         if not self.running:
             return "the engine is not running"
         return self.stalled()

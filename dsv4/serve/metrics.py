@@ -145,10 +145,6 @@ class ServerMetrics:
             self._decode.observe(decode)
             self._tpot.observe(decode / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
 
-    # ---- HTTP side ------------------------------------------------------------------------------
-    def http(self, endpoint: str, status: int) -> None:
-        """Kept for RequestLogMiddleware's call; requests are counted by :class:`HTTPMetricsMiddleware`."""
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -107,7 +107,11 @@ def test_served_name_defaults_to_the_directory_name(scripted_engine, tiny_ckpt):
 
     from dsv4.serve.app import build_app
 
-    with ServerThread(build_app(scripted_engine)) as srv:
+    from dsv4.serve.app import ServeOptions
+
+    with ServerThread(build_app(scripted_engine, options=ServeOptions(max_body_bytes=2000))) as srv:
+        too_big = httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
+        assert too_big.status_code == 413  # --max-request-body-mb reaches the server
         ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
         _ = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
         text = httpx.get(srv.url + "/metrics").text
@@ -156,6 +160,7 @@ def test_vllm_serve_flags_are_accepted():
     (["--max-log-len", "-1"], "--max-log-len must be ≥ 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be ≥ 0"),
     (["--log-stats-interval", "0"], "--log-stats-interval must be positive"),
+    (["--max-request-body-mb", "0"], "--max-request-body-mb must be positive"),
     (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir"),
 ])
 def test_serve_flags_that_cannot_apply_say_why(argv, says, capsys, tiny_ckpt):
