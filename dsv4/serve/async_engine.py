@@ -47,11 +47,12 @@ log = logging.getLogger("dsv4.serve")
 
 
 class EngineRequestError(Exception):
-    """A request failed in (or was refused by) the engine; ``status`` is the HTTP status to send."""
+    """A request failed in (or was refused by) the engine; ``status`` is the HTTP status to send.
+    ``public``: the message is for the client as it is (a shutdown), not only for the log."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, public: bool = False):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.public = status, message, public
 
 
 _ABORTED = object()  # wakes a consumer whose stream was aborted
@@ -104,10 +105,10 @@ class RequestStream:
             self._owner.abort(self.request_id)
             self._queue.put_nowait(_ABORTED)
 
-    def fail(self, status: int, message: str) -> None:
+    def fail(self, status: int, message: str, public: bool = False) -> None:
         """End the stream with an error (on the handler's loop, without the engine thread) and drop the request."""
         if not self.finished:
-            self._queue.put_nowait(EngineRequestError(status, message))
+            self._queue.put_nowait(EngineRequestError(status, message, public))
             self._owner.abort(self.request_id)
 
 
@@ -217,10 +218,11 @@ class AsyncEngine:
         return sum(not s.finished for s in self._open)
 
     def fail_open_streams(self, status: int, message: str) -> int:
-        """End every unfinished stream with an error and abort its request; returns how many."""
+        """End every unfinished stream with an error the client sees as it is (a shutdown's) and abort its
+        request; returns how many."""
         streams = [s for s in self._open if not s.finished]
         for s in streams:
-            s.fail(status, message)
+            s.fail(status, message, public=True)
         return len(streams)
 
     # ---- handler API (event-loop side) ----------------------------------------------------------
@@ -233,7 +235,7 @@ class AsyncEngine:
         if not self.running:
             raise EngineRequestError(503, f"the engine is not running{': ' + self.dead if self.dead else ''}")
         if self.draining:
-            raise EngineRequestError(503, "the server is shutting down")
+            raise EngineRequestError(503, "the server is shutting down", public=True)
         rid = request_id or self.new_request_id()
         if self.log_prompts:
             n = self.max_log_len
@@ -288,7 +290,7 @@ class AsyncEngine:
                 for rid in list(self._streams):
                     self._fail(rid, 500, f"engine loop error: {type(e).__name__}: {e}")
         for rid in list(self._streams):
-            self._fail(rid, 503, "the server is shutting down")
+            self._fail(rid, 503, "the server is shutting down", public=True)
         log.debug("engine loop stopped")
 
     def _engine_died(self, e: EngineDeadError) -> None:
@@ -354,14 +356,14 @@ class AsyncEngine:
             self.stats.aborted += 1
             self._end_track(rid, "abort", time.monotonic())
 
-    def _fail(self, rid: str, status: int, message: str) -> None:
+    def _fail(self, rid: str, status: int, message: str, public: bool = False) -> None:
         try:
             self.engine.abort_request(rid)
         except Exception:  # noqa: BLE001 - the request is being dropped anyway
             log.exception("abort of failed request %s", rid)
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream._put(EngineRequestError(status, message))
+            stream._put(EngineRequestError(status, message, public))
         self.stats.failed += 1
         self._end_track(rid, "error", time.monotonic())
 

@@ -67,8 +67,9 @@ def internal_error(status: int, detail: str, rid: str | None, *, exc_info=None) 
 
 
 def client_error(e, rid: str | None) -> APIError:
-    """An EngineRequestError or APIError as the client may see it: a 4xx as is, a 5xx by :func:`internal_error`."""
-    if e.status >= 500:
+    """An EngineRequestError or APIError as the client may see it: a 4xx (or a public 5xx: a shutdown) as
+    is, any other 5xx by :func:`internal_error`."""
+    if e.status >= 500 and not getattr(e, "public", False):
         return internal_error(e.status, e.message, rid)
     if isinstance(e, APIError):
         return e

@@ -150,8 +150,9 @@ _stream_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 def sse_error(e: EngineRequestError | APIError) -> str:
-    """The in-band error event of a stream that has started; a 5xx's detail goes to the log only."""
-    if e.status >= 500:
+    """The in-band error event of a stream that has started; a 5xx's detail goes to the log only (a public
+    one, a shutdown, is sent as it is)."""
+    if e.status >= 500 and not getattr(e, "public", False):
         # called in the handler's except block: a handler bug's traceback is worth logging, an engine error's is not
         exc_info = not isinstance(e, EngineRequestError) and sys.exc_info()[1] is not None
         return sse(internal_error(e.status, e.message, _stream_request_id.get(), exc_info=exc_info).body())

@@ -105,9 +105,7 @@ def test_served_name_defaults_to_the_directory_name(scripted_engine, tiny_ckpt):
     """(The embedded canary, served as dsv4-canary: tests/serve/test_serve_lifecycle.py.)"""
     from pathlib import Path
 
-    from dsv4.serve.app import build_app
-
-    from dsv4.serve.app import ServeOptions
+    from dsv4.serve.app import ServeOptions, build_app
 
     with ServerThread(build_app(scripted_engine, options=ServeOptions(max_body_bytes=2000))) as srv:
         too_big = httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
