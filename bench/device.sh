@@ -15,6 +15,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 || echo "device.sh: installing .whl/*.whl failed (was .whl carried?)"
 export PYTHONPATH=/tmp/site:$PWD
+# the tests' per-worker RSS guard is sized for the 24 GiB CPU machine; a CUDA context maps far more
+export DSV4_TEST_MAX_RSS_GIB=${DSV4_TEST_MAX_RSS_GIB:-64}
 T0=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
@@ -35,6 +37,9 @@ step_tests() {
   done
   wait
   echo "== tests ($(elapsed))"; grep -hE "passed|failed|FAILED|Error|^exit" "$OUT"/tests_part*.log | cut -c1-300
+  # one file back (the tool returns few files): every part's file list and log
+  for p in "$OUT"/tests_part*.txt; do echo "### $(tr '\n' ' ' < "$p")"; cat "${p%.txt}.log"; done > "$OUT/gpu_tests.log"
+  rm -f "$OUT"/tests_part*
 }
 
 step_e2e() {

@@ -4,7 +4,8 @@
         --bench-args "--random-input-len 1024 --random-output-len 128 --num-prompts 96 --ignore-eos" \
         --sweep 1,16,64 --out $OUT/serve.json
 
-Prints the startup time (process start to a healthy ``/health``) and the sweep's table (output tok/s,
+Prints the startup time (process start to a healthy ``/health``), the Triton kernels compiled after
+``/health`` (``dsv4:kernel_compiles``: must stay 0 while serving) and the sweep's table (output tok/s,
 TTFT, TPOT per concurrency); ``--out`` gets both as JSON, with the server's log tail.
 """
 
@@ -28,6 +29,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kernel_compiles(url: str) -> float | None:
+    """The server's ``dsv4:kernel_compiles`` gauge (None when /metrics does not have it)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("dsv4:kernel_compiles "):
+                return float(line.split()[1])
+    return None
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -65,11 +75,17 @@ def main() -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             startup = wait_healthy(url, proc, a.startup_timeout)
-            print(f"healthy after {startup:.1f} s ({' '.join(cmd[2:])})", flush=True)
+            compiles_at_health = kernel_compiles(url)
+            print(f"healthy after {startup:.1f} s ({' '.join(cmd[2:])}); kernel compiles so far: "
+                  f"{compiles_at_health}", flush=True)
             result = Path(log_path).with_suffix(".bench.json")
             bench = [sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", url, "--model", "bench",
                      "--sweep-concurrency", a.sweep, "--result-json", str(result), *shlex.split(a.bench_args)]
             rc = subprocess.run(bench, env=env).returncode
+            compiles_after = kernel_compiles(url)
+            grew = None if compiles_after is None else compiles_after - compiles_at_health
+            print(f"kernel compiles while serving: {grew} (at /health {compiles_at_health}, "
+                  f"after the sweep {compiles_after})", flush=True)
         finally:
             proc.terminate()
             try:
@@ -78,6 +94,7 @@ def main() -> int:
                 proc.kill()
     if a.out:
         report = {"startup_s": round(startup, 1), "serve_cmd": cmd[2:], "bench_rc": rc,
+                  "kernel_compiles_at_health": compiles_at_health, "kernel_compiles_after_sweep": compiles_after,
                   "bench": json.loads(result.read_text()) if result.exists() else None,
                   "server_log_tail": log_path.read_text().splitlines()[-60:]}
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
