@@ -120,6 +120,9 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """One forward of a built batch (a captured decode graph where one takes it): its logits rows."""
+        # the step reads blocks restored from the host tier and may rewrite pages an offload reads:
+        # its compute waits for the copies queued while it was scheduled
+        self.kv.wait_copies()
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         extra = {} if batch.tables is None else {"tables": batch.tables}
