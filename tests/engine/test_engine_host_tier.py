@@ -230,3 +230,35 @@ def test_the_copies_are_fenced_against_the_steps_and_without_the_fence_the_outpu
     assert lazy.landed_at_fence == 0
     assert unfenced != cold, "an unfenced host-tier round trip gave the fenced output: the test cannot see a race"
     assert_no_leaks(llm)
+
+
+def test_with_speculative_decoding_a_host_tier_hit_is_bitwise_the_run_without_either(tiny_ckpt, llm):
+    """MTP speculation gives back a hit's last block (recomputed: the proposer needs the target's
+    streams there); the block before it comes back from the host tier byte for byte — its window
+    pages of every layer, the MTP layer's included — and the tokens and logprobs are those of the
+    engine without speculation and without a hit."""
+    kv0 = llm.engine.kv
+    kv0.reset_prefix_cache()
+    prompt = rand_prompts(80, [520])[0]
+    want = signature(llm.generate([prompt], greedy(NEW))[0])  # no speculation, uncached
+    spec = tier_llm(tiny_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    kv = spec.engine.kv
+    assert spec.engine.proposer is not None and spec.engine.scheduler.recompute_last_hit_block
+    h0, h1 = block_hashes(kv, prompt)
+    assert signature(spec.generate([prompt], greedy(NEW))[0]) == want  # cold
+    first, second = device_payload(kv, h0), device_payload(kv, h1)
+    assert signature(spec.generate([prompt], greedy(NEW))[0]) == want  # a device-tier hit of block 0
+    assert kv.hits == BLOCK and kv.host_hits == 0
+    assert same_bytes(device_payload(kv, h0), first)
+
+    push_out(spec, kv, [h0, h1], seed=81)
+    assert h0 in kv.host and h1 in kv.host
+    assert same_bytes(kv.host.store.slot_payload(kv.host.entries[h0]), first)
+    restored, hits = kv.host.restored_blocks, kv.hits
+    assert signature(spec.generate([prompt], greedy(NEW))[0]) == want
+    # block 0 from the host tier; block 1 (the hit's last) recomputed, not restored
+    assert kv.host_hits == BLOCK and kv.host.restored_blocks == restored + 1 and kv.hits == hits
+    assert same_bytes(device_payload(kv, h0), first)
+    assert same_bytes(device_payload(kv, h1), second)  # (the recompute's bytes: what the host copy holds too)
+    assert same_bytes(kv.host.store.slot_payload(kv.host.entries[h1]), second)
+    assert_no_leaks(spec)
