@@ -8,6 +8,10 @@ The host tier of the prefix cache (``--host-tier 262144``: only that measurement
 
     python bench/e2e.py --ckpt /tmp/fw4 --make-preset flash-width --layers 4 --host-tier 262144 --out $OUT/ht.json
 
+and its smoke run on the CPU (the same procedure on the tiny checkpoint, no bandwidth bound):
+
+    python bench/e2e.py --device cpu --ckpt /tmp/tiny --make-preset tiny --host-tier 1024 --prefill 512
+
 Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
 - decode ms/step at batch 1, 8, 64 through the dsv4 engine (steady-state decode steps only);
 - prefill tok/s at 1K and 8K tokens (one request, one chunk);
@@ -327,10 +331,10 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     return res
 
 
-def measure_host_copies(reps: int = 5, nbytes: int = 1 << 30) -> dict:
+def measure_host_copies(reps: int = 5, nbytes: int = 1 << 30, device: str = "cuda") -> dict:
     """The PCIe bound measured here: one contiguous pinned host ↔ device copy of ``nbytes`` each way
-    (the median of ``reps`` after a warm-up), bytes per second; nothing without a GPU."""
-    if not torch.cuda.is_available():
+    (the median of ``reps`` after a warm-up), bytes per second; nothing on the CPU."""
+    if torch.device(device).type != "cuda":
         return {}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -348,12 +352,12 @@ def measure_host_copies(reps: int = 5, nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3) -> dict:
+def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3, device: str = "cuda") -> dict:
     """TTFT of an ``L``-token prompt cold, re-sent from the device tier, and re-sent from the host
     tier after another ``L``-token prompt pushed its blocks out of a device pool that holds one
     such request; whether the first token and its logprob agree; the copy bandwidth the engine's
     own transfer path reaches (consecutive and scattered slots) against the pinned-copy bound.
-    Without a GPU it runs on the CPU in float32 (a dry run of the procedure on a small checkpoint)."""
+    On the CPU (``device="cpu"``) it runs in float32: a dry run of the procedure on a small checkpoint."""
     from dsv4 import LLM, SamplingParams
     from dsv4.cache.host_tier import HostTransfer
     from dsv4.cache.paged import BLOCK, unit_bytes
@@ -362,7 +366,7 @@ def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3) 
 
     seqs = 2
     max_len = L + 64
-    gpu = torch.cuda.is_available()
+    gpu = torch.device(device).type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     blk, swa, slot = unit_bytes(load_config(ckpt), CacheNumerics("fp8_ds_mla"), dtype)
@@ -371,7 +375,8 @@ def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3) 
     pool = fixed + need * (blk + 2 * swa)  # one request's blocks: the next prompt evicts every cached one
     host_gib = 2.2 * need * (blk + 2 * swa) / 2**30  # both prompts' blocks
     t = time.perf_counter()
-    llm = LLM(ckpt, dtype="bfloat16" if gpu else "float32", kv_cache_dtype="fp8_ds_mla", max_model_len=max_len,
+    llm = LLM(ckpt, device=device, dtype="bfloat16" if gpu else "float32", kv_cache_dtype="fp8_ds_mla",
+              max_model_len=max_len,
               max_num_seqs=seqs, max_num_batched_tokens=chunk, kv_cache_memory=pool, kv_offloading_size=host_gib)
     eng = llm.engine
     kv = eng.kv
@@ -550,20 +555,26 @@ def main() -> int:
                          "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                    help="where the checkpoint is made and the engine runs (cpu: only --host-tier, a smoke run "
+                         "with --make-preset tiny)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.device == "cpu" and not a.host_tier:
+        ap.error("--device cpu runs only the --host-tier measurement (the others need a GPU)")
     settings = apply_settings(a.set)
     batches = [int(x) for x in a.batches.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
     if a.make_preset and not Path(a.ckpt, "config.json").exists():
         t = time.time()
         subprocess.run([sys.executable, "-m", "dsv4.cli", "make-checkpoint", "--preset", a.make_preset, "--layers",
-                        str(a.layers), "--out", a.ckpt, "--device", "cuda", "--quiet"], check=True, cwd=ROOT)
+                        str(a.layers), "--out", a.ckpt, "--device", a.device, "--quiet"], check=True, cwd=ROOT)
         print(f"made checkpoint in {time.time() - t:.0f}s", flush=True)
     if a.host_tier:
-        rows = {**measure_host_copies(), **({"settings": settings} if settings else {})}
+        rows = {"device": a.device, **measure_host_copies(device=a.device),
+                **({"settings": settings} if settings else {})}
         print(json.dumps(rows), flush=True)
-        rows["host_tier"] = bench_host_tier(a.ckpt, a.host_tier, chunk=max(prefill))
+        rows["host_tier"] = bench_host_tier(a.ckpt, a.host_tier, chunk=max(prefill), device=a.device)
         h = rows["host_tier"]
         print(f"\nTTFT of {a.host_tier} tokens: cold {h['cold_s']:.2f} s, device tier {h['device_hit_s']:.3f} s, "
               f"host tier {h['host_hit_s']:.3f} s ({h['host_restored_MiB']} MiB restored; same token and logprob: "
