@@ -4,6 +4,14 @@ Run on the H200 (see docs/perf.md for the command that produced the table there)
 
     python bench/e2e.py --ckpt /tmp/fw4 --make-preset flash-width --layers 4 --out $OUT/e2e.json
 
+The host tier of the prefix cache (``--host-tier 262144``: only that measurement):
+
+    python bench/e2e.py --ckpt /tmp/fw4 --make-preset flash-width --layers 4 --host-tier 262144 --out $OUT/ht.json
+
+and its smoke run on the CPU (the same procedure on the tiny checkpoint, no bandwidth bound):
+
+    python bench/e2e.py --device cpu --ckpt /tmp/tiny --make-preset tiny --host-tier 1024 --prefill 512
+
 Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
 - decode ms/step at batch 1, 8, 64 through the dsv4 engine (steady-state decode steps only);
 - prefill tok/s at 1K and 8K tokens (one request, one chunk);
@@ -323,6 +331,112 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     return res
 
 
+def measure_host_copies(reps: int = 5, nbytes: int = 1 << 30, device: str = "cuda") -> dict:
+    """The PCIe bound measured here: one contiguous pinned host ↔ device copy of ``nbytes`` each way
+    (the median of ``reps`` after a warm-up), bytes per second; nothing on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[f"pinned_{name}_GBps"] = round(nbytes / statistics.median(times[1:]) / 1e9, 2)
+    return out
+
+
+def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3, device: str = "cuda") -> dict:
+    """TTFT of an ``L``-token prompt cold, re-sent from the device tier, and re-sent from the host
+    tier after another ``L``-token prompt pushed its blocks out of a device pool that holds one
+    such request; whether the first token and its logprob agree; the copy bandwidth the engine's
+    own transfer path reaches (consecutive and scattered slots) against the pinned-copy bound.
+    On the CPU (``device="cpu"``) it runs in float32: a dry run of the procedure on a small checkpoint."""
+    from dsv4 import LLM, SamplingParams
+    from dsv4.cache.host_tier import HostTransfer
+    from dsv4.cache.paged import BLOCK, unit_bytes
+    from dsv4.config import load_config
+    from dsv4.model.cache import CacheNumerics
+
+    seqs = 2
+    max_len = L + 64
+    gpu = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    blk, swa, slot = unit_bytes(load_config(ckpt), CacheNumerics("fp8_ds_mla"), dtype)
+    need = -(-max_len // BLOCK)
+    fixed = seqs * slot + (seqs * 3 + -(-chunk // 64) + 2) * swa
+    pool = fixed + need * (blk + 2 * swa)  # one request's blocks: the next prompt evicts every cached one
+    host_gib = 2.2 * need * (blk + 2 * swa) / 2**30  # both prompts' blocks
+    t = time.perf_counter()
+    llm = LLM(ckpt, device=device, dtype="bfloat16" if gpu else "float32", kv_cache_dtype="fp8_ds_mla",
+              max_model_len=max_len,
+              max_num_seqs=seqs, max_num_batched_tokens=chunk, kv_cache_memory=pool, kv_offloading_size=host_gib)
+    eng = llm.engine
+    kv = eng.kv
+    res = {"tokens": L, "engine_init_s": round(time.perf_counter() - t, 1), "device_blocks": kv.kvc.budget.num_blocks,
+           "host_blocks": kv.host.num_slots, "slot_MiB": round(kv.host.store.slot_bytes / 2**20, 3),
+           "device_tier_tokens": kv.kvc.budget.capacity_tokens, "host_tier_tokens": kv.host.store.capacity_tokens}
+    g = torch.Generator().manual_seed(7)
+    prompt, other = (torch.randint(3, 120000, (L,), generator=g).tolist() for _ in range(2))
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=0)
+
+    def ttft(ids) -> tuple[float, tuple]:
+        sync()
+        t0 = time.perf_counter()
+        rid = eng.add_request(prompt_token_ids=ids, params=sp)
+        out = eng.run_to_completion([rid])[rid]
+        dt = time.perf_counter() - t0
+        c = out.outputs[0]
+        return dt, (tuple(c.token_ids), tuple(c.logprobs[i][tok].logprob for i, tok in enumerate(c.token_ids)))
+
+    res["cold_s"], cold = ttft(prompt)
+    runs = []
+    for _ in range(device_hits):
+        dt, sig = ttft(prompt)
+        runs.append(dt)
+        res["device_hit_equal"] = res.get("device_hit_equal", True) and sig == cold
+    res["device_hit_s"], res["device_hit_runs_s"] = statistics.median(runs), [round(r, 4) for r in runs]
+    hashes = kv.chain_hashes(prompt, (L - 1) // BLOCK)
+    res["push_s"], _ = ttft(other)
+    res["pushed_out_blocks"] = sum(h not in kv.cached for h in hashes)
+    res["in_host_tier_blocks"] = sum(h in kv.host for h in hashes)
+    before = dict(kv.stats())
+    res["host_hit_s"], host = ttft(prompt)
+    after = kv.stats()
+    res["host_hit_equal"] = host == cold
+    res["host_hit_tokens"] = after["host_prefix_cache_hits"] - before["host_prefix_cache_hits"]
+    res["host_restored_MiB"] = round((after["host_restored_bytes"] - before["host_restored_bytes"]) / 2**20, 1)
+    res["host_offloaded_MiB"] = round(after["host_offloaded_bytes"] / 2**20, 1)
+    res["stats"] = after
+    print("host tier", json.dumps({k: v for k, v in res.items() if k != "stats"}), flush=True)
+
+    # the engine's transfer path on its own: n blocks each way, consecutive and scattered slots/pages
+    kv.reset_prefix_cache()  # (nothing runs: every device page is free to write)
+    store = kv.host.store
+    n = min(kv.kvc.budget.num_blocks, store.num_slots, kv.kvc.budget.num_swa_pages // 2)
+    perm = torch.randperm(n, generator=g).tolist()
+    for layout, order in (("consecutive", list(range(n))), ("scattered", perm)):
+        for direction in ("in", "out"):
+            transfers = [HostTransfer(direction, slot_i, b, (2 * b, 2 * b + 1)) for slot_i, b in zip(order, range(n))]
+            times = []
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                store.execute(transfers)
+                store.copies.synchronize()
+                times.append(time.perf_counter() - t0)
+            res[f"engine_{direction}_{layout}_GBps"] = round(n * store.slot_bytes / min(times) / 1e9, 2)
+    res["engine_copy_blocks"] = n
+    return res
+
+
 def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -> dict:
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
@@ -439,16 +553,39 @@ def main() -> int:
     ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=JSON",
                     help="prefill only: time each length with these settings too, alternating run by run with the "
                          "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
+    ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
+                    help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                    help="where the checkpoint is made and the engine runs (cpu: only --host-tier, a smoke run "
+                         "with --make-preset tiny)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.device == "cpu" and not a.host_tier:
+        ap.error("--device cpu runs only the --host-tier measurement (the others need a GPU)")
     settings = apply_settings(a.set)
     batches = [int(x) for x in a.batches.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
     if a.make_preset and not Path(a.ckpt, "config.json").exists():
         t = time.time()
         subprocess.run([sys.executable, "-m", "dsv4.cli", "make-checkpoint", "--preset", a.make_preset, "--layers",
-                        str(a.layers), "--out", a.ckpt, "--device", "cuda", "--quiet"], check=True, cwd=ROOT)
+                        str(a.layers), "--out", a.ckpt, "--device", a.device, "--quiet"], check=True, cwd=ROOT)
         print(f"made checkpoint in {time.time() - t:.0f}s", flush=True)
+    if a.host_tier:
+        rows = {"device": a.device, **measure_host_copies(device=a.device),
+                **({"settings": settings} if settings else {})}
+        print(json.dumps(rows), flush=True)
+        rows["host_tier"] = bench_host_tier(a.ckpt, a.host_tier, chunk=max(prefill), device=a.device)
+        h = rows["host_tier"]
+        print(f"\nTTFT of {a.host_tier} tokens: cold {h['cold_s']:.2f} s, device tier {h['device_hit_s']:.3f} s, "
+              f"host tier {h['host_hit_s']:.3f} s ({h['host_restored_MiB']} MiB restored; same token and logprob: "
+              f"device {h['device_hit_equal']}, host {h['host_hit_equal']})")
+        print(f"copies: pinned bound h2d {rows.get('pinned_h2d_GBps')} / d2h {rows.get('pinned_d2h_GBps')} GB/s; "
+              "engine "
+              f"restore {h['engine_in_consecutive_GBps']} (scattered {h['engine_in_scattered_GBps']}), offload "
+              f"{h['engine_out_consecutive_GBps']} (scattered {h['engine_out_scattered_GBps']}) GB/s")
+        if a.out:
+            Path(a.out).write_text(json.dumps(rows, indent=2))
+        return 0
     bw = measure_bandwidth()
     rows = {"bandwidth_TBps": bw / 1e12, **({"settings": settings} if settings else {})}
     for B in batches:

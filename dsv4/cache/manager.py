@@ -6,16 +6,21 @@ them up to the longest chain whose last block still has (a) its compressed/index
 (b) the boundary compressor rows, and (c) the two SWA pages that hold the 128-token window
 before the block end. So a hit always restores every cache kind at a multiple of 256 tokens,
 and the output cannot change. Unreferenced cached blocks are evicted LRU.
+
+With a host tier (``dsv4.cache.host_tier``) an evicted cached block is copied out to host memory
+first, and the match walks the chain block by block: a block cached on the device is taken as it is,
+one held only by the host tier is restored into fresh pages (and cached on the device again). Every
+entry of either tier keeps its window pages, so a hit may end at any of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .paged import BLOCK, SWA_PAGE, CacheAllocation, PagedKVCache, PagedSequenceView
+from .paged import BLOCK, RETAINED_SWA, SWA_PAGE, CacheAllocation, PagedKVCache, PagedSequenceView
 from .pool import PagePool
 
-RETAINED_SWA = 2  # SWA pages before a block end that cover the 128-token window
+__all__ = ["KVCacheManager", "RETAINED_SWA"]
 
 
 @dataclass
@@ -24,8 +29,17 @@ class _CachedBlock:
     swa: tuple[int, ...]  # retained SWA pages (window before the block end)
 
 
+@dataclass
+class _HostBlock:
+    """A block of a prefix match held only by the host tier (restored by ``apply_prefix``)."""
+
+    hash: int
+
+
 class KVCacheManager:
-    def __init__(self, kvc: PagedKVCache, enable_prefix_caching: bool = True):
+    def __init__(self, kvc: PagedKVCache, enable_prefix_caching: bool = True, host=None):
+        """``host``: a :class:`~dsv4.cache.host_tier.HostKVTier` over ``kvc`` (used only with
+        prefix caching on)."""
         self.kvc = kvc
         b = kvc.budget
         self.blocks = PagePool(b.num_blocks, "block")
@@ -35,17 +49,60 @@ class KVCacheManager:
         self.window = kvc.cfg.sliding_window
         self.cached: dict[int, _CachedBlock] = {}  # chain hash → block
         self.block_hash: dict[int, int] = {}  # block id → chain hash (registered blocks only)
-        self.hits = self.queries = 0  # prefix-cache statistics, in tokens
+        self.host = host if enable_prefix_caching else None
+        # prefix-cache statistics, in tokens: queries, and hits served by the device / the host tier
+        self.hits = self.queries = self.host_hits = self.host_queries = 0
 
     # ---- accounting ----------------------------------------------------------------------
     def usage(self) -> float:
         return 1.0 - self.blocks.num_available / max(1, self.blocks.n)
 
-    def _evict_block(self, bid: int) -> None:
+    def stats(self) -> dict:
+        """Counters and gauges of both tiers (tokens, blocks, bytes), for the server's metrics."""
+        out = {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+               "device_usage": self.usage(), "device_capacity_tokens": self.kvc.budget.capacity_tokens,
+               "device_cached_blocks": len(self.cached)}
+        if self.host is not None:
+            out.update(host_prefix_cache_queries=self.host_queries, host_prefix_cache_hits=self.host_hits,
+                       **self.host.stats())
+        return out
+
+    def reset_stats(self) -> None:
+        self.hits = self.queries = self.host_hits = self.host_queries = 0
+
+    def count_query(self, num_tokens: int) -> None:
+        """A prompt of ``num_tokens`` looked up in the prefix cache (each tier is asked)."""
+        self.queries += num_tokens
+        if self.host is not None:
+            self.host_queries += num_tokens
+
+    def _evict_block(self, bid: int, offload: bool = True) -> None:
+        """The device pool takes back cached block ``bid``: its content moves to the host tier (if
+        any) before its pages can be reused, then the device forgets it."""
         h = self.block_hash.pop(bid)
         entry = self.cached.pop(h)
+        if offload and self.host is not None:
+            self.host.offload(h, entry.block, entry.swa)  # queued: issued before any page is rewritten
         for p in entry.swa:
             self.swa.decref(p, keep=False)
+
+    def _take_swa(self) -> int:
+        """A fresh SWA page, evicting cached blocks (their retained pages) while none is free."""
+        while not self.swa.free and self.blocks.evictable:
+            bid, _ = self.blocks.evictable.popitem(last=False)
+            self._evict_block(bid)
+            self.blocks.free.append(bid)
+        return self.swa.take(self._evict_swa)
+
+    def _can_take(self, nb: int, ns: int) -> bool:
+        # evicting a cached block also frees its retained SWA pages
+        return nb <= self.blocks.num_available and ns <= self.swa.num_free + RETAINED_SWA * len(self.blocks.evictable)
+
+    def wait_copies(self) -> None:
+        """Before a step launches: the host-tier copies queued so far are issued, and the step's
+        compute waits for them (it reads restored pages, or rewrites pages an offload reads)."""
+        if self.host is not None:
+            self.host.wait()
 
     def _evict_swa(self, pid: int) -> None:  # SWA pages are never cached on their own
         raise RuntimeError("SWA pages are not evictable")
@@ -60,8 +117,7 @@ class KVCacheManager:
         nb, ns = self.new_pages_needed(alloc, num_new)
         if alloc.slot < 0 and not self.free_slots:
             return False
-        # evicting a cached block also frees its retained SWA pages
-        return nb <= self.blocks.num_available and ns <= self.swa.num_free + RETAINED_SWA * len(self.blocks.evictable)
+        return self._can_take(nb, ns)
 
     def try_allocate(self, alloc: CacheAllocation, num_new: int) -> bool:
         """``can_allocate`` then ``allocate``; a decode token inside its pages (most of a step's
@@ -82,12 +138,7 @@ class KVCacheManager:
         for _ in range(nb):
             alloc.blocks.append(self.blocks.take(self._evict_block))
         for _ in range(ns):
-            if not self.swa.free:  # make room by evicting cached blocks (their retained pages)
-                while not self.swa.free and self.blocks.evictable:
-                    bid, _ = self.blocks.evictable.popitem(last=False)
-                    self._evict_block(bid)
-                    self.blocks.free.append(bid)
-            alloc.swa.append(self.swa.take(self._evict_swa))
+            alloc.swa.append(self._take_swa())
 
     def free(self, alloc: CacheAllocation) -> None:
         """Release everything a finished, aborted or preempted request holds."""
@@ -106,13 +157,16 @@ class KVCacheManager:
         return PagedSequenceView(self.kvc, alloc)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached (unreferenced) block: its pages go back to the free lists."""
+        """Forget every cached (unreferenced) block: its pages go back to the free lists; the host
+        tier forgets its blocks too."""
         while self.blocks.evictable:
             bid, _ = self.blocks.evictable.popitem(last=False)
-            self._evict_block(bid)
+            self._evict_block(bid, offload=False)
             self.blocks.free.append(bid)
         for bid in list(self.block_hash):  # cached blocks still held by running requests
-            self._evict_block(bid)
+            self._evict_block(bid, offload=False)
+        if self.host is not None:
+            self.host.reset()
 
     def leaks(self) -> list[str]:
         """With no request alive: anything not free or cached. Empty when the books balance."""
@@ -174,29 +228,79 @@ class KVCacheManager:
             self.block_hash[bid] = h
         alloc.registered_blocks = full
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[_CachedBlock]:
-        """Longest chain of cached blocks covering at most ``max_tokens`` of ``token_ids``."""
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[_CachedBlock | _HostBlock]:
+        """Longest chain of cached blocks covering at most ``max_tokens`` of ``token_ids``: each block
+        from the device tier, else from the host tier."""
         if not self.prefix:
             return []
         n = max_tokens // BLOCK
         out, parent = [], 0
+        host = self.host
         for i in range(n):
             parent = hash((parent, tuple(token_ids[i * BLOCK: (i + 1) * BLOCK])))
             e = self.cached.get(parent)
             if e is None:
-                break
+                if host is None or parent not in host:
+                    break
+                e = _HostBlock(parent)
             out.append(e)
         return out
 
-    def apply_prefix(self, alloc: CacheAllocation, hit: list[_CachedBlock], token_ids: list[int]) -> int:
-        """Take the hit blocks into ``alloc``; returns the number of tokens restored."""
+    def _restore(self, hit: list) -> list[_CachedBlock]:
+        """``hit`` with its host-tier blocks restored into fresh device pages (and cached on the
+        device again), cut before the first one there is no room for. The device blocks of the hit
+        are referenced first, so making room cannot evict them."""
+        for e in hit:
+            if isinstance(e, _HostBlock):
+                self.host.touch(e.hash)  # most recent: the offloads that making room causes evict others first
+            else:
+                self.blocks.incref(e.block)
+        out: list[_CachedBlock] = []
+        for i, e in enumerate(hit):
+            if isinstance(e, _HostBlock):
+                restored = None
+                if e.hash in self.host and self._can_take(1, RETAINED_SWA):
+                    bid = self.blocks.take(self._evict_block)
+                    swa = tuple(self._take_swa() for _ in range(RETAINED_SWA))
+                    if e.hash in self.host:  # (a tier smaller than the offloads just made may have dropped it)
+                        self.host.restore(e.hash, bid, swa)
+                        restored = self.cached[e.hash] = _CachedBlock(bid, swa)  # the cache holds the pages
+                        self.block_hash[bid] = e.hash
+                        self.host_hits += BLOCK
+                    else:
+                        self.blocks.decref(bid, keep=False)
+                        for p in swa:
+                            self.swa.decref(p, keep=False)
+                if restored is None:  # the hit ends before this block
+                    for later in hit[i + 1:]:
+                        if not isinstance(later, _HostBlock):
+                            self.blocks.decref(later.block, keep=True)
+                    break
+                out.append(restored)
+            else:
+                out.append(e)
+                self.hits += BLOCK
+        return out
+
+    def apply_prefix(self, alloc: CacheAllocation, hit: list, token_ids: list[int]) -> int:
+        """Take the hit blocks into ``alloc`` (host-tier blocks restored first); returns the number of
+        tokens restored."""
         if not hit:
             return 0
         if alloc.slot < 0:
             alloc.slot = self.free_slots.pop()
-        for e in hit:
-            self.blocks.incref(e.block)
-            alloc.blocks.append(e.block)
+        if self.host is not None and any(isinstance(e, _HostBlock) for e in hit):
+            hit = self._restore(hit)  # takes the device blocks' references
+            if not hit:
+                self.free_slots.append(alloc.slot)
+                alloc.slot = -1
+                return 0
+            self.wait_copies()  # the boundary rows below are read from restored blocks
+        else:
+            for e in hit:
+                self.blocks.incref(e.block)
+            self.hits += len(hit) * BLOCK
+        alloc.blocks.extend(e.block for e in hit)
         p = len(hit) * BLOCK
         alloc.swa = [-1] * (p // SWA_PAGE - RETAINED_SWA) + list(hit[-1].swa)
         for pid in hit[-1].swa:

@@ -33,6 +33,7 @@ from ..formats import (
 from ..model.cache import BLOCK, SWA_PAGE, CacheNumerics
 
 BOUNDARY_ROWS = 4  # ratio-4 overlap: entry b needs block b-1's rows
+RETAINED_SWA = 2  # SWA pages before a block end that cover the 128-token window (kept with a cached block)
 
 
 def _kinds(cfg: ModelConfig, layer: int) -> list[tuple[str, int, int]]:

@@ -162,9 +162,13 @@ class LLMEngine:
         t = time.perf_counter()
         self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
         phases["kv_cache"] = time.perf_counter() - t
-        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
-        if executor is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
-            executor.start_caches(budget, numerics, self.kv)
+        t = time.perf_counter()
+        host = self._host_tier(config, device)
+        if host is not None:
+            phases["host_tier"] = time.perf_counter() - t
+        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching, host=host)
+        if executor is not None:  # the workers allocate the same caches; prefix-cache restores and host-tier
+            executor.start_caches(budget, numerics, self.kv)  # transfers are mirrored
         spec = config.speculative
         if spec is not None:
             _check_mtp_layer(cfg, config.speculative_config)
@@ -195,6 +199,7 @@ class LLMEngine:
         log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
+        log.info("dsv4 engine: prefix cache %s", self._tiers_line())
         self.warm_up_report = None
         if config.warm_up:
             from .warmup import run_warm_up
@@ -207,6 +212,37 @@ class LLMEngine:
         log.info("dsv4 engine started in %.1f s (%s); %d kernel specializations built (kernel cache %s)",
                  self.startup["total"], ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
                  compiles.count(), _kernel_cache())
+
+    def _host_tier(self, config: EngineConfig, device: torch.device):
+        """The prefix cache's host tier of ``kv_offloading_size`` GiB (this rank's share), or None."""
+        from ..cache.copies import make_copy_engine
+        from ..cache.host_tier import HostKVStore, HostKVTier
+
+        if not config.kv_offloading_size or not config.enable_prefix_caching:
+            return None
+        per_rank = config.kv_offloading_size * 2**30 / config.tensor_parallel_size  # every rank keeps a copy
+        slot = HostKVStore.payload_bytes(self.kv_cache)
+        slots = int(per_rank // slot)
+        if slots < 1:
+            raise ValueError(f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no 256-token block: one "
+                             f"takes {slot / 2**20:.2f} MiB of host memory on each of the "
+                             f"{config.tensor_parallel_size} rank(s)")
+        store = HostKVStore(self.kv_cache, slots, make_copy_engine(device), pin_memory=device.type == "cuda")
+        return HostKVTier(store)
+
+    def _tiers_line(self) -> str:
+        kv, config = self.kv, self.config
+        device = f"device tier {kv.kvc.budget.capacity_tokens} tokens"
+        if not config.enable_prefix_caching:
+            host = (f"; host tier off: kv_offloading_size={config.kv_offloading_size:g} GiB is unused with prefix "
+                    "caching off" if config.kv_offloading_size else "")
+            return "off" + (f" ({device}{host})" if host else "")
+        if kv.host is None:
+            return f"on: {device}, no host tier (kv_offloading_size unset)"
+        st = kv.host.store
+        return (f"on: {device}, host tier {st.capacity_tokens} tokens ({st.num_slots} blocks of "
+                f"{st.slot_bytes / 2**20:.2f} MiB, {st.nbytes / 2**30:.2f} GiB"
+                f"{' pinned' if st.pin_memory else ''}, backend {config.kv_offloading_backend})")
 
     def capture_decode_graphs(self) -> None:
         """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank

@@ -134,6 +134,9 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """One forward of a built batch (a captured decode graph where one takes it): its logits rows.
         Chunks with drafts are not advanced (``commit`` does, after verification); the others are."""
+        # the step reads blocks restored from the host tier and may rewrite pages an offload reads:
+        # its compute waits for the copies queued while it was scheduled
+        self.kv.wait_copies()
         if self.graphs is not None and not self.keep_streams and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         extra = {} if batch.tables is None else {"tables": batch.tables}

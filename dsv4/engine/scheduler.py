@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager
+from ..cache.paged import BLOCK
 from .errors import RequestError
 from .request import Request, Status
 
@@ -106,21 +107,24 @@ class Scheduler:
             # req itself was preempted: the loop index now points past the end or at the next one
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            short = False  # host-tier blocks of the hit there was no room to restore yet
             if req.num_computed == 0 and not req.alloc.blocks and req.params.prompt_logprobs is None:
                 hit = self.kv.match_prefix(req.all_token_ids, req.num_tokens - 1)
                 if self.recompute_last_hit_block:
                     hit = hit[:-1]
                 if hit and self.kv.free_slots:
-                    got = self.kv.apply_prefix(req.alloc, hit, req.all_token_ids)
-                    self.kv.hits += got
-                self.kv.queries += req.num_tokens
+                    got = self.kv.apply_prefix(req.alloc, hit, req.all_token_ids)  # (counts each tier's hits)
+                    # computing those blocks again would evict cached blocks (the hit's own, even) to
+                    # redo work the host tier holds: wait for room instead, while others hold the pages
+                    short = got < len(hit) * BLOCK and bool(self.running or out)
+                self.kv.count_query(req.num_tokens)
             n = min(req.num_tokens - req.num_computed, budget, cap)
-            if not self.kv.can_allocate(req.alloc, n):
+            if short or not self.kv.can_allocate(req.alloc, n):
                 if not self.running and not out:
                     # nothing else holds pages: the request cannot fit at all
                     raise RequestError(req.request_id, f"{req.num_tokens} tokens do not fit in the KV cache "
                                        f"({self.kv.blocks.n} blocks of 256 tokens)")
-                if req.alloc.blocks and req.num_computed > 0 and not req.output_token_ids:
+                if req.alloc.blocks and req.num_computed > 0 and (short or not req.output_token_ids):
                     self.kv.free(req.alloc)  # give back the prefix hit: retried next step
                 break
             self.waiting.popleft()

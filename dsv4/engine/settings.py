@@ -93,6 +93,12 @@ class EngineConfig:
                                                        "takes at most this many tokens (0: no cap; default: 1024 "
                                                        "on a GPU, 0 on the CPU)")
     enable_prefix_caching: bool = setting(True, "reuse the caches of completed 256-token prompt blocks")
+    kv_offloading_size: float | None = setting(
+        None, "GiB of host memory (pinned on a CUDA device) for a second tier of the prefix cache: completed "
+        "256-token blocks the device pool evicts are copied there and copied back on a prefix hit, LRU; with "
+        "tensor parallelism the total over the ranks, as in vLLM (0 or unset: off)")
+    kv_offloading_backend: str = setting("native", "implementation of the host tier (native: dsv4's own; vLLM's "
+                                         "lmcache is not available)", choices=("native",))
     kv_cache_memory: int | None = setting(None, "KV cache budget in MiB (default: 1 GiB on CPU, else a "
                                           "--gpu-memory-utilization share)", cli_unit=2**20, cli_type=float)
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory the engine may fill (KV cache sizing)")
@@ -154,6 +160,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1; got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive (bytes); got {self.kv_cache_memory!r}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be ≥ 0 (GiB of host memory; 0 turns the host tier off); "
+                             f"got {self.kv_offloading_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)

@@ -69,7 +69,7 @@ def run_warm_up(engine) -> dict:
     engine.add_request(prompt_token_ids=[TOKEN] * min(budget - 2, 64), params=greedy, request_id="warm-up-mixed")
     drain()
     engine.kv.reset_prefix_cache()
-    engine.kv.hits = engine.kv.queries = 0
+    engine.kv.reset_stats()
     engine.scheduler.num_preemptions = 0
     return {"prefill_lengths": lengths, "context": longest if longest > budget else None, "steps": steps,
             "seconds": round(time.perf_counter() - t0, 2)}

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from ..cache.paged import BLOCK
 from ..engine.errors import EngineDeadError
 from .group import DistSpec, TPGroup, init_distributed
 from .plan import StepPlan, plan_step
@@ -93,7 +94,7 @@ class TPDriver:
         self.procs: dict[int, object] = {}
         self.dead: str | None = None
         self.closed = False
-        self.restores: list[tuple[int, int, int]] = []
+        self.restores: list = []  # cache writes outside a forward, for the plan (plan.StepPlan.restores)
         self._in_step = False
         ctx = torch.multiprocessing.get_context("spawn")
         for lr in range(1, spec.local_world):
@@ -157,15 +158,21 @@ class TPDriver:
 
     # ---- what the engine calls (its executor interface) ----------------------------------------
     def start_caches(self, budget, numerics, kv) -> None:
-        """Every worker allocates the same paged cache (the engine's budget and numerics); prefix-cache
-        restores get recorded."""
-        self.send(StepPlan("cache", budget=budget, numerics=numerics))
+        """Every worker allocates the same paged cache (the engine's budget and numerics) and host
+        tier (as many slots); prefix-cache restores and host-tier transfers get recorded, in the order
+        rank 0 makes them."""
+        host = kv.host
+        self.send(StepPlan("cache", budget=budget, numerics=numerics,
+                           host_slots=0 if host is None else host.num_slots))
+        if host is not None:  # each rank copies its own cache's blocks to and from its own host slots
+            host.mirror = self.restores.append
         inner = kv.apply_prefix
 
         def apply_prefix(alloc, hit, token_ids):
             got = inner(alloc, hit, token_ids)
-            if hit:  # it wrote boundary rows into rank 0's state ring: the workers replay it
-                self.restores.append((alloc.slot, len(hit) - 1, alloc.blocks[len(hit) - 1]))
+            n = got // BLOCK  # (a host-tier hit may be cut short)
+            if n:  # it wrote boundary rows into rank 0's state ring: the workers replay it
+                self.restores.append((alloc.slot, n - 1, alloc.blocks[n - 1]))
             return got
 
         kv.apply_prefix = apply_prefix

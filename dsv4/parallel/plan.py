@@ -3,9 +3,11 @@
 Every rank holds an identical paged cache (same budget, same page ids: the KV head, compressors
 and indexer are replicated), so a step is fully described by what the engine's runner hands the
 model — token ids, and per chunk its start, length and the request's block / SWA page ids, state
-slot and computed-token count — plus the rows that need logits. The only cache write outside a
-forward is a prefix-cache hit restoring boundary compressor rows into the request's state ring
-(``KVCacheManager.apply_prefix``); those are recorded on rank 0 and replayed first.
+slot and computed-token count — plus the rows that need logits. The cache writes outside a forward
+are a prefix-cache hit restoring boundary compressor rows into the request's state ring
+(``KVCacheManager.apply_prefix``) and the host tier's transfers (``dsv4.cache.host_tier``: every
+rank copies its own cache's blocks to and from its own host slots, the slots rank 0 chose); those
+are recorded on rank 0 and replayed first, in the order rank 0 made them.
 
 Decode CUDA graphs: every rank captures its own at once (a "graphs" plan; the all-reduces inside
 are matched bucket by bucket), and a step flagged ``graph`` makes each worker load the same static
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..cache.host_tier import HostKVStore, HostTransfer
 from ..cache.paged import CacheAllocation, PagedSequenceView
 from ..cache.tables import StepTables
 from ..model.attention import SeqChunk
@@ -46,12 +49,15 @@ class StepPlan:
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
     logits_rows: list[int] | None = None
-    restores: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, block index, block id)
+    # cache writes before the forward, in order: (slot, block index, block id) boundary-row restores and
+    # host-tier transfers (HostTransfer)
+    restores: list = field(default_factory=list)
     paged: bool = False  # the runner used the batched paged attention: build the same tables
     graph: bool = False  # rank 0 replays its decode CUDA graph of this batch: replay yours
     budget: object = None
     numerics: object = None  # "cache": the engine's CacheNumerics
     graph_sizes: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_model_len)
+    host_slots: int = 0  # "cache": slots of the host tier (0: none)
 
 
 def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool,
@@ -70,17 +76,35 @@ def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, rest
     return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph)
 
 
-def replay_restores(kvc, restores) -> None:
-    for slot, index, block in restores:
+def replay_restores(kvc, restores, host: HostKVStore | None = None) -> None:
+    """Rank 0's cache writes outside the forward, in its order: host-tier transfers on ``host``
+    (this rank's store), boundary rows into the state rings; the next compute waits for the copies."""
+    transfers: list[HostTransfer] = []
+    for op in restores:
+        if isinstance(op, HostTransfer):
+            if host is None:
+                raise RuntimeError("rank 0 moved a block to or from its host tier but this worker has none")
+            transfers.append(op)
+            continue
+        if transfers:  # the boundary rows may be read from a block those restored
+            host.execute(transfers)
+            host.wait()
+            transfers = []
+        slot, index, block = op
         alloc = CacheAllocation(blocks=[-1] * index + [block], slot=slot)
         PagedSequenceView(kvc, alloc).restore_boundary(index)
+    if transfers:
+        host.execute(transfers)
+    if host is not None:
+        host.wait()
 
 
 @torch.no_grad()
-def run_step(plan: StepPlan, model, kvc, device, graphs=None) -> None:
+def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore | None = None) -> None:
     """A worker's forward of one step (its logits are rank 0's business); ``graphs``: this
-    worker's captured decode graphs (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``."""
-    replay_restores(kvc, plan.restores)
+    worker's captured decode graphs (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``;
+    ``host``: this worker's host-tier store."""
+    replay_restores(kvc, plan.restores, host)
     chunks, allocs, off = [], [], 0
     for c in plan.chunks:
         a = c.allocation()

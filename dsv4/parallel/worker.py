@@ -75,6 +75,8 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from ..cache.copies import make_copy_engine
+    from ..cache.host_tier import HostKVStore
     from ..cache.paged import PagedKVCache
     from .group import TPGroup, init_distributed
     from .plan import run_step
@@ -89,7 +91,7 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
              stats["host_peak_mib"], "" if stats["device_peak_mib"] is None else
              f", peak device memory {stats['device_peak_mib']:.0f} MiB")
     dist.gather_object(stats, None, dst=0, group=tp.startup)
-    kvc = graphs = None
+    kvc = graphs = host = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=tp.ctrl)
@@ -98,13 +100,15 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             break
         if plan.kind == "cache":
             kvc = PagedKVCache(model.cfg, plan.numerics, plan.budget, model.dtype, device)  # rank 0's, as they are
+            if plan.host_slots:  # rank 0's slot count: its transfers name the slots
+                host = HostKVStore(kvc, plan.host_slots, make_copy_engine(device), pin_memory=device.type == "cuda")
         elif plan.kind == "graphs":  # rank 0 captures at the same time: the collectives inside pair up
             from ..engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, kvc, *plan.graph_sizes)
             graphs.capture()
         elif plan.kind == "step":
-            run_step(plan, model, kvc, device, graphs)
+            run_step(plan, model, kvc, device, graphs, host)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
     if graphs is not None:  # the captured NCCL launches go before the communicator they use

@@ -165,7 +165,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
         self._newly_scheduled = 0
-        self._counters = (0, 0, 0)  # the engine's prefix-cache queries, hits and preemptions at the last publish
+        self._counters = (0,) * 7  # the engine's counters at the last publish (``_engine_counters``)
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -447,9 +447,12 @@ class AsyncEngine:
             prefill=((t.first if t.first is not None else now) - t.scheduled) if ran else None,
             decode=(now - t.first) if t.first is not None else None)
 
-    def _engine_counters(self) -> tuple[int, int, int]:
+    def _engine_counters(self) -> tuple[int, ...]:
+        """Prefix-cache queries and hits, preemptions; the host tier's queries, hits, bytes out and in."""
         kv, sched = self.engine.kv, self.engine.scheduler
-        return kv.queries, kv.hits, sched.num_preemptions
+        host = kv.host
+        moved = (host.offloaded_bytes, host.restored_bytes) if host is not None else (0, 0)
+        return kv.queries, kv.hits, sched.num_preemptions, kv.host_queries, kv.host_hits, *moved
 
     def _publish(self) -> None:
         try:
@@ -464,7 +467,9 @@ class AsyncEngine:
                 self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
             self._newly_scheduled = 0
             if self.metrics is not None:
-                self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage)
+                host = self.engine.kv.host
+                self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage,
+                                             len(host) / host.num_slots if host is not None else 0.0)
                 self.metrics.engine_counters(*delta)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

@@ -66,6 +66,20 @@ class ServerMetrics:
                                        "Prefix cache queries, in terms of number of queried tokens.")
         self._prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        # the prefix cache's host tier (kv_offloading_size): vLLM's names for the hits of a tier beyond the GPU
+        # pool, dsv4's for what vLLM has no name of (0 without a host tier)
+        self._host_queries = counter("vllm:external_prefix_cache_queries",
+                                     "External prefix cache queries (dsv4: the host tier), in terms of number of "
+                                     "queried tokens.")
+        self._host_hits = counter("vllm:external_prefix_cache_hits",
+                                  "External prefix cache hits (dsv4: the host tier), in terms of number of cached "
+                                  "tokens.")
+        self._host_usage = gauge("dsv4:host_kv_cache_usage_perc",
+                                 "Host-tier KV-cache usage (blocks held / slots). 1 means 100 percent usage.")
+        self._host_offloaded = counter("dsv4:host_kv_offloaded_bytes",
+                                       "Bytes copied from the device KV cache to the host tier (evicted blocks).")
+        self._host_restored = counter("dsv4:host_kv_restored_bytes",
+                                      "Bytes copied from the host tier back to the device KV cache (prefix hits).")
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -103,19 +117,22 @@ class ServerMetrics:
               ).set_function(compiles.count)
 
     # ---- engine side (called from the engine thread; prometheus_client is thread-safe) --------
-    def scheduler_state(self, waiting: int, running: int, cache_usage: float) -> None:
+    def scheduler_state(self, waiting: int, running: int, cache_usage: float, host_usage: float = 0.0) -> None:
         self._waiting.set(waiting)
         self._running.set(running)
         self._cache_usage.set(cache_usage)
+        self._host_usage.set(host_usage)
 
-    def engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
-        """Increments since the last call (tokens queried / found in the prefix cache, preemptions)."""
-        if prefix_queries:
-            self._prefix_queries.inc(prefix_queries)
-        if prefix_hits:
-            self._prefix_hits.inc(prefix_hits)
-        if preemptions:
-            self._preemptions.inc(preemptions)
+    def engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int, host_queries: int = 0,
+                        host_hits: int = 0, offloaded_bytes: int = 0, restored_bytes: int = 0) -> None:
+        """Increments since the last call (tokens queried / found in the prefix cache's device tier,
+        preemptions; tokens queried / found in its host tier, bytes copied out to it and back)."""
+        for c, n in ((self._prefix_queries, prefix_queries), (self._prefix_hits, prefix_hits),
+                     (self._preemptions, preemptions), (self._host_queries, host_queries),
+                     (self._host_hits, host_hits), (self._host_offloaded, offloaded_bytes),
+                     (self._host_restored, restored_bytes)):
+            if n:
+                c.inc(n)
 
     def tokens(self, prompt: int, generated: int) -> None:
         if prompt:

@@ -181,3 +181,38 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_host_tier_metrics(tiny_ckpt):
+    """The prefix cache's host tier on /metrics: its queries and hits under vLLM's external prefix
+    cache names, its usage, the bytes copied out and back (0 and present without a host tier)."""
+    from dsv4.config import load_config
+
+    with _serve(make_engine(tiny_ckpt, ScriptedBackend(load_config(tiny_ckpt)))) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+    lbl = {"model_name": "tiny", "engine": "0"}
+    for name in ("vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+                 "dsv4:host_kv_offloaded_bytes_total", "dsv4:host_kv_restored_bytes_total"):
+        assert f"{name}{{" in text and metric(text, name, **lbl) == 0, name
+
+    engine = make_engine(tiny_ckpt, ScriptedBackend(load_config(tiny_ckpt)), kv_offloading_size=0.05)
+    host = engine.kv.host
+    assert host is not None
+
+    def tier_moved(e):  # what two offloads and a restore leave in the counters
+        e.kv.host_queries += 600
+        e.kv.host_hits += 256
+        for h, b in ((1, 0), (2, 1)):
+            host.offload(h, b, (2 * b, 2 * b + 1))
+        host.restore(1, 2, (4, 5))
+        host.wait()
+
+    with _serve(engine, log_stats=False) as srv:
+        srv.on_engine(tier_moved)
+        srv.on_engine(lambda e: None)  # one more loop pass: published
+        text = httpx.get(srv.url + "/metrics").text
+    assert metric(text, "vllm:external_prefix_cache_queries_total", **lbl) == 600
+    assert metric(text, "vllm:external_prefix_cache_hits_total", **lbl) == 256
+    assert metric(text, "dsv4:host_kv_offloaded_bytes_total", **lbl) == 2 * host.store.slot_bytes
+    assert metric(text, "dsv4:host_kv_restored_bytes_total", **lbl) == host.store.slot_bytes
+    assert metric(text, "dsv4:host_kv_cache_usage_perc", **lbl) == 2 / host.num_slots
