@@ -466,5 +466,6 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage)
                 self.metrics.engine_counters(*delta)
+                self.metrics.spec_decode(self.engine.spec_stats)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")
