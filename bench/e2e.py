@@ -18,6 +18,11 @@ Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
 - the same figures for transformers' DeepseekV4ForCausalLM (bf16, eager, dequantized weights);
 - the HBM bound of one decode step: the bytes it must read in the checkpoint's own formats
   (all non-expert weights of the layers, the active routed experts, the head) / measured bandwidth.
+
+``--verify-k 1,2,3`` times instead the MTP speculative step against a one-token decode step at each
+batch (``bench_verify``); ``--device cpu`` runs it on a tiny checkpoint as a smoke test:
+
+    python bench/e2e.py --ckpt /tmp/tiny --make-preset tiny --layers 2 --device cpu --batches 1,8 --verify-k 1,2
 """
 
 from __future__ import annotations
@@ -437,6 +442,80 @@ def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3, 
     return res
 
 
+PUBLISHED_ACCEPTANCE = 0.8  # per-position acceptance of Flash's MTP layer (vLLM / SGLang reports)
+
+
+def verify_step_ms(eng, B: int, g, sync, steps: int = 10) -> float:
+    """ms per steady-state engine step of B requests (32-token prompts); with a proposer every step
+    verifies k drafts per request (random weights reject them, which costs the same: the chunk
+    always has k + 1 rows)."""
+    from dsv4 import SamplingParams
+
+    vocab = eng.model_config.vocab_size
+    for _ in range(B):
+        eng.add_request(prompt_token_ids=torch.randint(3, vocab, (32,), generator=g).tolist(),
+                        params=SamplingParams(temperature=0, max_tokens=(steps + 4) * 4, ignore_eos=True))
+    for _ in range(3):  # the prefill, then the first drafts
+        eng.step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms
+
+
+def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, backend: str,
+                 acceptance: float = PUBLISHED_ACCEPTANCE, steps: int = 10) -> dict:
+    """The speculative step (MTP drafting + the verify forward of k + 1 rows per request) against a
+    one-token decode step, per batch; the implied speedup is the tokens a step gives at
+    ``acceptance`` per position (sum of acceptance**i, i = 0..k) over the step-time ratio."""
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cfg = dict(model=ckpt, dtype=str(dtype).removeprefix("torch."), kv_cache_dtype="fp8_ds_mla", backend=backend,
+               max_model_len=1024, max_num_seqs=max(batches), kv_cache_memory=(4 << 30) if device == "cuda"
+               else 512 << 20, enable_prefix_caching=False, device=device)
+    g = torch.Generator().manual_seed(0)
+    res: dict = {"acceptance": acceptance, "device": device}
+    eng = LLMEngine(EngineConfig(**cfg))  # the decode engine loads the model the others share
+    model, tok = eng.model, eng.tokenizer
+    for k in [0] + ks:
+        if k:
+            eng = None
+            eng = LLMEngine(EngineConfig(**cfg, speculative_config={"method": "mtp", "num_speculative_tokens": k}),
+                            model=model, tokenizer=tok)
+        for B in batches:
+            res[f"step_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps)
+            print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step", flush=True)
+    for k in ks:
+        tokens = sum(acceptance ** i for i in range(k + 1))
+        for B in batches:
+            ratio = res[f"step_ms_b{B}_k{k}"] / res[f"step_ms_b{B}_k0"]
+            res[f"speedup_b{B}_k{k}"] = tokens / ratio
+    return res
+
+
+def format_verify(res: dict, batches: list[int], ks: list[int]) -> str:
+    """One row per batch and k: the step times, their ratio and the implied speedup."""
+    lines = [f"speculative step vs one-token decode ({res['device']}; speedup at {res['acceptance']} per position)",
+             f"{'batch':>5} {'k':>2} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'tokens/step':>11} "
+             f"{'speedup':>7}"]
+    for B in batches:
+        for k in ks:
+            d, v = res[f"step_ms_b{B}_k0"], res[f"step_ms_b{B}_k{k}"]
+            tokens = sum(res["acceptance"] ** i for i in range(k + 1))
+            lines.append(f"{B:>5} {k:>2} {d:>10.2f} {v:>10.2f} {v / d:>6.2f} {tokens:>11.2f} "
+                         f"{res[f'speedup_b{B}_k{k}']:>7.2f}")
+    return "\n".join(lines)
+
+
 def bench_transformers(ckpt: str, batches: list[int], prefill_lens: list[int]) -> dict:
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
@@ -555,13 +634,16 @@ def main() -> int:
                          "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
+    ap.add_argument("--verify-k", default=None, metavar="K,K,...",
+                    help="only time the speculative (MTP) step for these k against a one-token decode step at "
+                         "--batches, and print the speedup implied at 0.8 per-position acceptance")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
-                    help="where the checkpoint is made and the engine runs (cpu: only --host-tier, a smoke run "
-                         "with --make-preset tiny)")
+                    help="where the checkpoint is made and the engine runs (cpu: only --host-tier or --verify-k, "
+                         "smoke runs on a tiny checkpoint)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.device == "cpu" and not a.host_tier:
-        ap.error("--device cpu runs only the --host-tier measurement (the others need a GPU)")
+    if a.device == "cpu" and not (a.host_tier or a.verify_k):
+        ap.error("--device cpu runs only the --host-tier or --verify-k measurement (the others need a GPU)")
     settings = apply_settings(a.set)
     batches = [int(x) for x in a.batches.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
@@ -585,6 +667,14 @@ def main() -> int:
               f"{h['engine_out_consecutive_GBps']} (scattered {h['engine_out_scattered_GBps']}) GB/s")
         if a.out:
             Path(a.out).write_text(json.dumps(rows, indent=2))
+        return 0
+    if a.verify_k:
+        ks = [int(x) for x in a.verify_k.split(",")]
+        res = bench_verify(a.ckpt, batches, ks, a.device, a.backend)
+        print(format_verify(res, batches, ks))
+        if a.out:
+            Path(a.out).write_text(json.dumps({"verify": res, **({"settings": settings} if settings else {})},
+                                              indent=2))
         return 0
     bw = measure_bandwidth()
     rows = {"bandwidth_TBps": bw / 1e12, **({"settings": settings} if settings else {})}

@@ -8,6 +8,7 @@ tests compare the engine against.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,8 +65,23 @@ def evaluate_engine(model: str, examples: list[Example] | None = None, llm=None,
         llm = LLM(model, **engine_kw)
     prompts = [{"prompt_token_ids": prompt_ids(ex, codec)} for ex in examples]
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW[ex.task]) for ex in examples]
+    before = copy.deepcopy(llm.engine.spec_stats)
     outs = llm.generate(prompts, params)
-    return summarize(examples, [answer_text(o.outputs[0].token_ids, codec) for o in outs])
+    res = summarize(examples, [answer_text(o.outputs[0].token_ids, codec) for o in outs])
+    if llm.engine.proposer is not None:
+        res["speculative"] = speculative_report(llm.engine.spec_stats.since(before),
+                                                llm.engine.proposer.num_speculative_tokens)
+    return res
+
+
+def speculative_report(stats, k: int) -> dict:
+    """Acceptance of this evaluation's drafts (the canary is the signal that the MTP layer works)."""
+    return {"num_speculative_tokens": k, "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
+            if stats.num_draft_tokens else None,
+            "acceptance_length": round(stats.acceptance_length, 4),
+            "per_position_acceptance": [round(r, 4) for r in stats.per_position_acceptance]}
 
 
 def run_eval_command(a, model: str, engine_kw: dict) -> int:
@@ -89,6 +105,8 @@ def run_eval_command(a, model: str, engine_kw: dict) -> int:
     report = {"model": model, "kv_cache_dtype": kv, "backend": engine_kw.get("backend"),
               "dtype": engine_kw.get("dtype"), "seconds": round(time.time() - t0, 1), "n": res["n"],
               "accuracy": res["accuracy"], "recorded": recorded}
+    if "speculative" in res:
+        report["speculative"] = res["speculative"]
     failed = []
     if recorded is not None:
         report["delta"] = {t: round(res["accuracy"][t] - recorded[t], 4) for t in res["accuracy"] if t in recorded}

@@ -79,6 +79,19 @@ class SpecStats:
         """Tokens per verify step: 1 + accepted drafts per draft (vLLM's mean acceptance length)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Per draft position, the share of drafts whose tokens up to it were all accepted (vLLM's
+        per-position acceptance rate: every draft is in each denominator)."""
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    def since(self, before: "SpecStats") -> "SpecStats":
+        """The counts added after the snapshot ``before`` (a copy of these stats taken earlier)."""
+        pos = [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
+               for i, n in enumerate(self.accepted_per_position)]
+        return SpecStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                         self.num_accepted_tokens - before.num_accepted_tokens, pos)
+
 
 def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, vocab_size: int,
            stats: SpecStats | None = None) -> int:

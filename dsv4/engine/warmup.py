@@ -11,7 +11,7 @@ scheduler and model so that those are built (or loaded from the on-disk cache) a
 - decodes beside a prefill chunk (a mixed step).
 
 Decode batches themselves are covered by the decode graphs' capture. The caches are left as they
-were: the warm-up's prefix-cache blocks are dropped and its counters reset.
+were: the warm-up's prefix-cache blocks are dropped and its counters (speculation's too) reset.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from .sampling_params import SamplingParams
+from .speculative import SpecStats
 
 TOKEN = 3  # a plain token id (0 and 1 are BOS and EOS)
 
@@ -71,5 +72,6 @@ def run_warm_up(engine) -> dict:
     engine.kv.reset_prefix_cache()
     engine.kv.reset_stats()
     engine.scheduler.num_preemptions = 0
+    engine.spec_stats = SpecStats()  # (the warm-up's drafts are not served ones)
     return {"prefill_lengths": lengths, "context": longest if longest > budget else None, "steps": steps,
             "seconds": round(time.perf_counter() - t0, 2)}

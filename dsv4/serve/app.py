@@ -91,7 +91,8 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [Path(model_path).resolve().name]
     root = model_root or model_path
-    metrics = ServerMetrics(names[0], engine.max_model_len)
+    metrics = ServerMetrics(names[0], engine.max_model_len,
+                            0 if engine.proposer is None else engine.proposer.num_speculative_tokens)
     device = getattr(getattr(engine, "kv_cache", None), "device", None)
     stats_log = None
     if opts.log_stats:

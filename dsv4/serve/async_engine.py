@@ -471,5 +471,6 @@ class AsyncEngine:
                 self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage,
                                              len(host) / host.num_slots if host is not None else 0.0)
                 self.metrics.engine_counters(*delta)
+                self.metrics.spec_decode(self.engine.spec_stats)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

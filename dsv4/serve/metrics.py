@@ -10,6 +10,7 @@ equivalent. The engine thread records tokens, latencies and scheduler state (:cl
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import deque
@@ -45,7 +46,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, max_model_len: int = 8192):
+    def __init__(self, model_name: str, max_model_len: int = 8192, num_speculative_tokens: int = 0):
+        """``num_speculative_tokens``: k of the engine's speculative decoding (0: none, and no
+        ``vllm:spec_decode_*`` metrics, as vLLM exports them only with a speculative config)."""
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         names, values = ["model_name", "engine"], {"model_name": model_name, "engine": "0"}
@@ -108,6 +111,16 @@ class ServerMetrics:
                                   "Histogram of time spent in PREFILL phase for request.", lat)
         self._decode = histogram("vllm:request_decode_time_seconds",
                                  "Histogram of time spent in DECODE phase for request.", lat)
+        self._spec = None
+        if num_speculative_tokens:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft (speculative) token position.", names + ["position"],
+                              registry=r)
+            self._spec = (counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                          counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                          counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                          [per_pos.labels(**values, position=str(i)) for i in range(num_speculative_tokens)])
+            self._spec_seen = None  # the engine's SpecStats at the last spec_decode call
         self.http_requests = Counter("http_requests_total", "Total number of requests by method, status and handler.",
                                      ["method", "status", "handler"], registry=r)
         from ..ops import compiles
@@ -133,6 +146,23 @@ class ServerMetrics:
                      (self._host_restored, restored_bytes)):
             if n:
                 c.inc(n)
+
+    def spec_decode(self, stats) -> None:
+        """Count what the engine's ``SpecStats`` (cumulative, on the engine thread) added since the
+        last call; a no-op without speculation."""
+        if self._spec is None:
+            return
+        seen = self._spec_seen
+        self._spec_seen = copy.deepcopy(stats)
+        new = stats if seen is None else stats.since(seen)
+        drafts, draft_tokens, accepted, per_pos = self._spec
+        if new.num_drafts:
+            drafts.inc(new.num_drafts)
+            draft_tokens.inc(new.num_draft_tokens)
+            accepted.inc(new.num_accepted_tokens)
+            for c, n in zip(per_pos, new.accepted_per_position):
+                if n:
+                    c.inc(n)
 
     def tokens(self, prompt: int, generated: int) -> None:
         if prompt:

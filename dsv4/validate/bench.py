@@ -5,7 +5,9 @@ most ``--max-concurrency`` in flight (optionally released at ``--request-rate`` 
 arrivals). Per request it records the time to the first streamed chunk (TTFT), the gaps between
 chunks (ITL), the end-to-end latency and the token counts (the server's ``usage`` when it sends
 one, else the chunk count); TPOT is ``(latency - TTFT) / (output tokens - 1)``. The summary is
-printed in ``vllm bench serve``'s table format, and ``--result-json`` writes its field names.
+printed in ``vllm bench serve``'s table format, and ``--result-json`` writes its field names. A
+server that speculates (``vllm:spec_decode_*`` counters on its /metrics) also gets the run's
+acceptance: the counters are scraped before and after the main run.
 
 Random prompts: ``--random-input-len`` random token ids per prompt (lengths spread by
 ``--random-range-ratio``), turned into text by the server's ``/detokenize`` endpoint, else a local
@@ -21,6 +23,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -255,8 +258,75 @@ def format_table(
         row(f"Median {short} (ms):", m[f"median_{key}_ms"], ".2f")
         for p in percentiles:
             row(f"P{_pword(p)} {short} (ms):", m[f"p{_pword(p)}_{key}_ms"], ".2f")
+    if "spec_decode_acceptance_length" in m:
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Acceptance rate (%):", m["spec_decode_acceptance_rate"], ".2f")
+        row("Acceptance length:", m["spec_decode_acceptance_length"], ".2f")
+        row("Drafts:", m["spec_decode_num_drafts"])
+        row("Draft tokens:", m["spec_decode_draft_tokens"])
+        row("Accepted tokens:", m["spec_decode_accepted_tokens"])
+        lines.append("Per-position acceptance (%):")
+        for i, rate in enumerate(m["spec_decode_per_position_acceptance_rates"]):
+            row(f"  Position {i}:", 100.0 * rate, ".2f")
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_SAMPLE = re.compile(r'^(vllm:spec_decode_[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)$')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def spec_counters(metrics_text: str) -> dict | None:
+    """The server's speculative-decoding counters from a /metrics page (summed over engines), as
+    ``{name: value}`` with ``(SPEC_PER_POS, position)`` keys; None when it has none (no speculation)."""
+    out: dict = {}
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == SPEC_PER_POS:
+            pos = _POSITION.search(labels)
+            key = (name, int(pos.group(1))) if pos else None
+        else:
+            key = name if name in SPEC_COUNTERS else None
+        if key is not None:
+            out[key] = out.get(key, 0.0) + value
+    return out if SPEC_COUNTERS[0] in out else None
+
+
+def spec_decode_metrics(before: dict, after: dict) -> dict:
+    """Acceptance over the run, from the counters' increase: the rate (accepted / draft tokens), the
+    acceptance length (1 + accepted per draft, the tokens a verify step gives) and, per draft
+    position, the share of drafts accepted up to it."""
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    drafts, draft_tokens, accepted = (delta(k) for k in SPEC_COUNTERS)
+    positions = sorted(k[1] for k in after if isinstance(k, tuple))
+    return {
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(draft_tokens),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_acceptance_rate": 100.0 * accepted / draft_tokens if draft_tokens else 0.0,
+        "spec_decode_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+        "spec_decode_per_position_acceptance_rates": [delta((SPEC_PER_POS, i)) / drafts if drafts else 0.0
+                                                      for i in positions],
+    }
+
+
+async def scrape_spec_counters(client, o: BenchOptions, headers: dict) -> dict | None:
+    """The server's spec-decode counters now, or None (no /metrics, or no speculation)."""
+    import httpx
+
+    try:
+        r = await client.get(f"{o.base_url}/metrics", headers=headers, timeout=o.request_timeout)
+    except httpx.HTTPError:
+        return None
+    return spec_counters(r.text) if r.status_code == 200 else None
 
 
 def format_sweep(runs: list[BenchResult]) -> str:
@@ -419,6 +489,7 @@ async def _run_once(o: BenchOptions, concurrency: int | None, out: TextIO) -> Be
             async with sem:
                 return await send_one(client, o, headers, t, n, m)
 
+        spec_before = await scrape_spec_counters(client, o, headers)
         t0 = time.perf_counter()
         tasks = []
         deadline = t0 + o.timeout
@@ -439,7 +510,10 @@ async def _run_once(o: BenchOptions, concurrency: int | None, out: TextIO) -> Be
                 results.append(RequestResult(prompt_len=n, error=f"not finished within --timeout {o.timeout:g} s"))
         ends = [r.start + r.latency for r in results if r.start]
         duration = (max(ends) if ends else time.perf_counter()) - t0
+        spec_after = await scrape_spec_counters(client, o, headers) if spec_before is not None else None
     m = calculate_metrics(results, duration, o.metric_percentiles)
+    if spec_after is not None:
+        m.update(spec_decode_metrics(spec_before, spec_after))
     return BenchResult({}, concurrency, duration, results, m, how)
 
 

@@ -60,3 +60,14 @@ def test_set_refuses_unknown_keys(item, message):
     pytest.importorskip("triton")
     with pytest.raises(SystemExit, match=message):
         e2e.apply_settings([item])
+
+
+def test_verify_bench_smoke_on_cpu(tiny_ckpt):
+    """``--verify-k --device cpu``: every step time measured, the speedup is tokens per step over the ratio."""
+    res = e2e.bench_verify(str(tiny_ckpt), [1, 2], [1, 2], "cpu", "auto", steps=1)
+    table = e2e.format_verify(res, [1, 2], [1, 2])
+    for B in (1, 2):
+        for k in (1, 2):
+            ratio = res[f"step_ms_b{B}_k{k}"] / res[f"step_ms_b{B}_k0"]
+            assert res[f"speedup_b{B}_k{k}"] == pytest.approx(sum(0.8 ** i for i in range(k + 1)) / ratio)
+    assert len(table.splitlines()) == 2 + 4 and table.splitlines()[-1].split()[:2] == ["2", "2"]
