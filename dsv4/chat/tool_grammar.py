@@ -6,8 +6,9 @@ blank line it writes before it) and the parser reads back (:class:`dsv4.chat.Dee
 each call's parameters constrained by its tool's JSON schema:
 
 * one ``<｜DSML｜parameter …>`` per schema property, in the schema's order, the required ones always
-  and the others optionally; a plain string property is written raw (``string="true"``, as the model
-  was taught; it may hold anything but a DSML tag), every other value as JSON (``string="false"``,
+  and the others optionally; a string property is written raw (``string="true"``, as the encoder
+  writes strings and the model was taught) when its schema says no more than its length or its
+  values (``enum``), and holds anything but a DSML tag (or the EOS text); every other value is JSON (``string="false"``,
   ``%json`` of the property's schema, with the top level's ``$defs`` / ``definitions`` so that
   references resolve);
 * a schema that is not a plain object of properties (``anyOf`` at the top, ``patternProperties``, a
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from .encoding import DSML
+from .encoding import DSML, EOS
 from .parser import WRAPPER_KEYS
 
 # JSON values written as the encoder writes them (json.dumps' separators, no other whitespace)
@@ -33,8 +34,10 @@ JSON_AS_RENDERED = {"whitespace_flexible": False, "item_separator": ", ", "key_s
 # what a schema may hold at its top level and still be written one parameter per property
 _PLAIN_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description", "title", "$schema",
                       "$id", "$comment", "$defs", "definitions", "examples", "default", "strict"}
-# what a string property may hold and still be written raw (anything else constrains the text: JSON)
-_PLAIN_STRING_KEYS = {"type", "description", "title", "examples", "default", "$comment"}
+_ANNOTATIONS = {"description", "title", "examples", "default", "$comment"}
+PARAM_END = f"</{DSML}parameter>"
+# text without a DSML tag or the EOS text in it (the parser would end the value there)
+_NO_TAG = f"~/(?s:.*)(<\\/?{DSML}|{EOS})(?s:.*)/"
 
 
 def _lit(text: str) -> str:
@@ -50,6 +53,22 @@ def _json(schema: Any, json_options: Mapping[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": dict(json_options)}, ensure_ascii=False)
 
 
+def _raw_string(schema: Any) -> str | None:
+    """The terminal of a raw string value and its closing tag (one lexeme, so that where the value ends
+    is never ambiguous), or None when the schema constrains the string more than raw text can say."""
+    if not isinstance(schema, Mapping) or schema.get("type", "string") != "string":
+        return None
+    enum = schema.get("enum")
+    if enum is not None and set(schema) <= _ANNOTATIONS | {"type", "enum"} and enum \
+            and all(isinstance(v, str) and DSML not in v for v in enum):
+        return "(" + " | ".join(_lit(v) for v in enum) + ") " + _lit(PARAM_END)
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    if "type" not in schema or not set(schema) <= _ANNOTATIONS | {"type", "minLength", "maxLength"} \
+            or not isinstance(lo, int) or not isinstance(hi, (int, type(None))):
+        return None
+    return f'(/(?s:.{{{lo},{"" if hi is None else hi}}})/ & {_NO_TAG}) {_lit(PARAM_END)}'
+
+
 def _is_plain_object(schema: Mapping[str, Any]) -> bool:
     props = schema.get("properties", {})
     required = schema.get("required", [])
@@ -63,30 +82,32 @@ def _param(key: str, string: bool, value: str) -> str:
     return _lit(opening) + " " + value
 
 
-def _invoke_rule(rule: str, name: str, schema: Any, json_options: Mapping[str, Any]) -> str:
+def _invoke_rules(i: int, name: str, schema: Any, json_options: Mapping[str, Any]) -> list[str]:
+    """The rule ``call_<i>`` of one call of function ``name`` and the terminals of its raw values."""
     schema = schema if isinstance(schema, Mapping) else {"type": "object", "properties": {}}
-    parts, required_any = [], True
+    parts, terminals, required = [], [], None
     if _is_plain_object(schema):
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
         required = set(schema.get("required", []))
-        required_any = bool(required)
-        for key, sub in schema.get("properties", {}).items():
-            if isinstance(sub, Mapping) and sub.get("type") == "string" and set(sub) <= _PLAIN_STRING_KEYS:
-                item = _param(key, True, "RAW_VALUE")
+        for j, (key, sub) in enumerate(schema.get("properties", {}).items()):
+            raw = _raw_string(sub)
+            if raw is not None:
+                terminals.append(f"RAW_{i}_{j}: {raw}")
+                item = _param(key, True, f"RAW_{i}_{j}")
             else:
                 sub = {**sub, **defs} if isinstance(sub, Mapping) else sub
-                item = _param(key, False, f'{_json(sub, json_options)} "</{DSML}parameter>"')
+                item = _param(key, False, f"{_json(sub, json_options)} {_lit(PARAM_END)}")
             parts.append(f"({item})" + ("" if key in required else "?"))
     else:  # the parser unwraps a lone wrapper parameter that the schema does not declare
         props = schema.get("properties")
         wrapper = next((k for k in WRAPPER_KEYS if not isinstance(props, Mapping) or k not in props), WRAPPER_KEYS[0])
-        parts.append(_param(wrapper, False, f'{_json(schema, json_options)} "</{DSML}parameter>"'))
+        parts.append(_param(wrapper, False, f"{_json(schema, json_options)} {_lit(PARAM_END)}"))
     head = _lit(f'<{DSML}invoke name="{name}">')
-    # the encoder writes a call without parameters with a blank line inside
-    blank = ' "\\n"?' if not required_any else ""
-    # (each call ends with the newline before the next call or the block's end, so that no literal
-    # of the grammar is a prefix of the one that may follow it: llguidance's lexer is greedy)
-    return f'{rule}: {head} {" ".join(parts)}{blank} "\\n</{DSML}invoke>\\n"'
+    # the encoder writes a call without parameters with a blank line inside; each call ends with the
+    # newline before the next call or the block's end, so that no literal of the grammar is a prefix
+    # of the one that may follow it (llguidance's lexer is greedy)
+    blank = ' "\\n"?' if required is not None and not required else ""
+    return [f'call_{i}: {head} {" ".join(parts)}{blank} "\\n</{DSML}invoke>\\n"', *terminals]
 
 
 def tool_call_grammar(tools: list[Mapping[str, Any]], *, name: str | None = None, parallel: bool = True,
@@ -97,14 +118,9 @@ def tool_call_grammar(tools: list[Mapping[str, Any]], *, name: str | None = None
     if name is not None:
         fns = [f for f in fns if f.get("name") == name]
     opts = json_options if json_options is not None else JSON_AS_RENDERED
-    rules = [_invoke_rule(f"call_{i}", f["name"], f.get("parameters"), opts) for i, f in enumerate(fns)]
-    call = "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))
     calls = "call+" if parallel and name is None else "call"
     return "\n".join([
         f'start: "\\n\\n<{DSML}tool_calls>\\n" {calls} "</{DSML}tool_calls>"',
-        call,
-        *rules,
-        # a raw string value: any text without a DSML tag in it, then the closing tag (one lexeme, so
-        # where it ends is never ambiguous)
-        f'RAW_VALUE: (/(?s:.*)/ & ~/(?s:.*)<\\/?{DSML}(?s:.*)/) "</{DSML}parameter>"',
+        "call: " + " | ".join(f"call_{i}" for i in range(len(fns))),
+        *(line for i, f in enumerate(fns) for line in _invoke_rules(i, f["name"], f.get("parameters"), opts)),
     ])
