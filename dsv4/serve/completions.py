@@ -2,7 +2,9 @@
 
 ``echo`` + ``logprobs`` returns prompt logprobs (the engine's ``prompt_logprobs``), which is what
 lm-eval's loglikelihood requests use; ``max_tokens=0`` with ``echo`` scores the prompt only (the
-engine needs at least one token, so one is generated and dropped).
+engine needs at least one token, so one is generated and dropped). ``response_format``,
+``structured_outputs``, ``guided_*`` and ``logit_bias`` as on chat (:mod:`dsv4.serve.structured`),
+without the chat's ``</think>``: a raw prompt has no reasoning.
 """
 
 from __future__ import annotations
