@@ -10,6 +10,8 @@ imported only when a tokenizer is loaded.
   text. :func:`map_reasoning_effort` and :func:`effort_version_for_config` pick their arguments.
 * :class:`DeepseekV4OutputParser` splits streamed output into reasoning, content and tool calls;
   :func:`parse_completion` does the same for a whole completion.
+* :func:`tool_call_grammar`: the grammar (llguidance Lark) of a DSML tool-call block, which enforces
+  ``tool_choice`` "required" or a named function.
 """
 
 from .encoding import (
@@ -32,6 +34,7 @@ from .encoding import (
 )
 from .parser import DeepseekV4OutputParser, Delta, accumulate, parse_completion
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer, tokenizer_json_path
+from .tool_grammar import tool_call_grammar
 
 __all__ = [
     "ASSISTANT",
@@ -58,4 +61,5 @@ __all__ = [
     "render_tool_calls",
     "render_tools",
     "tokenizer_json_path",
+    "tool_call_grammar",
 ]

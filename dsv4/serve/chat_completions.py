@@ -1,7 +1,8 @@
 """/v1/chat/completions: messages → DeepSeek-V4 prompt → engine → reasoning / content / tool calls.
 
-Prompt: :func:`dsv4.chat.encode_messages`. Like vLLM, thinking mode with effort "high" is the
-default; ``chat_template_kwargs`` {thinking | enable_thinking, reasoning_effort} and the top-level
+Prompt: :func:`dsv4.chat.render_messages`, tokenized by :meth:`Tokenizer.encode_prompt` (request
+text never becomes a control token). Like vLLM, thinking mode with effort "high" is the default;
+``chat_template_kwargs`` {thinking | enable_thinking, reasoning_effort} and the top-level
 ``reasoning_effort`` ("none" → chat mode) change it; the effort text depends on the checkpoint
 generation (``effort_version_for_config``).
 
@@ -11,9 +12,10 @@ with id and name, then argument fragments). Tool calls are reported only when th
 tools and ``tool_choice`` is not "none"; DSML markup never reaches the content either way.
 
 ``tool_choice``: "auto" (default with tools) lets the model decide; "none" leaves the tools out
-of the prompt; "required" and a named function cannot be enforced by a grammar here, so the
-assistant turn is prefilled with the opening of a DSML tool-call block (with the function name
-when named). In thinking mode that prefill closes the (empty) reasoning first.
+of the prompt; "required" and a named function are enforced by a grammar of the DSML tool-call
+block (:mod:`dsv4.serve.structured`), which the parser then reads like any other call. A
+constrained output (that grammar, ``response_format``, vLLM's ``structured_outputs`` / ``guided_*``)
+starts, in thinking mode, with the ``</think>`` that closes an empty reasoning.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..chat import DSML, DeepseekV4OutputParser, map_reasoning_effort, render_messages
+from ..chat import DeepseekV4OutputParser, map_reasoning_effort, render_messages
 from .errors import APIError, bad_request, from_value_error
 from .protocol import ChatCompletionRequest
 from .serving import (
@@ -42,6 +44,7 @@ from .serving import (
     start_stream,
     usage,
 )
+from .structured import output_constraint, token_bias
 
 
 @dataclass
@@ -49,7 +52,6 @@ class ChatPrompt:
     text: str
     ids: list[int]
     thinking: bool
-    prefill: str  # assistant text forced after the rendered prompt (tool_choice required / named)
     tools: list[dict] | None  # tool specs given to the parser (schemas drive wrapper unwrapping)
     report_tools: bool  # whether parsed tool calls are returned
 
@@ -66,28 +68,14 @@ def render_chat(state: ServerState, messages, *, tools=None, tool_choice=None, c
         think = mapped_think
     specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     choice = tool_choice if tool_choice is not None else ("auto" if specs else "none")
-    prefill = ""
-    if not isinstance(choice, str):  # named function
-        names = [t["function"]["name"] for t in specs or []]
-        if choice.function.name not in names:
-            raise bad_request(f"tool_choice: function {choice.function.name!r} is not among the request's tools "
-                              f"({', '.join(names) or 'none given'})", param="tool_choice")
-        prefill = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="{choice.function.name}">\n'
-    elif choice == "required":
-        if not specs:
-            raise bad_request("tool_choice: 'required' needs a non-empty tools list", param="tool_choice")
-        prefill = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="'
-    if prefill and think:
-        prefill = "</think>" + prefill
     try:
         rendered = render_messages(msgs, thinking=bool(think), reasoning_effort=mapped_effort if think else None,
                                    tools=specs if choice != "none" else None, response_format=response_format,
                                    effort_version=state.effort_version)
     except ValueError as e:
         raise from_value_error(e) from None
-    text = rendered.text + prefill
-    ids = state.tokenizer.encode_prompt(rendered) + state.tokenizer.encode(prefill)
-    return ChatPrompt(text, ids, bool(think), prefill, specs, report_tools=bool(specs) and choice != "none")
+    return ChatPrompt(rendered.text, state.tokenizer.encode_prompt(rendered), bool(think), specs,
+                      report_tools=bool(specs) and choice != "none")
 
 
 class ChoiceAssembler:
@@ -100,7 +88,6 @@ class ChoiceAssembler:
         self.chars = self.tokens = 0
         self.done = False
         self.pending_logprobs: list = []
-        self.prefill_deltas = self.feed(prompt.prefill) if prompt.prefill else []
 
     def _convert(self, deltas) -> list[dict]:
         out = []
@@ -203,8 +190,11 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = state.max_tokens(len(prompt.ids), requested, field, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
+    constraint = await off_loop(request, output_constraint, req, thinking=prompt.thinking)
+    bias = token_bias(req.logit_bias, state.vocab_size)
     params = sampling_params(
-        lambda: req.sampling_params(max_tokens, state.generation_defaults, logprobs=top_n),
+        lambda: req.sampling_params(max_tokens, state.generation_defaults, logprobs=top_n,
+                                    structured_outputs=constraint, logit_bias=bias),
         rename={"logprobs": "top_logprobs", "max_tokens": field},
     )
     rid = new_id("chatcmpl")
@@ -219,7 +209,7 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
         choices, n_completion = [], 0
         for o in out.outputs:
             asm = ChoiceAssembler(prompt)
-            deltas = asm.prefill_deltas + asm.feed(o.text) + asm.finish()
+            deltas = asm.feed(o.text) + asm.finish()
             n_completion += len(o.token_ids)
             choices.append(
                 {
@@ -274,8 +264,6 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
                 if a is None:
                     a = asms[o.index] = ChoiceAssembler(prompt)
                     yield chunk(o.index, {"role": "assistant", "content": ""})
-                    for d in a.prefill_deltas:
-                        yield chunk(o.index, d)
                 if a.done:
                     continue
                 new_text = o.text[a.chars :]

@@ -2,7 +2,9 @@
 
 ``echo`` + ``logprobs`` returns prompt logprobs (the engine's ``prompt_logprobs``), which is what
 lm-eval's loglikelihood requests use; ``max_tokens=0`` with ``echo`` scores the prompt only (the
-engine needs at least one token, so one is generated and dropped).
+engine needs at least one token, so one is generated and dropped). ``response_format``,
+``structured_outputs``, ``guided_*`` and ``logit_bias`` as on chat (:mod:`dsv4.serve.structured`),
+without the chat's ``</think>``: a raw prompt has no reasoning.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .serving import (
     start_stream,
     usage,
 )
+from .structured import output_constraint, token_bias
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -88,13 +91,16 @@ async def create_completion(request: Request, state: ServerState, req: Completio
     echo_only = req.echo and req.max_tokens == 0
     prompts = await off_loop(request, _prompts, state, req)
     want_lp = req.logprobs is not None
+    constraint = await off_loop(request, output_constraint, req)
+    bias = token_bias(req.logit_bias, state.vocab_size)
     subs = []
     for i, (text, ids) in enumerate(prompts):
         pf = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         max_tokens = state.max_tokens(len(ids), 1 if echo_only else req.max_tokens, "max_tokens", pf)
         params = sampling_params(lambda: req.sampling_params(
             max_tokens, state.generation_defaults, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if (req.echo and want_lp) else None), rename={"prompt_logprobs": "logprobs"})
+            prompt_logprobs=req.logprobs if (req.echo and want_lp) else None, structured_outputs=constraint,
+            logit_bias=bias), rename={"prompt_logprobs": "logprobs"})
         subs.append((text, ids, params))
     rid = new_id("cmpl")
     info = log_info(request)

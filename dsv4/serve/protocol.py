@@ -44,6 +44,28 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
+class ResponseFormat(TypedDict, total=False):
+    """Only ``type`` is checked here; ``json_schema`` is read by :mod:`dsv4.serve.structured` (and the chat
+    encoder, which renders the schema into the prompt)."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")
+    type: Required[Literal["text", "json_object", "json_schema"]]
+
+
+class StructuredOutputs(_Model):
+    """vLLM's ``structured_outputs`` request field (one of these; :mod:`dsv4.serve.structured`)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @property
+    def json(self):  # the name the engine's StructuredOutputsParams uses
+        return self.json_
+
+
 class _SamplingFields(_Model):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -66,13 +88,22 @@ class _SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # output constraints (dsv4.serve.structured) and the logit bias (token-id strings → bias)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any], *, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, **adjustments) -> SamplingParams:
         """Build SamplingParams; its ValueError messages (``SamplingParams.<field> must be …``) become 400s.
 
         ``defaults`` holds the model's generation_config.json values, used for fields the request
-        leaves unset (vLLM's ``--generation-config auto``).
+        leaves unset (vLLM's ``--generation-config auto``); ``adjustments``: ``structured_outputs``
+        and ``logit_bias``, as :mod:`dsv4.serve.structured` made them.
         """
         def pick(name: str, fallback):
             value = getattr(self, name)
@@ -87,6 +118,7 @@ class _SamplingFields(_Model):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            **adjustments,
         )
 
 
@@ -188,13 +220,6 @@ class ChatTemplateKwargs(BaseModel):
     reasoning_effort: ReasoningEffort | None = None
 
 
-class ResponseFormat(TypedDict, total=False):
-    """Only ``type`` is checked here; the rest (``json_schema`` …) passes through to the encoder."""
-
-    __pydantic_config__ = ConfigDict(extra="allow")
-    type: Required[Literal["text", "json_object", "json_schema"]]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -206,7 +231,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     reasoning_effort: ReasoningEffort | None = None
-    response_format: ResponseFormat | None = None
 
 
 # ---- /tokenize, /detokenize --------------------------------------------------------------------

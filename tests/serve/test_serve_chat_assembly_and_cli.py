@@ -20,7 +20,7 @@ TEXT = (f'Need data.</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\
 def _prompt(**kw):
     from dsv4.serve.chat_completions import ChatPrompt
 
-    args = dict(text="", ids=[], thinking=True, prefill="", tools=TOOLS, report_tools=True)
+    args = dict(text="", ids=[], thinking=True, tools=TOOLS, report_tools=True)
     args.update(kw)
     return ChatPrompt(**args)
 
@@ -54,18 +54,6 @@ def test_tool_calls_not_reported_without_tools():
     asm = ChoiceAssembler(_prompt(tools=None, report_tools=False))
     msg = fold(asm.feed(TEXT) + asm.finish())
     assert msg["tool_calls"] == [] and msg["content"] == "" and asm.finish_reason("stop") == "stop"
-
-
-def test_named_tool_choice_prefill_is_parsed():
-    from dsv4.serve.chat_completions import ChoiceAssembler, fold
-
-    prefill = f'</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
-    asm = ChoiceAssembler(_prompt(prefill=prefill))
-    assert asm.prefill_deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
-    rest = asm.feed(f'<{D}parameter name="city" string="true">Oslo</{D}parameter>\n</{D}invoke>') + asm.finish()
-    msg = fold(asm.prefill_deltas + rest)
-    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert msg["reasoning_content"] is None
 
 
 def test_serve_flags_match_vllm_seed_commands():

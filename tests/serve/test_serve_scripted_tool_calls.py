@@ -32,9 +32,9 @@ CALL_TEXT = (f'\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
              f'<{D}parameter name="days" string="false">3</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>')
 SCRIPTS = [
     ("<tool_result>", "The user wants the forecast.</think>It will be sunny in Paris for 3 days."),
-    # prompt prefilled by a named tool_choice: the model continues inside the invoke
-    ('invoke name="get_weather">\n', f'<{D}parameter name="city" string="true">Rome</{D}parameter>\n'
-                                     f'</{D}invoke>\n</{D}tool_calls>'),
+    # a named tool_choice: the text the grammar of the call allows (it closes the empty reasoning first)
+    ("Pick a city.", f'</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
+                     f'<{D}parameter name="city" string="true">Rome</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>'),
     ("weather", "I should call the weather tool.</think>" + CALL_TEXT),
     ("2+2", "Simple arithmetic.</think>The answer is 4. STOP and more text"),
     ("POISON", None),  # sampling raises for this request only
@@ -126,10 +126,10 @@ def test_tool_choice_none_and_named(scripted, client):
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
     assert D not in (r.choices[0].message.content or "")
 
-    ask = [{"role": "user", "content": "Pick a city."}]  # no marker but the prefilled invoke
+    ask = [{"role": "user", "content": "Pick a city."}]
     r = client.chat.completions.create(model="dsv4-scripted", messages=ask, tools=TOOLS, max_tokens=100,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert scripted.sampler.prompts[-1].endswith(f'</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n')
+    assert scripted.sampler.prompts[-1].endswith("Pick a city.<｜Assistant｜><think>")  # nothing prefilled
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
     assert r.choices[0].finish_reason == "tool_calls"
