@@ -86,6 +86,7 @@ class DPEngine:
         self.balancer = RankBalancer(n)
         self.requests: dict[str, int] = {}  # request id → the rank that holds it
         self._aborts: dict[int, list[str]] = {}  # rank → aborted requests not yet told to it
+        self._held: set[str] = set()  # requests added after the engine died (the next step raises)
         self._ids = itertools.count()
         try:
             for r in range(1, n):
@@ -158,8 +159,11 @@ class DPEngine:
     def add_request(self, prompt=None, params=None, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:
         """As ``LLMEngine.add_request``; the request goes to the least-loaded rank. A bad request
-        raises here, as the rank's engine raised it."""
-        self.ranks.ensure_alive()
+        raises here, as the rank's engine raised it. A dead engine takes the request and the next
+        ``step()`` raises ``EngineDeadError``, as with one process (the server fails every request
+        in flight then, and stops)."""
+        from ..engine.errors import EngineDeadError
+
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 prompt_token_ids = self.tokenizer.encode(prompt)
@@ -170,23 +174,29 @@ class DPEngine:
         ids = list(map(int, prompt_token_ids))
         if request_id is None:
             request_id = next(str(i) for i in self._ids if str(i) not in self.requests)
-        elif request_id in self.requests:
+        elif request_id in self.requests or request_id in self._held:
             raise ValueError(f"request id {request_id!r} is already in use")
         rank = self.balancer.pick(ids)
         args = (prompt, params, request_id, ids)
-        if rank == 0:
-            self.engine0.add_request(*args)
-            self.rank_stats[0].update(rank_state(self.engine0))
-        else:
-            reply = self._command(Command("add", rank=rank, add=args, aborts=self._take_aborts()))[rank]
-            if "error" in reply:
-                raise reply["error"]
+        try:
+            self.ranks.ensure_alive()
+            if rank == 0:
+                self.engine0.add_request(*args)
+                self.rank_stats[0].update(rank_state(self.engine0))
+            else:
+                reply = self._command(Command("add", rank=rank, add=args, aborts=self._take_aborts()))[rank]
+                if "error" in reply:
+                    raise reply["error"]
+        except EngineDeadError:
+            self._held.add(request_id)
+            return request_id
         self.requests[request_id] = rank
         self.balancer.added(rank, ids)
         self.rank_stats[rank]["requests"] += 1
         return request_id
 
     def abort_request(self, request_id: str) -> None:
+        self._held.discard(request_id)
         rank = self.requests.pop(request_id, None)
         if rank is None:
             return
@@ -202,11 +212,13 @@ class DPEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborts)
+        return bool(self.requests) or bool(self._aborts) or bool(self._held)
 
     # ---- steps ---------------------------------------------------------------------------------
     def step(self) -> list:
         """Every rank steps once (in lockstep); the outputs of all of them, rank by rank."""
+        if self._held:
+            self.ranks.ensure_alive()  # raises: the engine died before those requests reached a rank
         if not self.requests:
             if self._aborts:  # nothing to run: just free the aborted requests' pages
                 self._command(Command("abort", aborts=self._take_aborts()))

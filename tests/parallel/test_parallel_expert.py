@@ -21,7 +21,7 @@ from dsv4.model.weights import ModelWeights
 from dsv4.parallel.expert import EPGroup
 
 LAYERS = (0, 2)  # hash routing, score routing
-ROUNDS = ((37, 0), (5, 64), (0, 0))  # tokens of (rank 0, rank 1) per round: an idle rank, both, neither
+ROUNDS = ((13, 0), (5, 24), (0, 0))  # tokens of (rank 0, rank 1) per round: an idle rank, both, neither
 
 
 def _grouped_ops() -> OpSet:

@@ -1,6 +1,7 @@
-"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) as a real subprocess:
-the same greedy tokens as TP=1, and a killed worker makes the server answer with an error and
-exit non-zero instead of hanging."""
+"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) and ``dsv4 serve
+--data-parallel-size 2 --enable-expert-parallel`` as real subprocesses: the same greedy tokens as
+one process, and a killed rank makes the server answer with an error and exit non-zero instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ def test_serve_tp2_expert_parallel(tiny_ckpt, tp1_reference, tmp_path):
             raise AssertionError(f"worker pid {pid} outlived the server")
         except ProcessLookupError:
             pass
+
+
+def test_serve_dp2_expert_parallel_then_a_killed_rank_stops_the_server(tiny_ckpt, tp1_reference, tmp_path):
+    """The two prompts land on both ranks (one each, sent together); then rank 1 is killed."""
+    import concurrent.futures
+
+    srv = ServeProcess(tiny_ckpt, tmp_path / "serve.log", "-dp", "2", "--enable-expert-parallel")
+    try:
+        srv.wait_ready()
+        log = srv.log()
+        assert "data-parallel rank 1 (pid" in log and "KV cache" in log and "peak host RSS" in log, log[-3000:]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            resps = list(pool.map(srv.complete, prompts()[:2]))
+        assert [served_tokens(r) for r in resps] == tp1_reference[1][:2]
+        pid = srv.worker_pids()[1]
+        os.kill(pid, signal.SIGKILL)
+        r = srv.complete(prompts()[0], timeout=60)
+        assert r.status_code == 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "the engine died" in msg and f"data-parallel rank 1 (pid {pid}) exited with code -9" in msg, msg
+        assert srv.proc.wait(60) == 1
+        assert "exiting because the engine died" in srv.log()
+    finally:
+        srv.close()
