@@ -139,7 +139,7 @@ class MoE:
             ids, w = self._route_ops(x, token_ids)
         else:
             ids, w = route(ops, x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
-        out = combine_pairs(self.ep.exchange(x, ids, self._pair_outputs), ids, w)
+        out = combine_pairs(self.ep.exchange(x, ids, self._pair_outputs, self._slot_outputs), ids, w)
         if self.shared is None or x.shape[0] == 0:
             return out.to(x.dtype)
         shared = ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
@@ -165,6 +165,27 @@ class MoE:
             p = f"{self.prefix}.experts.{e}"
             y[sel] = ops.swiglu(xr[rows[sel]], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"),
                                 self.wts.expert(f"{p}.w2"), cfg.swiglu_limit, self.act_quant)
+        return y
+
+    def _slot_outputs(self, xr: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Every slot of ``local`` [R, k] (the global id of one of this rank's experts, else -1) of
+        token row ``xr[r]``: [R, k, H] in xr's dtype, zeros at -1. Fixed shapes on the grouped path
+        (what a CUDA graph captures: each slot a row of its own, weight 1, -1 skipped by the op)."""
+        cfg = self.cfg
+        r, k = local.shape
+        h = xr.shape[1]
+        if self.grouped:
+            lo, _ = self.ep.expert_range(cfg.n_routed_experts)
+            ids = torch.where(local >= 0, local - lo, torch.full_like(local, -1)).to(torch.int32).reshape(r * k, 1)
+            one = torch.ones(r * k, 1, dtype=torch.float32, device=xr.device)
+            y = self.ops.moe_experts(xr[:, None, :].expand(r, k, h).reshape(r * k, h), ids, one,
+                                     *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
+                                     expert_dtype=cfg.expert_dtype)
+            return y.view(r, k, h)
+        y = xr.new_zeros(r, k, h)
+        rows, slots = torch.where(local >= 0)
+        if rows.numel():
+            y[rows, slots] = self._pair_outputs(xr, rows, local[rows, slots])
         return y
 
 

@@ -24,12 +24,13 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .balance import RankBalancer
-from .dp_rank import Command, build_rank_engine, handle, rank_state, worker_main
+from .dp_rank import Command, agreement_group, build_rank_engine, handle, rank_state, worker_main
 from .group import DistSpec, init_distributed
 from .ranks import RankProcesses, free_port
 
@@ -103,6 +104,7 @@ class DPEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.ctrl, self.startup = self.ranks.rendezvous(lambda: init_distributed(self.spec, 0, self.device, self.port))
+        agree = agreement_group(self.spec.timeout_s)
         n = self.spec.world_size
         log.info("dsv4 parallel: %d data-parallel ranks, routed experts split by expert, %s backend, rendezvous at "
                  "%s:%d", n, dist.get_backend(), self.spec.master_addr, self.port)
@@ -111,9 +113,12 @@ class DPEngine:
             self.ranks.watch_cuda(self.device)
         self.ranks.in_step = True  # a warm-up (on a GPU) runs forwards, whose exchanges need every rank
         try:
-            self.engine0, mine = build_rank_engine(config, 0, n, self.device, tokenizer)
+            self.engine0, mine = build_rank_engine(config, 0, n, self.device, agree, tokenizer)
         finally:
             self.ranks.in_step = False
+        # rank 0's decode graphs are reset before the group goes (a live graph hangs its teardown),
+        # also when this engine is dropped without shutdown(): this runs before the ranks' finalizer
+        self._release = weakref.finalize(self, self.engine0.shutdown)
         mine["load_s"] = round(time.monotonic() - t0, 2)  # rank 0's includes waiting for the rendezvous
         reports = [None] * n
         self.ranks.rendezvous(lambda: dist.gather_object(mine, reports, dst=0, group=self.startup))
@@ -259,6 +264,13 @@ class DPEngine:
             self.rank_stats[r].update(reply["state"])
         return replies
 
+    def capture_decode_graphs(self) -> None:
+        """Every rank captures its decode graphs at once (on a GPU each rank's engine does it at
+        start; on the CPU the graphs are emulated, and this is how the tests reach them)."""
+        if self.requests:
+            raise RuntimeError("capture_decode_graphs() needs an idle engine")
+        self._command(Command("graphs", aborts=self._take_aborts()))
+
     def run_to_completion(self, request_ids: list[str]) -> dict:
         done: dict = {}
         pending = set(request_ids)
@@ -285,5 +297,6 @@ class DPEngine:
                     lambda: dist.broadcast_object_list([Command("shutdown")], src=0, group=self.ctrl), "shutdown")
             except EngineDeadError:
                 clean = False
+        self._release()
         self.engine0 = None
         self.ranks.stop(clean)

@@ -9,10 +9,10 @@ back (a gather to rank 0), repeat.
 
 Lockstep: every MoE layer of every forward is an exchange all ranks join, so on every ``step``
 command each rank runs exactly one forward — its engine's step, or, when its engine had nothing
-to compute, a dummy forward with no tokens (:func:`~dsv4.parallel.expert.idle_forward`).
-
-Decode CUDA graphs are not captured (a rank's config has ``enforce_eager``): the all-to-all's
-split sizes are read on the host every layer, which stream capture cannot hold.
+to compute, a dummy forward with no tokens (:func:`~dsv4.parallel.expert.idle_forward`). With
+decode CUDA graphs the ranks first agree whether the step replays one bucket's graph everywhere
+(a rank without requests then replays it with spare lanes) or runs eagerly everywhere
+(``dsv4.parallel.dp_graphs``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Command:
     ``LLMEngine.add_request``), "step" (every rank steps once), "abort" (only the aborts) or
     "shutdown". ``aborts`` (rank → request ids) are applied first, whatever the kind."""
 
-    kind: str
+    kind: str  # (also "graphs": every rank captures its decode graphs, the tests' way in on CPU)
     rank: int | None = None
     add: tuple | None = None
     aborts: dict[int, list[str]] = field(default_factory=dict)
@@ -72,32 +72,37 @@ class EPModel:
 
 
 class EPExecutor:
-    """What a data-parallel rank's LLMEngine runs through (its ``executor``): the rank's model. The
-    cache is the rank's own (nothing to mirror); the front end starts and stops the processes."""
+    """What a data-parallel rank's LLMEngine runs through (its ``executor``): the rank's model, and
+    its decode graphs. The cache is the rank's own (nothing to mirror); the front end starts and
+    stops the processes. ``agree``: the gloo group the ranks agree on each step's graph in."""
 
-    def __init__(self, model, ep):
-        self.model, self.ep = EPModel(model, ep), ep
+    def __init__(self, model, ep, agree):
+        self.model, self.ep, self.agree = EPModel(model, ep), ep, agree
         self.device = model.device
 
     def start_caches(self, budget, numerics, kv) -> None:
         pass
 
     def capture_graphs(self, kvc, max_num_seqs: int, max_model_len: int):
-        raise RuntimeError("decode CUDA graphs are not captured with data_parallel_size > 1: the expert-parallel "
-                           "all-to-all reads its split sizes on the host every layer")
+        from .dp_graphs import DPDecodeGraphs
+
+        return DPDecodeGraphs.capture(self.model.inner, kvc, max_num_seqs, max_model_len, self.ep, self.agree)
 
     def shutdown(self) -> None:
         pass
 
 
-def rank_config(config, device):
-    """The config a rank's engine runs with: decode steps eager on CUDA (see the module docstring)."""
-    if device.type == "cuda" and not config.enforce_eager:
-        return config.replace(enforce_eager=True)
-    return config
+def agreement_group(timeout_s: float):
+    """The gloo group data-parallel ranks agree on each step's decode graph in (every rank makes it
+    right after joining the process group, so the groups line up)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def build_rank_engine(config, rank: int, world_size: int, device, tokenizer=None):
+def build_rank_engine(config, rank: int, world_size: int, device, agree, tokenizer=None):
     """This rank's engine over its share of the model; returns (engine, its startup report)."""
     import torch
 
@@ -113,7 +118,7 @@ def build_rank_engine(config, rank: int, world_size: int, device, tokenizer=None
     ep = EPGroup(rank, world_size, ckpt.config.n_routed_experts, device)
     model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device, act_quant=config.act_quant,
                            ops=resolve_op_set(config.backend, config.attention, device), ep=ep)
-    engine = LLMEngine(rank_config(config, device), tokenizer=tokenizer, executor=EPExecutor(model, ep))
+    engine = LLMEngine(config, tokenizer=tokenizer, executor=EPExecutor(model, ep, agree))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     budget = engine.kv_cache.budget
@@ -133,15 +138,18 @@ def rank_step(engine) -> list:
     ep.forwards = 0
     outs = engine.step()
     if ep.forwards == 0:
-        idle_forward(engine.executor.model.inner)
+        graphs = engine.runner.graphs
+        if graphs is None or not graphs.idle():
+            idle_forward(engine.executor.model.inner)
     return outs
 
 
 def rank_state(engine) -> dict:
     """What the front end keeps of a rank after each command (its load, /metrics, the tests)."""
-    s, kv = engine.scheduler, engine.kv
+    s, kv, g = engine.scheduler, engine.kv, engine.runner.graphs
     return {"waiting": len(s.waiting), "running": len(s.running), "kv_cache_usage": kv.usage(),
-            "prefix_cache_hits": kv.hits, "prefix_cache_queries": kv.queries, "preemptions": s.num_preemptions}
+            "prefix_cache_hits": kv.hits, "prefix_cache_queries": kv.queries, "preemptions": s.num_preemptions,
+            "graph_replays": getattr(g, "replays", 0), "spare_replays": getattr(g, "spare_replays", 0)}
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -163,6 +171,8 @@ def handle(engine, rank: int, cmd: Command):
             if o.exception is not None:
                 o.exception = _portable(o.exception)
         return {"outputs": outs, "state": rank_state(engine)}
+    if cmd.kind == "graphs":
+        engine.capture_decode_graphs()
     if cmd.kind == "add" and cmd.rank == rank:
         try:
             engine.add_request(*cmd.add)
@@ -195,9 +205,10 @@ def _serve(config, spec, rank: int, port: int) -> None:
 
     device = rank_device(config, rank)
     ctrl, startup = init_distributed(spec, rank, device, port)
+    agree = agreement_group(spec.timeout_s)
     box = [None]
     dist.broadcast_object_list(box, src=0, group=startup)  # rank 0's resolved EngineConfig
-    engine, report = build_rank_engine(box[0], rank, spec.world_size, device)
+    engine, report = build_rank_engine(box[0], rank, spec.world_size, device, agree)
     log.info("data-parallel rank %d started in %.1f s", rank, report["load_s"])
     dist.gather_object(report, None, dst=0, group=startup)
     while True:
@@ -207,6 +218,7 @@ def _serve(config, spec, rank: int, port: int) -> None:
         if cmd.kind == "shutdown":
             break
         dist.gather_object(handle(engine, rank, cmd), None, dst=0, group=ctrl)
+    engine.shutdown()  # its graphs' NCCL launches go before the communicator they use
     del engine
     gc.collect()
     if device.type == "cuda":

@@ -23,6 +23,12 @@ group (NCCL on CUDA, gloo on CPU):
 A rank with no tokens still joins every exchange with zero counts (its experts serve the other
 ranks' tokens): a data-parallel rank without work runs a dummy forward (``idle_forward``).
 
+The decode CUDA graphs capture the *dense* exchange instead (``dense_mode``; every rank replays a
+graph of the same T lanes): every rank's rows and ids are all-gathered, each rank computes its
+experts' slots of all of them with fixed shapes, and an all-to-all of equal splits brings each
+token's slots back, where the token's rank takes each slot from its expert's rank. No count is
+read on the host, and the combine is the same, so the bits are too.
+
 An exchange that fails half-way leaves the ranks' collectives out of step: it marks the group
 ``broken`` and raises :class:`~dsv4.engine.errors.EngineDeadError`. A forward that fails *between*
 exchanges (say in an attention layer) is finished with empty exchanges for the layers it did not
@@ -63,6 +69,7 @@ class EPGroup(CommTimer):
         self.exchanges = 0  # MoE layers exchanged in the forward in progress
         self.forwards = 0  # forwards run since the counter was last reset (an engine step's, by dp_rank)
         self.broken: str | None = None
+        self.dense = False  # the fixed-shape exchange (decode graphs), see dense_mode
 
     # ---- what ModelWeights calls (the ``shard`` hook): experts split, everything else whole ----
     def expert_range(self, n_experts: int) -> tuple[int, int]:
@@ -96,18 +103,20 @@ class EPGroup(CommTimer):
             b.moe.ep = self
 
     # ---- one MoE layer ---------------------------------------------------------------------
-    def exchange(self, x: torch.Tensor, ids: torch.Tensor, compute) -> torch.Tensor:
+    def exchange(self, x: torch.Tensor, ids: torch.Tensor, pairs, slots) -> torch.Tensor:
         """Every (token, expert) pair of ``ids`` [T, k] computed on the rank holding the expert;
         returns their outputs [T, k, H] in ``x``'s dtype, each in its token's slot.
 
-        ``compute(xr, rows, experts)`` runs on every rank for the pairs it received: ``xr`` [R, H]
+        ``pairs(xr, rows, experts)`` runs on every rank for the pairs it received: ``xr`` [R, H]
         the token rows that reached it, ``rows`` / ``experts`` [P] each pair's row of ``xr`` and
-        global expert id (this rank's experts only); it returns the pairs' outputs [P, H]."""
+        global expert id (this rank's experts only); it returns the pairs' outputs [P, H].
+        ``slots(xr, local)``: the same for every slot of ``local`` [R, k] (this rank's experts'
+        ids, -1 elsewhere), [R, k, H] with zeros at -1 — what the dense exchange calls."""
         if self.broken is not None:
             raise EngineDeadError(self.broken)
         self.exchanges += 1
         try:
-            return self._exchange(x, ids, compute)
+            return self._exchange_dense(x, ids, slots) if self.dense else self._exchange(x, ids, pairs)
         except Exception as e:  # noqa: BLE001 - the ranks are mid-exchange: nothing can be re-matched
             self.broken = (f"the expert-parallel exchange of MoE layer {self.exchanges - 1} failed on data-parallel "
                            f"rank {self.rank}: {type(e).__name__}: {e}")
@@ -146,6 +155,46 @@ class EPGroup(CommTimer):
         out = x.new_empty(t * k, h)
         out[order] = back
         return out.view(t, k, h)
+
+    def _exchange_dense(self, x, ids, slots):
+        """The exchange with fixed shapes, for a CUDA graph (every rank replays the same bucket T):
+        every rank's rows and ids reach every rank (all-gather), each computes the slots of its
+        own experts, and each slot's output comes back from the rank holding its expert (an
+        all-to-all of equal splits; the token's rank picks, per slot, the one of its expert's rank —
+        the others sent zeros there). No count is read on the host."""
+        n, (t, k), h = self.world_size, ids.shape, x.shape[1]
+        ids = ids.long()
+        xs = x.new_empty(n * t, h)
+        self._gather(xs, x.contiguous())
+        every = ids.new_empty(n * t, k)
+        self._gather(every, ids.contiguous())
+        lo, hi = self.expert_range(self.n_experts)
+        local = torch.where((every >= lo) & (every < hi), every, torch.full_like(every, -1))
+        y = slots(xs, local).to(x.dtype).contiguous()  # [N·T, k, H]: rank r's tokens are rows r·T …
+        back = torch.empty_like(y)
+        self._a2a(back, y)
+        dest = torch.div(ids, self.per_rank, rounding_mode="floor")
+        tok = torch.arange(t, device=x.device)[:, None]
+        return back.view(n, t, k, h)[dest, tok, torch.arange(k, device=x.device)[None, :]]
+
+    def dense_mode(self):
+        """While in this context, exchanges are dense (a decode graph's capture, or its emulation)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            old, self.dense = self.dense, True
+            try:
+                yield
+            finally:
+                self.dense = old
+
+        return ctx()
+
+    def _gather(self, out, inp) -> None:
+        t0 = self._tick()
+        dist.all_gather_into_tensor(out, inp, group=self.group)  # (NCCL since torch 1.13; gloo too)
+        self._tock(t0)
 
     def _a2a(self, out, inp, out_splits=None, in_splits=None) -> None:
         t0 = self._tick()

@@ -1,7 +1,10 @@
 """Data-parallel attention with expert parallelism through ``LLM`` on CPU (gloo): DP=2 + EP gives
 the single process's greedy tokens, with requests spread over both ranks, a prefix-cache hit on the
 rank that cached the block, a rank left idle (its dummy forwards serve the other's tokens),
-preemption on both ranks, and a killed rank ending in ``EngineDeadError``.
+preemption on both ranks, and a killed rank ending in ``EngineDeadError``. The engine runs the
+GPU's paths (the batched paged attention, with its torch ops, and the decode graphs, emulated on
+CPU): prefill and mixed steps eager with the sparse all-to-all, decode steps replaying one agreed
+bucket on both ranks with the dense exchange, the idle rank replaying it with spare lanes.
 
 Bitwise, not just the same tokens: every part of a DP rank's forward is the single process's on
 the same tokens (batch-invariant CPU ops, the experts' outputs summed back in the reference's
@@ -24,6 +27,7 @@ from dsv4.engine.errors import EngineDeadError
 # a KV cache of 3 blocks (768 tokens) per rank with max_model_len 512: the batch of greedy_llm fits
 # (7 + 300 tokens on rank 0), two 254-token prompts decoding past 256 tokens on one rank do not
 SMALL = {**ENGINE, "max_model_len": 512, "kv_cache_memory": int(46.5 * 2**20)}
+GPU_PATHS = {"attention": "batched", "backend": "torch"}
 
 
 def _preempting_prompts() -> list[list[int]]:
@@ -51,15 +55,18 @@ def test_dp2_expert_parallel_matches_one_process_then_a_killed_rank_kills_the_en
                                                                                        caplog):
     caplog.set_level(logging.INFO, logger="dsv4.parallel")
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)  # the 4th computes token 257
-    one = LLM(str(tiny_ckpt), **ENGINE)
+    one = LLM(str(tiny_ckpt), **ENGINE, **GPU_PATHS)
     want = _sampled(one.generate(_preempting_prompts(), sp))
     del one
 
-    llm = LLM(str(tiny_ckpt), data_parallel_size=2, enable_expert_parallel=True, distributed_timeout=60, **SMALL)
+    llm = LLM(str(tiny_ckpt), data_parallel_size=2, enable_expert_parallel=True, distributed_timeout=60, **SMALL,
+              **GPU_PATHS)
     eng = llm.engine
     pids = eng.worker_pids
     try:
         assert eng.kv_cache.budget.capacity_tokens == 2 * 768  # KV capacity adds up over the ranks
+        eng.capture_decode_graphs()
+        assert eng.engine0.runner.graphs.buckets == [1, 2, 4, 8]
         got = greedy_llm(llm)  # (7, 150, 300) spread 0, 1, 0; then the prefix prompt alone on rank 0
         stats = [dict(s) for s in eng.rank_stats]
         preempted = _sampled(llm.generate(_preempting_prompts(), sp))  # two per rank
@@ -77,6 +84,9 @@ def test_dp2_expert_parallel_matches_one_process_then_a_killed_rank_kills_the_en
     # the prefix prompt went to rank 0, which had cached the 300-token prompt's first block
     assert stats[0]["prefix_cache_hits"] >= 256 and stats[1]["prefix_cache_hits"] == 0
     assert stats[1]["prefix_cache_queries"] == 150  # rank 1 computed only its own prompt
+    # decode steps replayed graphs on both ranks; rank 1, idle while the prefix prompt decoded, with spare lanes
+    assert stats[0]["graph_replays"] > 0 and stats[0]["spare_replays"] == 0
+    assert stats[1]["spare_replays"] > 0 and stats[1]["graph_replays"] > stats[1]["spare_replays"]
     assert preempted == want  # tokens and logprobs, bitwise
     assert all(after[r]["preemptions"] - stats[r]["preemptions"] > 0 for r in range(2)), after
     report = [r.getMessage() for r in caplog.records if "started in" in r.getMessage() and "weights" in r.getMessage()]

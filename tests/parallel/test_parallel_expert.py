@@ -5,8 +5,8 @@ own random tokens; each rank's output must be bitwise the single-process layer's
 tokens (CPU, float32): the pairs are computed on the rank holding their expert and summed back on
 the token's rank in the reference's order. Covered: a hash-routed and a score-routed layer, the
 dequantized reference path and the grouped checkpoint-format path (the torch ``moe_experts``), a
-rank with no tokens (it still serves the other's), and a forward that fails between exchanges
-(``finish_forward``: the other rank's forward completes).
+rank with no tokens (it still serves the other's), the dense exchange of the decode graphs, and a
+forward that fails between exchanges (``finish_forward``: the other rank's forward completes).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dsv4.parallel.expert import EPGroup
 
 LAYERS = (0, 2)  # hash routing, score routing
 ROUNDS = ((13, 0), (5, 24), (0, 0))  # tokens of (rank 0, rank 1) per round: an idle rank, both, neither
+DENSE = 8  # tokens of each rank in the dense exchange (a decode graph's bucket: the same on every rank)
 
 
 def _grouped_ops() -> OpSet:
@@ -68,6 +69,10 @@ def _rank(rank: int, port: int, ckpt_dir: str, results) -> None:
                         want = ref.forward(x, ids)
                         assert torch.equal(got, want), (grouped, layer, rnd, (got - want).abs().max())
                     checked.append((grouped, layer, rnd, sizes[rank]))
+                x, ids = _inputs(cfg, rank, 5, DENSE)  # the decode graphs' fixed-shape exchange
+                with ep.dense_mode():
+                    got = mine.forward(x, ids)
+                assert torch.equal(got, ref.forward(x, ids)), (grouped, layer, "dense")
         # a forward that fails after its first MoE layer: the rest is joined with empty exchanges
         model = type("M", (), {})()
         model.blocks = [type("B", (), {"moe": _layer(ckpt, layer, ep, False)})() for layer in (1, 2, 3)]
