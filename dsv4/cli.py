@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+
+CANARY_NAME = "dsv4-canary"  # what the embedded canary is served as (no --model)
 
 
 def _cmd_make_checkpoint(a: argparse.Namespace) -> int:
@@ -18,7 +21,7 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> int:
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from .checkpoint.inspect import inspect_checkpoint
 
-    text, ok = inspect_checkpoint(a.model_dir)
+    text, ok = inspect_checkpoint(a.model_dir, check_values=a.check_values, progress=a.check_values)
     print(text)
     return 0 if ok else 1
 
@@ -80,20 +83,77 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(a: argparse.Namespace) -> int:
+def _check_serve_flags(a: argparse.Namespace) -> None:
+    """The serve-only flags, checked before anything loads; vLLM's flags that cannot apply say why."""
     if a.model_tag and a.model and a.model_tag != a.model:
         raise ValueError(f"two models given: {a.model_tag!r} and --model {a.model!r}")
-    a.model = _model_or_canary(a.model or a.model_tag)
     if a.block_size is not None and a.block_size != 256:
         raise ValueError(f"--block-size {a.block_size}: DeepSeek-V4 caches use blocks of 256 tokens")
-    config = _engine_config(a)
-    if config.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/parallel)
-        from .parallel.worker import run_worker_node
+    if a.chat_template is not None:
+        raise ValueError(f"--chat-template {a.chat_template}: DeepSeek-V4 has no Jinja chat template; dsv4 renders "
+                         "chats with the built-in DeepSeek-V4 encoding (--tokenizer-mode deepseek_v4, the default), "
+                         "so drop --chat-template")
+    if a.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: chunked prefill is always on in dsv4 and cannot be turned off "
+                         "(--max-num-batched-tokens and --long-prefill-token-threshold size the chunks)")
+    if a.enable_log_requests and a.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests: give one of them")
+    for flag, value in (("--max-log-len", a.max_log_len), ("--shutdown-timeout", a.shutdown_timeout),
+                        ("--engine-stall-timeout", a.engine_stall_timeout)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be ≥ 0; got {value!r}")
+    if a.max_request_body_mb <= 0:
+        raise ValueError(f"--max-request-body-mb must be positive; got {a.max_request_body_mb!r}")
+    if a.log_stats_interval <= 0:
+        raise ValueError(f"--log-stats-interval must be positive (seconds); got {a.log_stats_interval!r}")
 
-        return run_worker_node(config)
-    from .serve.app import serve  # lazy: fastapi/uvicorn only load for this command
 
-    return serve(a, config)
+def _bind(host: str, port: int):
+    """The server's socket, bound before anything loads (listening starts with the server), so that a
+    taken port fails in a second and not after the model loaded; a ValueError naming the flag."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}"
+                         + (" (another process has it; pick another --port)" if e.errno == errno.EADDRINUSE else "")
+                         ) from None
+    return sock
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    _check_serve_flags(a)
+    sock = _bind(a.host, a.port) if a.node_rank == 0 else None  # (nodes > 0 serve nothing)
+    try:
+        canary = not (a.model or a.model_tag)
+        a.model = _model_or_canary(a.model or a.model_tag)
+        if canary and not a.served_model_name:  # never its path inside the installed package
+            a.served_model_name = [CANARY_NAME]
+        config = _engine_config(a)
+        if config.node_rank > 0:  # a headless node of a multi-node run: only this node's worker ranks (dsv4/parallel)
+            from .parallel.worker import run_worker_node
+
+            return run_worker_node(config)
+        from .serve.app import ServeOptions, serve  # lazy: fastapi/uvicorn only load for this command
+
+        options = ServeOptions(log_stats=not a.disable_log_stats, log_stats_interval=a.log_stats_interval,
+                               log_requests=not a.disable_log_requests, log_prompts=a.enable_log_requests,
+                               max_log_len=a.max_log_len, generation_config=a.generation_config,
+                               engine_stall_timeout=a.engine_stall_timeout, shutdown_timeout=a.shutdown_timeout,
+                               max_body_bytes=int(a.max_request_body_mb * 2**20))
+        return serve(a, config, options, sock, model_root=CANARY_NAME if canary else None)
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def _cmd_eval_canary(a: argparse.Namespace) -> int:
@@ -197,7 +257,8 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     _add_engine_args(s, model_required=False)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; default: the path")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use; default: the model directory's name (dsv4-canary for the canary)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $DSV4_API_KEY)")
     s.add_argument("--reasoning-parser", choices=["deepseek_v4"], default="deepseek_v4")
     s.add_argument("--tool-call-parser", choices=["deepseek_v4"], default="deepseek_v4")
@@ -207,11 +268,46 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=int, default=None, help="accepted for vLLM compatibility; must be 256")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="refused: DeepSeek-V4 has no Jinja template; chats use the built-in DeepSeek-V4 encoding "
+                        "(--tokenizer-mode deepseek_v4)")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults: auto reads the model's generation_config.json, vllm ignores it, a "
+                        "directory reads its generation_config.json (default: auto)")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="accepted: chunked prefill is always on (--no-enable-chunked-prefill is refused)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, requests, KV cache, prefix-cache hits); /metrics "
+                        "stays on")
+    s.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines while the engine is busy (default: 10)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="also log each request's prompt and sampling parameters as it arrives")
+    s.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    s.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="prompt characters (or token ids) --enable-log-requests shows at most (default: all)")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds the requests in flight get to finish; then their streams end with "
+                        "an error event and the server exits (default: 5)")
+    s.add_argument("--engine-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="/health answers 503 once the engine has made no progress for this long with requests in "
+                        "flight, e.g. a stopped tensor-parallel rank (0: never; default: 30)")
+    s.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MIB",
+                   help="request bodies larger than this get a 413 (default: 32)")
     s.set_defaults(fn=_cmd_serve)
 
 
+class _Parser(argparse.ArgumentParser):
+    """No prefix matching of long flags (vLLM's flags share prefixes: an abbreviation must not pick one).
+    Subparsers are made of the parent's class, so every (sub)command gets it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4-Flash inference engine")
+    p = _Parser(prog="dsv4", description="DeepSeek-V4-Flash inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")
@@ -243,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="summarize and validate a model directory")
     i.add_argument("model_dir")
+    i.add_argument("--check-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="read every tensor and report NaN/±inf values (--no-check-values: the headers only)")
     i.set_defaults(fn=_cmd_inspect)
 
     _add_probe_args(sub.add_parser("probe", help="stage-by-stage bring-up probe with a token-level verdict"))
@@ -271,12 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # (imports torch: interruptible too)
+    except KeyboardInterrupt:
+        return 130
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as e:  # config/checkpoint errors name what is wrong
         print(f"dsv4 {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the server has shut down already; no traceback
+        return 130
 
 
 if __name__ == "__main__":

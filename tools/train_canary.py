@@ -216,7 +216,7 @@ def run_batch(params, cfg, seqs, device, quantized: bool, fp8_cache: bool, mtp_w
         w = torch.tensor(wts, device=device)
         main = (F.cross_entropy(out.logits, ids_t[rows_t + 1], reduction="none") * w).sum() / w.sum()
         nxt = torch.cat([ids_t[1:], ids_t.new_zeros(1)])  # row i's next token (rows past a sequence end are unused)
-        mlog = model.mtp_forward(nxt, out.streams, mchunks)
+        mlog = model.mtp_forward(nxt, out.streams, mchunks).logits
         mrows_t = torch.tensor(mrows, device=device)
         mw = torch.tensor(mwts, device=device)
         mtp = (F.cross_entropy(mlog[mrows_t], ids_t[mrows_t + 2], reduction="none") * mw).sum() / mw.sum()

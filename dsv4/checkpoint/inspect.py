@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,8 +17,9 @@ def _fmt_bytes(n: int) -> str:
     return f"{n}"
 
 
-def inspect_checkpoint(model_dir: str | Path) -> tuple[str, bool]:
-    """Return (report text, valid?). Never raises on a bad checkpoint: the report says why."""
+def inspect_checkpoint(model_dir: str | Path, check_values: bool = True, progress: bool = False) -> tuple[str, bool]:
+    """Return (report text, valid?). Never raises on a bad checkpoint: the report says why.
+    ``check_values``: also read every tensor and report those holding NaN/±inf values."""
     lines = [f"model directory: {model_dir}"]
     try:
         ck = Checkpoint(model_dir, validate=False)
@@ -44,9 +46,16 @@ def inspect_checkpoint(model_dir: str | Path) -> tuple[str, bool]:
     for dt, (n, b) in ck.bytes_by_dtype().items():
         lines.append(f"  {dt:8s} {n:7d} tensors  {_fmt_bytes(b)}")
     probs = ck.problems()
+    if check_values:
+        t0 = time.perf_counter()
+        bad = ck.non_finite(progress=progress)
+        probs += bad
+        lines.append(f"values: {len(bad) or 'no'} tensor(s) with NaN/±inf values ({_fmt_bytes(ck.total_bytes())} "
+                     f"read in {time.perf_counter() - t0:.2f} s)")
     if probs:
         lines.append(f"INVALID: {len(probs)} problem(s)")
         lines += [f"  {p}" for p in probs[:50]]
         return "\n".join(lines), False
-    lines.append(f"VALID: all {len(ck.specs)} expected tensors present with the right dtype and shape")
+    values = ", every value finite" if check_values else ""
+    lines.append(f"VALID: all {len(ck.specs)} expected tensors present with the right dtype and shape{values}")
     return "\n".join(lines), True

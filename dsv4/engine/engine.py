@@ -25,12 +25,13 @@ from ..model.opset import reference_ops
 from . import overlap
 from .errors import EngineDeadError, RequestError
 from .outputs import RequestOutput
-from .request import Request
+from .request import Drafts, Request
 from .runner import ModelRunner
 from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .settings import EngineConfig
+from .speculative import MTPProposer, SpecStats, StepRows, verify
 from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
@@ -76,6 +77,17 @@ def _load_tokenizer(config: EngineConfig):
     return load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
 
 
+def _check_mtp_layer(cfg, speculative_config) -> None:
+    """MTP drafting needs the checkpoint's classic MTP layer."""
+    if cfg.is_dspark:
+        raise ValueError(f"speculative_config={speculative_config!r}: this checkpoint's mtp.* layers are DSpark "
+                         "drafter stages (the 0731 release), not a classic MTP layer; DSpark drafting is not "
+                         "implemented")
+    if cfg.num_mtp_layers == 0:
+        raise ValueError(f"speculative_config={speculative_config!r}: the checkpoint has no MTP layer "
+                         "(config.json num_nextn_predict_layers is 0: no mtp.0.* tensors)")
+
+
 def _kernel_cache() -> str:
     from .. import env
 
@@ -105,11 +117,13 @@ class LLMEngine:
         compiles.install()  # count every kernel Triton builds from here on
         phases, t0 = {}, time.perf_counter()
 
-        if config.speculative_config is not None:
-            raise ValueError(f"speculative_config={config.speculative_config!r}: speculative decoding is not "
-                             "implemented yet")
+        if config.speculative is not None and config.parallel:
+            raise ValueError(f"speculative_config={config.speculative_config!r} with tensor_parallel_size="
+                             f"{config.tensor_parallel_size}, data_parallel_size={config.data_parallel_size}, "
+                             f"nnodes={config.nnodes}: speculative decoding runs in a single process only")
         if config.parallel and executor is None:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes}: a "
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
+                             f"{config.data_parallel_size}, nnodes={config.nnodes}: a "
                              "parallel engine needs its executor (dsv4.parallel.start_executor; LLM and dsv4 serve "
                              "start it)")
         if executor is not None and model is not None:
@@ -155,13 +169,17 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
         if executor is not None:  # the workers allocate the same cache; prefix-cache restores are mirrored
             executor.start_caches(budget, numerics, self.kv)
+        spec = config.speculative
+        if spec is not None:
+            _check_mtp_layer(cfg, config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, recompute_last_hit_block=spec is not None)
         paged = self.ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
-        self.runner = ModelRunner(self.model, self.kv, paged)
+        self.runner = ModelRunner(self.model, self.kv, paged, keep_streams=spec is not None)
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
-        if device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops):
+        if (device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
+                and spec is None):  # (verify steps are chunks, and the proposer needs the streams: eager)
             t = time.perf_counter()
             self.capture_decode_graphs()
             phases["decode_graphs"] = time.perf_counter() - t
@@ -169,6 +187,9 @@ class LLMEngine:
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
         self.grammars = GrammarCompiler(tok, cfg.vocab_size, cfg.eos_token_id)
+        self.spec_stats = SpecStats()
+        self.proposer = None if spec is None else MTPProposer(self.model, self.kv, self.sampler,
+                                                              spec.num_speculative_tokens, paged)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -347,7 +368,7 @@ class LLMEngine:
         try:
             schedule = self._schedule()
             nxt = None
-            if schedule and overlap.deferrable(schedule, self.sampler):
+            if schedule and self.proposer is None and overlap.deferrable(schedule, self.sampler):
                 nxt = overlap.launch(self.runner, schedule, prev, self.ops.greedy_pick)
         except Exception:
             if prev is not None:  # the placeholders get their tokens: the requests stay consistent
@@ -406,6 +427,8 @@ class LLMEngine:
                     req.fail(e)
                     touched[req.request_id] = None
         self._sample(schedule, batch, logits, touched)
+        if self.proposer is not None:
+            self._propose(schedule, batch)
         return self._finish_step(schedule, touched)
 
     def _finish_step(self, schedule, touched: dict) -> list[RequestOutput]:
@@ -442,36 +465,68 @@ class LLMEngine:
         return out
 
     def _sample(self, schedule, batch, logits: torch.Tensor, touched: dict) -> None:
-        """Append each sampled request's next token. Plain greedy rows are picked on the logits'
+        """Append each sampled request's next token(s). Plain greedy rows are picked on the logits'
         device in one batched pick (the ``greedy_pick`` op); the other rows (and any non-finite one)
         are copied to the host at once and go through the sampler row by row, with their grammar's
-        bitmask (computed first: on a GPU, while the step is still running); a row whose sampling
-        fails fails its request."""
-        rows = [(row, schedule[si].req) for row, si in batch.sample_rows]
+        bitmask (computed first: on a GPU, while the step is still running); a request with drafts
+        has its verify rows checked in order (``speculative.verify``) and its chunk committed with the
+        tokens that stay. A row whose sampling fails fails its request."""
+        drafted = batch.draft_counts
+        rows = [(row, schedule[si].req, si) for row, si in batch.sample_rows]
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):
-            picked = greedy_picks(logits, [row for row, req in rows if plain_greedy(req)], self.ops.greedy_pick)
+            picked = greedy_picks(logits, [row for row, req, si in rows if si not in drafted and plain_greedy(req)],
+                                  self.ops.greedy_pick)
         if len(picked) == len(rows):  # all picked on the device (a greedy decode step): no host rows
-            for row, req in rows:
+            for row, req, _ in rows:
                 req.append_token(picked[row], None, None)
                 touched[req.request_id] = None
             return
-        guided = [(row, req) for row, req in rows if req.guide is not None and not req.finished]
+        guided = [(row, req) for row, req, si in rows
+                  if req.guide is not None and not req.finished and si not in drafted]
         masks = dict(zip((row for row, _ in guided), bitmask_rows([req.guide for _, req in guided],
                                                                    self.model_config.vocab_size)))
-        rest = [row for row, _ in rows if row not in picked]
+        rest = [r for row, _, si in rows if row not in picked for r in range(row, row + 1 + drafted.get(si, 0))]
         host = dict(zip(rest, logits[rest].float().cpu()))
-        for row, req in rows:
+        for row, req, si in rows:
             touched[req.request_id] = None
             if req.finished:  # failed earlier this step (its prompt logprobs)
                 continue
             try:
-                if row in picked:
+                if si in drafted:
+                    d = drafted[si]
+                    drafts, req.drafts = req.drafts, Drafts()
+                    drafts.truncate(d)
+                    rows_j = torch.stack([host[r] for r in range(row, row + 1 + d)])
+                    n_ok = verify(self.sampler, req, rows_j, drafts, self.model_config.vocab_size, self.spec_stats)
+                    self.runner.commit(batch, si, n_ok)
+                elif row in picked:
                     req.append_token(picked[row], None, None)
                 else:
                     req.append_token(*self.sampler.sample(req, host[row], mask=masks.get(row)))
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 req.fail(e)
+
+    def _propose(self, schedule, batch) -> None:
+        """The proposer's turn, after verification: every row that stays in the cache feeds it, and
+        each request that goes on decoding gets up to ``num_speculative_tokens`` drafts (fewer near
+        its max_tokens; none when its draft pages cannot be had without preempting)."""
+        k = self.proposer.num_speculative_tokens
+        sampled = {si for _, si in batch.sample_rows}
+        rows = []
+        for si, sc in enumerate(schedule):
+            req, c = sc.req, batch.chunks[si]
+            if req.finished:
+                continue
+            n_valid = req.alloc.num_computed - c.start
+            want = 0
+            if si in sampled:
+                want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+                if want > 1 and not self.kv.try_allocate(req.alloc, want - 1):  # the chain's window pages
+                    want = 1
+            rows.append(StepRows(req, c, n_valid, max(0, want)))
+        if rows:
+            self.proposer.propose(rows, batch.streams)
 
     def _output(self, rid: str, group: list[Request], finished: bool) -> RequestOutput:
         first = group[0]

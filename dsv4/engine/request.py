@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.paged import CacheAllocation
 from .outputs import CompletionOutput, Logprob
 from .sampling_params import SamplingParams
+
+
+@dataclass
+class Drafts:
+    """A request's proposed next tokens and, for a sampled request, the distribution each was drawn
+    from (``q`` of the rejection rule; None when greedy)."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        if self.probs is not None:
+            del self.probs[n:]
 
 
 class Status(enum.Enum):
@@ -31,6 +49,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.detok = detokenizer
         self.guide = guide  # the grammar state of a structured output (dsv4.engine.structured.Guide)
+        self.drafts = Drafts()  # speculative decoding: tokens proposed after the last one, to be verified
         self.text = ""
         self._emitted_chars = 0
         self._stop_scanned = 0  # text before this offset was already searched for stop strings

@@ -39,13 +39,20 @@ class StepBatch:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, schedule index)
     prompt_rows: dict[int, list[int]] = field(default_factory=dict)  # schedule index → its prompt rows
     prompt_logprob_seqs: list[int] = field(default_factory=list)  # schedule indices asking prompt logprobs
+    # speculative decoding: schedule index → drafts in its chunk (their rows follow its sample row);
+    # those chunks' caches advance only once verification says by how much (``commit``)
+    draft_counts: dict[int, int] = field(default_factory=dict)
+    streams: torch.Tensor | None = None  # the forward's pre-hc_head streams, when the runner keeps them
 
 
 class ModelRunner:
-    def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False):
+    def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False,
+                 keep_streams: bool = False):
         """``paged_attention``: build the step's page tables for the model's batched attention
-        (``dsv4.model.paged_attention``); False keeps the reference's per-request attention."""
+        (``dsv4.model.paged_attention``); False keeps the reference's per-request attention.
+        ``keep_streams``: each batch keeps the forward's pre-hc_head streams (a proposer's input)."""
         self.backend, self.kv = backend, kv
+        self.keep_streams = keep_streams
         self.device = backend.device
         self.paged_attention = paged_attention
         self.graphs = None  # DecodeGraphs, when the engine captured CUDA graphs of the decode forward
@@ -55,7 +62,7 @@ class ModelRunner:
         """The step's inputs: built on the host, then moved to the device in one copy (``staging``)."""
         ids, rows = array.array("q"), array.array("q")
         chunks = []
-        sample_rows, prompt_rows, plp = [], {}, []
+        sample_rows, prompt_rows, plp, draft_counts = [], {}, [], {}
         off = 0
         view, dev = self.kv.view, self.device
         for si, sc in enumerate(schedule):
@@ -63,7 +70,12 @@ class ModelRunner:
             alloc = req.alloc
             start = alloc.num_computed
             end = start + n
-            ids.extend(req.token_slice(start, end))
+            real = min(end, req.num_tokens)
+            ids.extend(req.token_slice(start, real))
+            d = end - real  # drafts after the request's last token (the scheduler kept n of them)
+            if d:
+                ids.extend(req.drafts.tokens[:d])
+                draft_counts[si] = d
             chunks.append(SeqChunk(view(alloc), start, n, off, dev))
             if req.params.prompt_logprobs is not None:
                 plp.append(si)
@@ -72,11 +84,12 @@ class ModelRunner:
                     last = min(end, n_prompt - 1)
                     prompt_rows[si] = list(range(len(rows), len(rows) + last - start))
                     rows.extend(range(off, off + last - start))
-            if end == req.num_tokens:  # the chunk reaches the end: sample the next token
+            if real == req.num_tokens:  # the chunk reaches the end: sample the next token (verify the drafts)
                 sample_rows.append((len(rows), si))
-                rows.append(off + n - 1)
+                rows.extend(range(off + n - 1 - d, off + n))
             off += n
-        rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp}
+        rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp,
+                   "draft_counts": draft_counts}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if not self.paged_attention:
             token_ids, logits_rows = self.staging.upload(parts)
@@ -119,9 +132,23 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """One forward of a built batch (a captured decode graph where one takes it): its logits rows."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        """One forward of a built batch (a captured decode graph where one takes it): its logits rows.
+        Chunks with drafts are not advanced (``commit`` does, after verification); the others are."""
+        if self.graphs is not None and not self.keep_streams and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         extra = {} if batch.tables is None else {"tables": batch.tables}
+        if batch.draft_counts:
+            extra["advance"] = False
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
+        if batch.draft_counts:
+            for si, c in enumerate(batch.chunks):
+                if si not in batch.draft_counts:
+                    c.cache.advance(c.length)
+        if self.keep_streams:
+            batch.streams = out.streams
         return out.logits
+
+    @staticmethod
+    def commit(batch: StepBatch, si: int, num_tokens: int) -> None:
+        """A verified chunk keeps its first ``num_tokens`` tokens (its last token and the accepted drafts)."""
+        batch.chunks[si].cache.advance(num_tokens)

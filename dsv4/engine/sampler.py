@@ -113,12 +113,26 @@ class Sampler:
                mask: torch.Tensor | None = None) -> tuple[int, dict[int, Logprob] | None, float | None]:
         """Pick the next token of ``req`` from its logits row [V] (float32); ``mask``: the
         allowed-token bitmask of its grammar (int32 [ceil(V/32)]), if it has one."""
-        p = req.params
+        raw = self.checked(req, logits)
+        token = self.draw(req, self.target_logits(req, raw, mask))
+        lp, token_lp = self.logprobs(req, raw, token)
+        return token, lp, token_lp
+
+    @staticmethod
+    def checked(req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """The row as float32; a non-finite one fails the request, naming it."""
         raw = logits.float()
         if not torch.isfinite(raw).all():
             raise FloatingPointError(
                 f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
             )
+        return raw
+
+    def target_logits(self, req: Request, raw: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits the next token is drawn from: ``raw`` with the penalties, the min_tokens bans,
+        the logit bias and the grammar mask applied, then (when sampling) divided by the temperature
+        and filtered by top-k, min-p and top-p. Greedy takes its first argmax, sampling its softmax."""
+        p = req.params
         x = apply_penalties(raw.clone(), req)
         if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids may not end the output yet
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos])
@@ -134,18 +148,24 @@ class Sampler:
                     f"until then)"
                 )
         if p.greedy:
-            token = _first_argmax(x)
-        else:
-            x = filter_logits(x / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=req.generator or self.generator))
-        lp = None
-        token_lp = None
-        if p.logprobs is not None:
-            logprobs = torch.log_softmax(raw, dim=-1)
-            lp = top_logprobs(logprobs, token, p.logprobs, self.decode)
-            token_lp = float(logprobs[token])
-        return token, lp, token_lp
+            return x
+        return filter_logits(x / p.temperature, p.top_k, p.top_p, p.min_p)
+
+    def generator_of(self, req: Request) -> torch.Generator:
+        return req.generator or self.generator
+
+    def draw(self, req: Request, x: torch.Tensor) -> int:
+        """A token from ``target_logits``: the first argmax (greedy), else a seeded draw."""
+        if req.params.greedy:
+            return _first_argmax(x)
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.generator_of(req)))
+
+    def logprobs(self, req: Request, raw: torch.Tensor, token: int) -> tuple[dict[int, Logprob] | None, float | None]:
+        """The logprobs a request asked for, of the raw distribution."""
+        if req.params.logprobs is None:
+            return None, None
+        logprobs = torch.log_softmax(raw, dim=-1)
+        return top_logprobs(logprobs, token, req.params.logprobs, self.decode), float(logprobs[token])
 
     def prompt_logprobs(self, req: Request, logits: torch.Tensor) -> list:
         """Logprobs of prompt tokens 1.. given the logits of rows 0..n-2 (first entry None)."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .structured import StructuredOutputsParams
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+# what torch.Generator.manual_seed takes (negative seeds wrap around); the server's own range is the
+# narrower int64 one of vLLM and OpenAI, so that the engine's seed + i for n > 1 stays inside this one
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -74,6 +78,11 @@ class SamplingParams:
         def bad(name, value, rule):
             raise ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            # NaN passes every range check below (its comparisons are all false); inf passes the open ones
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad(name, v, "a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer ≥ 1")
         if self.temperature < 0:
@@ -104,8 +113,8 @@ class SamplingParams:
             bad("stop", self.stop, "a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", self.seed, "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", self.seed, "an integer in [-2**63, 2**64 - 1]")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", self.output_kind, f"one of {', '.join(OUTPUT_KINDS)}")
 

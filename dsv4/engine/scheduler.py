@@ -31,8 +31,12 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, recompute_last_hit_block: bool = False):
+        """``recompute_last_hit_block``: a prefix hit gives back its last block, recomputed (what a
+        speculative proposer needs: the target's streams at the hit's end, and its window entries
+        there, which depend on the token after the block, are not cached — vLLM does the same)."""
         self.kv = kv
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
         self.long_prefill = long_prefill_token_threshold  # 0: no cap
         self.waiting: deque[Request] = deque()
@@ -47,6 +51,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.kv.free(victim.alloc)
+        victim.drafts.truncate(0)
         # recompute restarts from token 0: prompt-logprob rows gathered so far would be gathered twice
         victim.prompt_logits = None
         victim.status = Status.WAITING
@@ -77,7 +82,10 @@ class Scheduler:
         running, try_allocate = self.running, self.kv.try_allocate  # (bound once: a pass per running request)
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.alloc.num_computed, budget, cap)
+            pending = req.num_tokens - req.alloc.num_computed
+            n = min(pending + len(req.drafts), budget, cap)  # a decode: its token and its drafts, verified
+            if req.drafts and n < pending + len(req.drafts):
+                req.drafts.truncate(max(0, n - pending))
             if n <= 0:
                 i += 1
                 continue
@@ -100,6 +108,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.alloc.blocks and req.params.prompt_logprobs is None:
                 hit = self.kv.match_prefix(req.all_token_ids, req.num_tokens - 1)
+                if self.recompute_last_hit_block:
+                    hit = hit[:-1]
                 if hit and self.kv.free_slots:
                     got = self.kv.apply_prefix(req.alloc, hit, req.all_token_ids)
                     self.kv.hits += got

@@ -32,6 +32,46 @@ def setting(default, help: str, *, choices=None, flag: str | None = None, aliase
     return field(default=default, metadata=meta)
 
 
+SPECULATIVE_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``speculative_config`` checked: vLLM's keys, of which dsv4 reads ``method`` and
+    ``num_speculative_tokens`` (the single MTP layer is reused for drafts past the first, as vLLM
+    does)."""
+
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            hint = " (DSpark drafting is not implemented)" if method == "dspark" else ""
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; got "
+                             f"{method!r}{hint}")
+        k = value.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}; got {k!r}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "model"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} (dsv4 reads "
+                             "method and num_speculative_tokens; the draft model is the checkpoint's MTP layer)")
+        return cls(method, k)
+
+
 @dataclass
 class EngineConfig:
     model: str = setting(None, "model directory (config.json + safetensors)", cli=False)
@@ -88,7 +128,8 @@ class EngineConfig:
     )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
     speculative_config: dict | None = setting(None, "speculative decoding, as vLLM's JSON: "
-                                              '\'{"method": "mtp", "num_speculative_tokens": 2}\'',
+                                              '\'{"method": "mtp", "num_speculative_tokens": 2}\' (the '
+                                              "checkpoint's MTP layer drafts 1-4 tokens a step)",
                                               cli_type=json.loads)
     warm_up: bool | None = setting(None, "run every step shape once at start, so that no kernel is built in a "
                                    "request's path (default: on a GPU)")
@@ -121,6 +162,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        SpeculativeConfig.parse(self.speculative_config)  # (validated here: a bad one fails before any load)
         if self.data_parallel_size > 1:
             self._check_data_parallel()
 
@@ -138,6 +180,9 @@ class EngineConfig:
                              "tensor parallelism inside a data-parallel rank is not implemented; use one of them")
         if self.nnodes > 1:
             raise ValueError(f"data_parallel_size={dp} with nnodes={self.nnodes}: data parallelism runs on one node")
+        if self.speculative_config is not None:  # (refused here, before any rank is spawned)
+            raise ValueError(f"data_parallel_size={dp} with speculative_config={self.speculative_config!r}: "
+                             "speculative decoding runs in a single process only")
 
     @classmethod
     def from_kwargs(cls, caller: str = "EngineConfig", **kwargs) -> "EngineConfig":
@@ -153,6 +198,10 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def parallel(self) -> bool:

@@ -119,6 +119,15 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
         self._tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_id
 
+    def warm(self) -> None:
+        """Build the vocabulary now (a server does this at start, off its request path); nothing
+        when llguidance or the tokenizer file is missing (the first request says why)."""
+        try:
+            _llguidance()
+            self._vocabulary()
+        except ValueError:
+            pass
+
     def _vocabulary(self):
         path = getattr(self._tokenizer, "path", None)
         if path is None:

@@ -170,28 +170,34 @@ class ReferenceModel:
             return ForwardOutput(self.logits_from_streams(rows), streams)
 
     # ---- MTP -----------------------------------------------------------------------------
-    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk],
-                    m: int = 0) -> torch.Tensor:
-        """Draft logits for token i+2 from target streams at row i and the token at i+1.
+    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0,
+                    logits_rows: torch.Tensor | None = None, tables=None) -> ForwardOutput:
+        """Draft logits for token i+2 from the streams at row i and the token at i+1.
 
-        ``chunks`` give the positions of the target rows and the MTP layer's own caches.
-        """
+        ``streams``: the target's pre-hc_head streams (or, for a further draft, this layer's own
+        output streams, re-fed as vLLM does); ``chunks`` give the rows' positions and the MTP layer's
+        window cache (written at those positions; the target's caches are not touched and no view
+        advances); ``logits_rows``: the rows whose logits are needed (None: all). Returns the logits
+        and the layer's output streams (for the next draft)."""
         cfg = self.cfg
         p = f"mtp.{m}"
         off = 0
         for c in chunks:
             c.offset, c.device = off, self.device
             off += c.length
-        pos = torch.cat([c.positions for c in chunks])
+        pos = tables.positions if tables is not None else torch.cat([c.positions for c in chunks])
         ops = self.ops
         e = ops.rms_norm(self._embed(next_ids), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
         e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
         h = ops.rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
         s = ops.linear(h, self.w[f"{p}.h_proj.weight"]) + ops.linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
         with shared_tables():
-            s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids)
+            s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids, tables)
+            rows = s if logits_rows is None else s[logits_rows]
             hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
-            return self.logits_from_streams(s, hc=hc, norm=self.w[f"{p}.norm.weight"])
+            if rows.shape[0] == 0:
+                return ForwardOutput(torch.empty(0, cfg.vocab_size, device=self.device), s)
+            return ForwardOutput(self.logits_from_streams(rows, hc=hc, norm=self.w[f"{p}.norm.weight"]), s)
 
     # ---- conveniences for tests and tools -------------------------------------------------
     @torch.no_grad()

@@ -3,7 +3,7 @@
 Triton builds a kernel the first time it is launched with a new specialization (constexpr values,
 argument dtypes, an integer's divisibility by 16): compiled from source, or loaded from its on-disk
 cache. ``install()`` chains a counter onto Triton's post-compile hook; the engine installs it at
-start, warms up, and reports the count (``dsv4:kernel_compiles_total``); after start-up the count must
+start, warms up, and reports the count (``dsv4:kernel_compiles``); after start-up the count must
 not move. Under ``TRITON_INTERPRET=1`` nothing is built and the count stays 0.
 
 The on-disk cache is ``dsv4.env.kernel_cache_dir()`` (``TRITON_CACHE_DIR``, else

@@ -17,6 +17,12 @@ Failure isolation, because one bad request must not hurt the others:
 * a dead engine (:class:`~dsv4.engine.errors.EngineDeadError`: a tensor-parallel rank died or timed
   out) fails every in-flight request, refuses new ones with a 503 and calls ``on_dead`` (the
   server then exits) — no step can run any more.
+
+Liveness: the loop beats after every step and every idle wait (a quarter second); ``stalled()`` says
+when it has not beaten for ``stall_timeout`` seconds (a step stuck in a collective of a stopped
+rank), and ``/health`` then answers 503. Shutdown: ``drain()`` refuses new requests and
+``fail_open_streams()`` ends the ones still open with an error, from the event loop, so it works
+even when the engine thread is stuck.
 """
 
 from __future__ import annotations
@@ -28,22 +34,25 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..engine.errors import EngineDeadError
 from ..engine.outputs import RequestOutput
+from ..engine.request import Status
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsv4.serve")
 
 
 class EngineRequestError(Exception):
-    """A request failed in (or was refused by) the engine; ``status`` is the HTTP status to send."""
+    """A request failed in (or was refused by) the engine; ``status`` is the HTTP status to send.
+    ``public``: the message is for the client as it is (a shutdown), not only for the log."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, public: bool = False):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.public = status, message, public
 
 
 _ABORTED = object()  # wakes a consumer whose stream was aborted
@@ -96,14 +105,22 @@ class RequestStream:
             self._owner.abort(self.request_id)
             self._queue.put_nowait(_ABORTED)
 
+    def fail(self, status: int, message: str, public: bool = False) -> None:
+        """End the stream with an error (on the handler's loop, without the engine thread) and drop the request."""
+        if not self.finished:
+            self._queue.put_nowait(EngineRequestError(status, message, public))
+            self._owner.abort(self.request_id)
+
 
 @dataclass
 class _Track:
-    """Engine-thread bookkeeping of one request for metrics."""
+    """Engine-thread bookkeeping of one request for metrics (monotonic times)."""
 
     arrival: float
+    prompt_len: int
+    scheduled: float | None = None  # the start of the step that first scheduled it
     first: float | None = None
-    prompt_counted: bool = False
+    last: float | None = None  # the latest output with new tokens
     generated: int = 0
 
 
@@ -122,23 +139,38 @@ class EngineStats:
 class AsyncEngine:
     """Runs an LLMEngine in one background thread and multiplexes many concurrent requests onto it."""
 
-    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None):
+    def __init__(self, engine, metrics=None, *, max_model_len: int | None = None, stats_log=None,
+                 stall_timeout: float = 0.0, log_prompts: bool = False, max_log_len: int | None = None):
+        """``stats_log``: a :class:`~dsv4.serve.metrics.StatsLog` (the periodic stats line), or None.
+        ``stall_timeout``: seconds without loop progress after which ``stalled()`` reports (0: never).
+        ``log_prompts``: log every request's prompt and parameters as it is added (vLLM's
+        ``--enable-log-requests``), the prompt cut to ``max_log_len`` characters or token ids."""
         self.engine = engine
         self.metrics = metrics
+        self.stats_log = stats_log
+        self.stall_timeout = stall_timeout
+        self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.stats = EngineStats()
         self.dead: str | None = None  # set if the loop itself died, or the engine did (EngineDeadError)
         self.on_dead: Callable[[], None] | None = None  # called once the engine is dead (serve: exit)
+        self.draining = False  # shutting down: new requests are refused
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._open: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # loop side: every unfinished stream
         self._tracks: dict[str, _Track] = {}
+        self._unscheduled: set[str] = set()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._beat = time.monotonic()
+        self._newly_scheduled = 0
+        self._counters = (0, 0, 0)  # the engine's prefix-cache queries, hits and preemptions at the last publish
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self._beat = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
             self._thread.start()
 
@@ -149,8 +181,49 @@ class AsyncEngine:
             self._thread = None
 
     @property
-    def alive(self) -> bool:
+    def running(self) -> bool:
+        """The loop runs and the engine is not dead (requests are accepted)."""
         return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    @property
+    def alive(self) -> bool:
+        """Running and making progress (what ``/health`` reports)."""
+        return self.running and self.stalled() is None
+
+    def stalled(self) -> str | None:
+        """Why the loop counts as stuck (no step or idle wait finished for ``stall_timeout`` s), or None."""
+        if not self.stall_timeout or self._thread is None:
+            return None
+        quiet = time.monotonic() - self._beat
+        if quiet <= self.stall_timeout:
+            return None
+        return (f"the engine has made no progress for {quiet:.0f} s with {len(self._streams)} request(s) in "
+                f"flight (--engine-stall-timeout {self.stall_timeout:g})")
+
+    def health(self) -> str | None:
+        """None when healthy, else what is wrong (for ``/health``'s 503)."""
+        if self.dead:
+            return "the engine stopped after a failure; see the server log"  # (its text may name hosts, paths)
+        if not self.running:
+            return "the engine is not running"
+        return self.stalled()
+
+    # ---- shutdown (event-loop side) -------------------------------------------------------------
+    def drain(self) -> None:
+        """Refuse new requests from now on (503); those in flight run on."""
+        self.draining = True
+
+    @property
+    def open_streams(self) -> int:
+        return sum(not s.finished for s in self._open)
+
+    def fail_open_streams(self, status: int, message: str) -> int:
+        """End every unfinished stream with an error the client sees as it is (a shutdown's) and abort its
+        request; returns how many."""
+        streams = [s for s in self._open if not s.finished]
+        for s in streams:
+            s.fail(status, message, public=True)
+        return len(streams)
 
     # ---- handler API (event-loop side) ----------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
@@ -159,10 +232,18 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
                     request_id: str | None = None) -> RequestStream:
         """Queue a request; the returned stream yields its outputs. Must be called on an event loop."""
-        if not self.alive:
+        if not self.running:
             raise EngineRequestError(503, f"the engine is not running{': ' + self.dead if self.dead else ''}")
+        if self.draining:
+            raise EngineRequestError(503, "the server is shutting down", public=True)
         rid = request_id or self.new_request_id()
+        if self.log_prompts:
+            n = self.max_log_len
+            log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid,
+                     prompt if prompt is None or n is None else prompt[:n], params,
+                     list(prompt_token_ids)[:n] if n is not None else list(prompt_token_ids))
         stream = RequestStream(rid, asyncio.get_running_loop(), self)
+        self._open.add(stream)
         self._cmds.put(("add", stream, prompt, list(prompt_token_ids), params))
         return stream
 
@@ -189,6 +270,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         log.debug("engine loop started")
+        self._counters = self._engine_counters()
         while True:
             try:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):
@@ -196,6 +278,10 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
+                self._beat = now = time.monotonic()
+                if self.stats_log is not None:
+                    s = self.stats
+                    self.stats_log.maybe_log(now, s.running, s.waiting, s.cache_usage)
             except EngineDeadError as e:  # a tensor-parallel rank is gone: nothing can run any more
                 self._engine_died(e)
                 break
@@ -204,7 +290,7 @@ class AsyncEngine:
                 for rid in list(self._streams):
                     self._fail(rid, 500, f"engine loop error: {type(e).__name__}: {e}")
         for rid in list(self._streams):
-            self._fail(rid, 503, "the server is shutting down")
+            self._fail(rid, 503, "the server is shutting down", public=True)
         log.debug("engine loop stopped")
 
     def _engine_died(self, e: EngineDeadError) -> None:
@@ -260,7 +346,8 @@ class AsyncEngine:
             stream._put(EngineRequestError(500, f"could not add the request: {type(e).__name__}: {e}"))
             return
         self._streams[stream.request_id] = stream
-        self._tracks[stream.request_id] = _Track(stream.arrival)
+        self._tracks[stream.request_id] = _Track(stream.arrival, len(ids))
+        self._unscheduled.add(stream.request_id)
 
     def _abort(self, rid: str) -> None:
         self._streams.pop(rid, None)
@@ -269,18 +356,19 @@ class AsyncEngine:
             self.stats.aborted += 1
             self._end_track(rid, "abort", time.monotonic())
 
-    def _fail(self, rid: str, status: int, message: str) -> None:
+    def _fail(self, rid: str, status: int, message: str, public: bool = False) -> None:
         try:
             self.engine.abort_request(rid)
         except Exception:  # noqa: BLE001 - the request is being dropped anyway
             log.exception("abort of failed request %s", rid)
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream._put(EngineRequestError(status, message))
+            stream._put(EngineRequestError(status, message, public))
         self.stats.failed += 1
         self._end_track(rid, "error", time.monotonic())
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
         except EngineDeadError:
@@ -292,6 +380,7 @@ class AsyncEngine:
             return
         self.stats.steps += 1
         now = time.monotonic()
+        self._mark_scheduled(start)
         for out in outputs:
             rid = out.request_id
             if out.error is not None:
@@ -306,35 +395,76 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
 
     # ---- metrics (engine thread) ----------------------------------------------------------------
+    def _mark_scheduled(self, step_start: float) -> None:
+        """Requests a step took out of the waiting queue: their queue time ends at the step's start."""
+        if not self._unscheduled:
+            return
+        requests, n = self.engine.requests, 0
+        for rid in list(self._unscheduled):
+            group = requests.get(rid)
+            if group is None or any(r.status is not Status.WAITING for r in group):
+                self._unscheduled.discard(rid)
+                t = self._tracks.get(rid)
+                if t is not None:
+                    t.scheduled = step_start
+                    n += 1
+        self._newly_scheduled = n
+
     def _track(self, out: RequestOutput, now: float) -> None:
         t = self._tracks.get(out.request_id)
         if t is None:
             return
         n = sum(len(o.token_ids) for o in out.outputs)
-        if self.metrics is not None:
-            self.metrics.tokens(0 if t.prompt_counted else len(out.prompt_token_ids), max(0, n - t.generated))
-        t.prompt_counted, t.generated = True, max(t.generated, n)
-        if t.first is None and n > 0:
-            t.first = now
+        new = max(0, n - t.generated)
+        if new:
+            prompt = t.prompt_len if t.first is None else 0  # counted once its prefill is done, as vLLM does
             if self.metrics is not None:
-                self.metrics.first_token(now - t.arrival)
+                self.metrics.tokens(prompt, new)
+                if t.first is None:
+                    self.metrics.first_token(now - t.arrival)
+                else:
+                    self.metrics.inter_token(now - t.last)
+            if self.stats_log is not None:
+                self.stats_log.tokens(prompt, new)
+            if t.first is None:
+                t.first = now
+                if t.scheduled is None:
+                    t.scheduled = t.arrival
+                    self._unscheduled.discard(out.request_id)
+            t.last, t.generated = now, n
         if out.finished:
-            longest = max((len(o.token_ids) for o in out.outputs), default=0)
-            self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now, longest)
+            self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now)
 
-    def _end_track(self, rid: str, reason: str, now: float, n_tokens: int = 0) -> None:
+    def _end_track(self, rid: str, reason: str, now: float) -> None:
         t = self._tracks.pop(rid, None)
+        self._unscheduled.discard(rid)
         if t is None or self.metrics is None:
             return
-        tpot = (now - t.first) / (n_tokens - 1) if t.first is not None and n_tokens > 1 else None
-        self.metrics.finished(reason, now - t.arrival, tpot)
+        ran = t.scheduled is not None
+        self.metrics.finished(
+            reason, e2e=now - t.arrival, prompt_tokens=t.prompt_len, generation_tokens=t.generated,
+            queue=t.scheduled - t.arrival if ran else None,
+            prefill=((t.first if t.first is not None else now) - t.scheduled) if ran else None,
+            decode=(now - t.first) if t.first is not None else None)
+
+    def _engine_counters(self) -> tuple[int, int, int]:
+        kv, sched = self.engine.kv, self.engine.scheduler
+        return kv.queries, kv.hits, sched.num_preemptions
 
     def _publish(self) -> None:
         try:
             sched = self.engine.scheduler
             s = self.stats
             s.waiting, s.running, s.cache_usage = len(sched.waiting), len(sched.running), self.engine.kv.usage()
+            current = self._engine_counters()
+            # a counter that went down was reset (a warm-up): count from zero
+            delta = [c - p if c >= p else c for c, p in zip(current, self._counters)]
+            self._counters = current
+            if self.stats_log is not None:
+                self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
+            self._newly_scheduled = 0
             if self.metrics is not None:
                 self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage)
+                self.metrics.engine_counters(*delta)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

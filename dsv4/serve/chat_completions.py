@@ -35,6 +35,7 @@ from .serving import (
     finite,
     log_info,
     new_id,
+    off_loop,
     sampling_params,
     sse,
     sse_error,
@@ -186,7 +187,9 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = render_chat(
+    prompt = await off_loop(
+        request,
+        render_chat,
         state,
         req.messages,
         tools=req.tools,

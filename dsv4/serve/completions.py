@@ -22,6 +22,7 @@ from .serving import (
     finite,
     log_info,
     new_id,
+    off_loop,
     sampling_params,
     sse,
     sse_error,
@@ -35,13 +36,13 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
     p = req.prompt
     tok = state.tokenizer
     if isinstance(p, str):
-        items = [(p, tok.encode(p, add_special_tokens=req.add_special_tokens))]
+        items = [(p, tok.encode(p, req.add_special_tokens))]
     elif not p:
         raise bad_request("prompt: must not be empty", param="prompt")
     elif isinstance(p[0], int):
         items = [(None, list(p))]
     elif isinstance(p[0], str):
-        items = [(s, tok.encode(s, add_special_tokens=req.add_special_tokens)) for s in p]
+        items = [(s, tok.encode(s, req.add_special_tokens)) for s in p]
     else:
         items = [(None, list(ids)) for ids in p]
     for i, (_, ids) in enumerate(items):
@@ -85,7 +86,7 @@ async def create_completion(request: Request, state: ServerState, req: Completio
     if req.max_tokens is not None and req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens: must be at least 1 (0 is only allowed with echo)", param="max_tokens")
     echo_only = req.echo and req.max_tokens == 0
-    prompts = _prompts(state, req)
+    prompts = await off_loop(request, _prompts, state, req)
     want_lp = req.logprobs is not None
     subs = []
     for i, (text, ids) in enumerate(prompts):

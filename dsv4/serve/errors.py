@@ -1,13 +1,15 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the matching status.
 
 Every failure a client can cause is raised as :class:`APIError` (or converted into one here), so
-that handlers never leak a traceback and a bad request can never take the server down.
+that handlers never leak a traceback and a bad request can never take the server down. A 5xx
+body says only which request failed (:func:`internal_error`); what failed goes to the server log.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +26,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None):
+        # a lone surrogate taken from the request (JSON's \ud800 escape) would make the body unencodable
+        message, param = _encodable(message), _encodable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -35,8 +39,41 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def _encodable(text: str | None) -> str | None:
+    return text if text is None or text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def request_id(request) -> str:
+    """The request's id as the request log prints it (the response id once a handler set one)."""
+    info = request.scope.setdefault("state", {}).setdefault("dsv4_log", {})
+    return info.setdefault("id", f"req-{uuid.uuid4().hex}")
+
+
+def internal_error(status: int, detail: str, rid: str | None, *, exc_info=None) -> APIError:
+    """The 5xx a client gets: which request failed, and that the log says why.
+
+    ``detail`` (exception text: library source paths, peer addresses, pieces of other requests'
+    state) is for the operator, so it is logged with the id instead of sent.
+    """
+    rid = rid or f"req-{uuid.uuid4().hex}"
+    log.error("request %s failed with status %d: %s", rid, status, detail, exc_info=exc_info)
+    if status == 503:
+        return APIError(status, f"service unavailable: request {rid} could not be run; see the server log")
+    return APIError(status, f"internal error while running request {rid}; see the server log")
+
+
+def client_error(e, rid: str | None) -> APIError:
+    """An EngineRequestError or APIError as the client may see it: a 4xx (or a public 5xx: a shutdown) as
+    is, any other 5xx by :func:`internal_error`."""
+    if e.status >= 500 and not getattr(e, "public", False):
+        return internal_error(e.status, e.message, rid)
+    if isinstance(e, APIError):
+        return e
+    return APIError(e.status, e.message)
 
 
 def from_value_error(e: ValueError) -> APIError:
@@ -47,7 +84,8 @@ def from_value_error(e: ValueError) -> APIError:
     return bad_request(msg, param=m.group(1) if m else None)
 
 
-def _loc(loc) -> str:
+def field_path(loc) -> str:
+    """``("messages", 0, "content")`` → ``messages[0].content``."""
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -66,7 +104,7 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
         loc = [p for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
             p in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "function-after")
             or p.startswith(("list[", "literal[", "dict[")) or p[:1].isupper()))]
-        path = _loc(loc) or "body"
+        path = field_path(loc) or "body"
         first = first or path
         parts.append(f"{path}: {err.get('msg', 'invalid value')}")
     more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
@@ -83,8 +121,8 @@ def install_handlers(app) -> None:
         return e.response()
 
     @app.exception_handler(EngineRequestError)
-    async def _engine(_req: Request, e: EngineRequestError):
-        return APIError(e.status, e.message).response()
+    async def _engine(req: Request, e: EngineRequestError):
+        return client_error(e, request_id(req)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError):
@@ -96,5 +134,9 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(Exception)
     async def _unhandled(req: Request, e: Exception):
-        log.exception("unhandled error on %s", req.url.path)
-        return APIError(500, f"internal server error: {type(e).__name__}: {e}").response()
+        detail = f"unhandled error on {req.url.path}: {type(e).__name__}: {e}"
+        response = internal_error(500, detail, request_id(req), exc_info=e).response()
+        # Starlette re-raises after this response and uvicorn then drops the connection: say so, or a
+        # client reusing it for its next request gets a reset
+        response.headers["Connection"] = "close"
+        return response

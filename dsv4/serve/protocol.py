@@ -2,20 +2,41 @@
 
 Field names, defaults and extensions follow vLLM's server so that existing clients and scripts
 work unchanged. Unknown fields are ignored (as vLLM and OpenAI do); wrong types fail validation
-and become a 400 whose message names the field (see :mod:`dsv4.serve.errors`).
+and become a 400 whose message names the field (see :mod:`dsv4.serve.errors`). Float fields
+refuse NaN and ±inf (JSON's ``NaN`` literal, ``"NaN"``, ``1e400``): the sampler cannot use them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
+from typing_extensions import Required, TypedDict
 
 from ..engine.sampling_params import SamplingParams
 
+# vLLM's VLLM_MAX_N_SEQUENCES default: one request cannot fan out into more sequences than this
+MAX_N = 16384
+# torch.long, as vLLM and OpenAI bound ``seed``
+SEED_RANGE = (-(2**63), 2**63 - 1)
+# what dsv4.chat.map_reasoning_effort understands (it compares case-insensitively, so does this);
+# OpenAI's values plus DeepSeek's "max"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _check_effort(value: str) -> str:
+    if value.strip().lower() not in REASONING_EFFORTS:
+        raise PydanticCustomError("reasoning_effort", "Input should be one of {allowed}, got {got}",
+                                  {"allowed": ", ".join(REASONING_EFFORTS), "got": repr(value)})
+    return value
+
+
+ReasoningEffort = Annotated[str, AfterValidator(_check_effort)]
 
 
 class StreamOptions(_Model):
@@ -27,12 +48,12 @@ class _SamplingFields(_Model):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -70,7 +91,29 @@ class _SamplingFields(_Model):
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+def _prompt_kind(value: Any) -> str | None:
+    """The union member a prompt is meant to be, from its first element.
+
+    Trying the members in turn would validate a 4-million-id prompt once per member (seconds,
+    holding the GIL); the first element decides, and the errors then name the bad element.
+    """
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    if isinstance(first, str):
+        return "list[str]"
+    return "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+PromptType = Annotated[
+    Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")], Annotated[list[int], Tag("list[int]")],
+          Annotated[list[list[int]], Tag("list[list[int]]")]],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="Input should be a string, a list of strings, a list of token ids or a list "
+                                       "of token-id lists"),
+]
 
 
 class CompletionRequest(_SamplingFields):
@@ -101,7 +144,8 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message. Extra keys (``task``, ``wo_eos``, ``response_format`` …) pass through to the encoder."""
+    """One message. Extra keys (``task``, ``wo_eos``, ``response_format`` …) pass through to the encoder;
+    those it uses without checking their type are typed here, so that a wrong one is a 400."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "developer", "assistant", "tool", "latest_reminder"]
@@ -111,6 +155,9 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    task: str | None = None
+    wo_eos: bool | None = None
 
 
 class FunctionDefinition(_Model):
@@ -138,7 +185,14 @@ class ChatTemplateKwargs(BaseModel):
     model_config = ConfigDict(extra="allow")
     thinking: bool | None = None
     enable_thinking: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+
+class ResponseFormat(TypedDict, total=False):
+    """Only ``type`` is checked here; the rest (``json_schema`` …) passes through to the encoder."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")
+    type: Required[Literal["text", "json_object", "json_schema"]]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -151,8 +205,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    reasoning_effort: str | None = None
-    response_format: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    response_format: ResponseFormat | None = None
 
 
 # ---- /tokenize, /detokenize --------------------------------------------------------------------

@@ -7,8 +7,10 @@ engine requests and how outputs map back to its response shape.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,8 +21,13 @@ from starlette.responses import StreamingResponse
 
 from ..engine.sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineRequestError, RequestStream
-from .errors import APIError, bad_request, from_value_error
+from .errors import APIError, bad_request, client_error, from_value_error, internal_error
 from .metrics import ServerMetrics
+
+MAX_BODY_BYTES = 32 << 20
+# a body this large is parsed, tokenized and detokenized on a worker thread: tokenizing megabytes
+# takes seconds, and on the event loop that would stall every other client, /health included
+OFF_LOOP_BYTES = 64 << 10
 
 
 @dataclass
@@ -36,6 +43,7 @@ class ServerState:
     effort_version: str = "0423"
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -51,6 +59,8 @@ class ServerState:
     def check_prompt(self, ids: list[int], field_name: str) -> None:
         if not ids:
             raise bad_request(f"{field_name}: the prompt is empty (0 tokens)", param=field_name)
+        if 0 <= min(ids) and max(ids) < self.vocab_size:  # C loops: a million ids in milliseconds
+            return
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"{field_name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
@@ -90,6 +100,21 @@ def sampling_params(build, rename: dict[str, str] | None = None) -> SamplingPara
         raise bad_request(f"invalid sampling parameters: {e}") from None
 
 
+def body_bytes(request: Request) -> int:
+    """Size of the request's body, as :func:`dsv4.serve.openai_api.parse_body` read it."""
+    return request.scope.get("state", {}).get("dsv4_body_bytes", 0)
+
+
+async def off_loop(request: Request, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``: on a worker thread for a large request, inline for a small one.
+
+    Small requests stay inline so that they never wait behind large ones for a pool thread.
+    """
+    if body_bytes(request) >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def check_stream_options(req) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", param="stream_options")
@@ -118,9 +143,20 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+# the id of the request whose SSE stream is being sent, for its in-band error (set by start_stream;
+# the stream's body runs in the task, or a child of the task, that called it)
+_stream_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv4_stream_request_id",
+                                                                                 default=None)
+
+
 def sse_error(e: EngineRequestError | APIError) -> str:
-    status = e.status
-    return sse(APIError(status, e.message).body())
+    """The in-band error event of a stream that has started; a 5xx's detail goes to the log only (a public
+    one, a shutdown, is sent as it is)."""
+    if e.status >= 500 and not getattr(e, "public", False):
+        # called in the handler's except block: a handler bug's traceback is worth logging, an engine error's is not
+        exc_info = not isinstance(e, EngineRequestError) and sys.exc_info()[1] is not None
+        return sse(internal_error(e.status, e.message, _stream_request_id.get(), exc_info=exc_info).body())
+    return sse(APIError(e.status, e.message).body())
 
 
 def log_info(request: Request) -> dict:
@@ -174,7 +210,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list:
     try:
         return await or_disconnect(request, asyncio.gather(*tasks))
     except EngineRequestError as e:
-        raise APIError(e.status, e.message) from None
+        raise client_error(e, log_info(request).get("id")) from None
     finally:
         for s in streams:
             s.abort()
@@ -242,13 +278,15 @@ async def start_stream(request: Request, streams: list[RequestStream]):
 
     Returns ``(first, iterator)`` where ``first`` is the first (index, output) pair.
     """
+    rid = log_info(request).get("id")
+    _stream_request_id.set(rid)
     it = merged(streams).__aiter__()
     try:
         first = await or_disconnect(request, it.__anext__())
     except EngineRequestError as e:
         for s in streams:
             s.abort()
-        raise APIError(e.status, e.message) from None
+        raise client_error(e, rid) from None
     except BaseException:
         for s in streams:
             s.abort()

@@ -19,6 +19,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.allow_abbrev = False  # --tokenizer must never be taken for another flag's prefix
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root (default: loopback port 8000); requests go only to this URL")
     p.add_argument("--host", default=None, help="with --port: http://HOST:PORT (ignored when --base-url is given)")

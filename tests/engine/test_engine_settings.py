@@ -38,6 +38,8 @@ def test_a_bad_value_names_the_setting(field, value, needle):
     ({"enable_expert_parallel": True, "tensor_parallel_size": 2},
      "data_parallel_size=2 with tensor_parallel_size=2: tensor parallelism inside a data-parallel rank"),
     ({"enable_expert_parallel": True, "nnodes": 2}, "data_parallel_size=2 with nnodes=2"),
+    ({"enable_expert_parallel": True, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+     "data_parallel_size=2 with speculative_config=.*single process only"),
 ])
 def test_data_parallel_layouts_that_are_not_implemented_are_refused_by_name(extra, needle):
     with pytest.raises(ValueError, match=needle):

@@ -436,7 +436,7 @@ def test_mtp_forward_from_target_streams(tiny_model_auto):
     model, T = tiny_model_auto, 136
     ids = torch.randint(2, 129280, (T + 1,), generator=torch.Generator().manual_seed(23))
     out = model.forward(ids[:T], [SeqChunk(model.new_cache(), 0, T)])
-    logits = model.mtp_forward(ids[1:], out.streams, [SeqChunk(model.new_cache(), 0, T)])
+    logits = model.mtp_forward(ids[1:], out.streams, [SeqChunk(model.new_cache(), 0, T)]).logits
     assert logits.shape == (T, model.cfg.vocab_size) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
     draft = logits.argmax(-1)
@@ -444,8 +444,8 @@ def test_mtp_forward_from_target_streams(tiny_model_auto):
     assert not torch.allclose(logits, out.logits)  # its own block and head, not the target's
     # the MTP layer keeps its own sliding-window cache: chunked == whole, bitwise
     cache = model.new_cache()
-    a = model.mtp_forward(ids[1:101], out.streams[:100], [SeqChunk(cache, 0, 100)])
-    b = model.mtp_forward(ids[101:], out.streams[100:], [SeqChunk(cache, 100, T - 100)])
+    a = model.mtp_forward(ids[1:101], out.streams[:100], [SeqChunk(cache, 0, 100)]).logits
+    b = model.mtp_forward(ids[101:], out.streams[100:], [SeqChunk(cache, 100, T - 100)]).logits
     assert torch.equal(torch.cat([a, b]), logits)
 
 

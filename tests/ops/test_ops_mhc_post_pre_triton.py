@@ -201,7 +201,7 @@ def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny
         with torch.no_grad():
             out = model.forward(ids, [SeqChunk(model.new_cache(), 0, len(ids))],
                                 hook=lambda n, t: seen.append((n, t.clone())))
-            mtp = model.mtp_forward(ids[1:], out.streams[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+            mtp = model.mtp_forward(ids[1:], out.streams[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)]).logits
         runs[name] = (out.logits, out.streams, seen, mtp)
     assert len(calls) == 2 * model.cfg.num_hidden_layers - 1 + 1
     (la, sa, ha, ma), (lb, sb, hb, mb) = runs["pair"], runs["fused"]

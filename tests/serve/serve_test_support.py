@@ -13,6 +13,11 @@ parser → SSE), the real LLMEngine runs with
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -30,6 +35,14 @@ def make_engine(model_dir, backend, **kw):
     cfg = dict(model=str(model_dir), kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg), model=backend)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``, in a /metrics page (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 class ServerThread:
@@ -80,6 +93,51 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``dsv4 serve ARGS`` in a subprocess on a free loopback port (its own session), output in ``log_path``."""
+
+    def __init__(self, log_path, *args: str, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", "--port", str(self.port), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 150.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsv4 serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"dsv4 serve did not become ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def close(self) -> None:
+        """Kill whatever is left (the tests end the server themselves)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self._log.close()
 
 
 class ScriptedBackend:

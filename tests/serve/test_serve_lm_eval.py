@@ -17,6 +17,7 @@ import sys
 
 import httpx
 import pytest
+from serve_test_support import metric
 
 for _dep in ("fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_dep)
@@ -119,10 +120,5 @@ def test_lm_eval_local_completions(real_server, tiny_ckpt, tmp_path):
     assert "exact_match,none" in results["tiny_gen"]
     # every request came through the server: 8 loglikelihood choices + 2 generations
     metrics = httpx.get(real_server.url + "/metrics").text
-    line = next(
-        ln
-        for ln in metrics.splitlines()
-        if ln.startswith('dsv4:http_requests_total{endpoint="/v1/completions",status="200"}')
-    )
-    assert float(line.split()[-1]) == 10
+    assert metric(metrics, "http_requests_total", handler="/v1/completions", status="2xx") == 10
     assert real_server.on_engine(lambda e: e.kv.leaks()) == []

@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+from serve_test_support import metric
 
 for _dep in ("fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_dep)
@@ -153,12 +154,24 @@ def test_tokenize_detokenize_roundtrip(real_server):
 
 
 def test_metrics_exposed(real_server):
+    """vLLM's names, labels and types, so that its dashboards work unchanged."""
     # its own request: under xdist this module's other tests may run in the other worker's server
     body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 2, "temperature": 0}
     assert httpx.post(real_server.url + "/v1/completions", json=body, timeout=300).status_code == 200
     text = httpx.get(real_server.url + "/metrics").text
-    for name in ("dsv4:http_requests_total", "dsv4:prompt_tokens_total", "dsv4:generation_tokens_total",
-                 "dsv4:num_requests_waiting", "dsv4:num_requests_running", "dsv4:kv_cache_usage_perc",
-                 "dsv4:time_to_first_token_seconds_bucket", "dsv4:time_per_output_token_seconds_bucket"):
-        assert name in text, name
-    assert 'dsv4:http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_waiting",
+                 "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket", "dsv4:kernel_compiles", "http_requests_total"):
+        assert name + "{" in text or name + " " in text, name
+    assert "dsv4:http" not in text and "dsv4:prompt" not in text
+    assert metric(text, "http_requests_total", handler="/v1/completions", method="POST", status="2xx") >= 1
+    assert metric(text, "vllm:generation_tokens_total", model_name="tiny", engine="0") >= 2
+    assert metric(text, "vllm:request_generation_tokens_count", model_name="tiny") >= 1
+    assert metric(text, "vllm:request_queue_time_seconds_count", model_name="tiny") >= 1
+    assert metric(text, "vllm:inter_token_latency_seconds_count", model_name="tiny") >= 1
+    assert metric(text, "vllm:prefix_cache_queries_total", model_name="tiny") >= 3  # tokens, not requests
+    assert metric(text, "http_requests_total", handler="/metrics") == 0  # scrapes and probes are not counted

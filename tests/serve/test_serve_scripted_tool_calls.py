@@ -9,6 +9,8 @@ also has an API key, and is where engine faults are injected.
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import httpx
 import pytest
@@ -58,6 +60,14 @@ def client(scripted):
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def assert_logged_not_sent(caplog, message: str, detail: str) -> str:
+    """A 5xx body names its request only; the server log has the detail under that request's id (returned)."""
+    m = re.fullmatch(r"internal error while running request (\S+); see the server log", message)
+    assert m is not None and detail not in message, message
+    assert any(m.group(1) in r.getMessage() and detail in r.getMessage() for r in caplog.records), caplog.text
+    return m.group(1)
 
 
 def test_tool_call_round_trip(scripted, client):
@@ -152,9 +162,11 @@ def test_api_key_required(scripted):
     assert ok.status_code == 200
 
 
-def test_sampling_failure_fails_only_that_request(scripted, client):
+def test_sampling_failure_fails_only_that_request(scripted, client, caplog):
     """An exception while sampling one request: that request gets a 500, its neighbour is unaffected."""
     import concurrent.futures
+
+    caplog.set_level(logging.ERROR, logger="dsv4.serve")
 
     def ask(content):
         return httpx.post(scripted.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -163,18 +175,21 @@ def test_sampling_failure_fails_only_that_request(scripted, client):
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         bad, good = pool.map(ask, ["POISON pill", "What is 2+2?"])
-    assert bad.status_code == 500 and "scripted sampling failure" in bad.json()["error"]["message"]
+    assert bad.status_code == 500
+    assert_logged_not_sent(caplog, bad.json()["error"]["message"], "scripted sampling failure")
     assert bad.json()["error"]["type"] == "server_error"
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"].startswith("The answer is 4.")
     scripted.wait_idle()
     assert scripted.on_engine(lambda e: e.kv.leaks()) == []
 
 
-def test_step_failure_fails_the_step_and_keeps_serving(scripted, client):
+def test_step_failure_fails_the_step_and_keeps_serving(scripted, client, caplog):
     """An exception in the forward (not attributable to one request) fails that step's requests only."""
+    caplog.set_level(logging.ERROR, logger="dsv4.serve")
     scripted.engine.model.fail_in(1, RuntimeError("simulated device error"))
-    with pytest.raises(openai.InternalServerError, match="simulated device error"):
+    with pytest.raises(openai.InternalServerError) as failed:
         client.chat.completions.create(model="alias", messages=ASK, max_tokens=10)
+    assert_logged_not_sent(caplog, failed.value.body["message"], "simulated device error")
     # a streaming request after the fault works, and so does the engine's bookkeeping
     stream = client.chat.completions.create(model="alias", messages=ASK, tools=TOOLS, max_tokens=200, stream=True)
     assert any(c.choices and c.choices[0].finish_reason == "tool_calls" for c in stream)
@@ -183,8 +198,9 @@ def test_step_failure_fails_the_step_and_keeps_serving(scripted, client):
     assert httpx.get(scripted.url + "/health").status_code == 200
 
 
-def test_step_failure_mid_stream_is_reported_in_band(scripted):
+def test_step_failure_mid_stream_is_reported_in_band(scripted, caplog):
     """A failure after the stream started arrives as an SSE error event, then [DONE]."""
+    caplog.set_level(logging.ERROR, logger="dsv4.serve")
     scripted.wait_idle()
     backend = scripted.engine.model
     failed_before = scripted.async_engine.stats.failed
@@ -209,7 +225,7 @@ def test_step_failure_mid_stream_is_reported_in_band(scripted):
         backend.delay = 0.01
     assert payloads[-1] == "[DONE]", payloads
     assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "late failure" in payloads[-2]["error"]["message"], payloads
+    assert assert_logged_not_sent(caplog, payloads[-2]["error"]["message"], "late failure") == payloads[0]["id"]
     assert payloads[-2]["error"]["type"] == "server_error"
     assert not any(p.get("choices") and p["choices"][0]["finish_reason"] for p in payloads[:-1])
     scripted.wait_idle()

@@ -1,0 +1,211 @@
+"""Speculative decoding: a proposer drafts tokens, the target verifies them all in one forward.
+
+A step with speculation:
+
+1. the scheduler gives a decoding request its last sampled token and its drafts (``Request.drafts``)
+   as one chunk, like a prefill chunk: the target computes logits at every row of it in one forward
+   over the paged caches;
+2. ``verify`` walks the rows in order, appending each draft the target accepts, then one token of
+   the target's own (the replacement of the first rejected draft, or the bonus after the last) —
+   greedy: a draft is accepted when it is the target's pick, so the output is the one without
+   speculation; sampling: the standard rejection rule (accept with probability min(1, p/q), else
+   draw from the normalized max(0, p − q)), so the output follows the target's distribution;
+3. the request's cache keeps the accepted tokens only (``PagedSequenceView.advance`` with their
+   count: the rejected tokens' writes lie past it, unread until overwritten);
+4. the proposer sees every row of the step that stays in the cache (prefill rows too: the MTP
+   layer keeps its own window cache of them) and drafts the next tokens.
+
+A proposer is anything with ``propose(rows, streams)`` (``Proposer``): ``MTPProposer`` runs the
+checkpoint's MTP layer on the target's pre-hc_head streams, reusing the one layer for every draft
+past the first as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..cache.tables import StepTables
+from ..model.attention import SeqChunk
+from .request import Drafts, Request
+from .sampler import Sampler, _first_argmax, filter_logits, greedy_picks
+from .structured import bitmask_rows
+
+
+@dataclass
+class StepRows:
+    """What a proposer sees of one scheduled chunk after verification: its rows ``chunk.offset ..
+    + num_valid`` are in the cache (positions ``chunk.start ..``), and ``num_drafts`` tokens are
+    wanted after them (0: the rows only feed the proposer's own caches)."""
+
+    req: Request
+    chunk: SeqChunk
+    num_valid: int
+    num_drafts: int
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+
+    def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
+        """Set ``req.drafts`` of every row that wants drafts; ``streams``: the step's pre-hc_head
+        streams [T, hc, H] (all rows)."""
+
+
+@dataclass
+class SpecStats:
+    """Counters with vLLM's meaning: a draft is one request's proposal for one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify step: 1 + accepted drafts per draft (vLLM's mean acceptance length)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, vocab_size: int,
+           stats: SpecStats | None = None) -> int:
+    """Append the tokens the target gives ``req`` from its verify rows (``rows`` [1 + d, V] on the
+    host: the logits after its last token and after each of its d drafts); returns how many of the
+    chunk's tokens stay in the cache (1 + the accepted drafts).
+
+    Each row is processed with the request as it is after the tokens before it (penalties, min_tokens,
+    the grammar's mask and its stop checks see exactly what they would without speculation)."""
+    d = len(drafts)
+    accepted = 0
+    try:
+        for j in range(d + 1):
+            raw = sampler.checked(req, rows[j])
+            mask = bitmask_rows([req.guide], vocab_size)[0] if req.guide is not None else None
+            x = sampler.target_logits(req, raw, mask)
+            if j == d:  # every draft accepted: the bonus token
+                token = sampler.draw(req, x)
+            else:
+                draft = drafts.tokens[j]
+                token = _judge(sampler, req, x, draft, None if drafts.probs is None else drafts.probs[j])
+                accepted += token == draft
+            req.append_token(token, *sampler.logprobs(req, raw, token))
+            if req.finished or j == d or token != drafts.tokens[j]:
+                return j + 1
+        raise AssertionError("unreachable")
+    finally:
+        if stats is not None:
+            stats.record(d, accepted)
+
+
+def _judge(sampler: Sampler, req: Request, x: torch.Tensor, draft: int, q: torch.Tensor | None) -> int:
+    """The token at a draft's place: the draft if accepted, else the target's replacement."""
+    if req.params.greedy:
+        return _first_argmax(x)  # (the draft exactly when it is the target's pick)
+    p = torch.softmax(x, dim=-1)
+    gen = sampler.generator_of(req)
+    u = float(torch.rand(1, generator=gen))
+    if u * float(q[draft]) <= float(p[draft]):
+        return draft
+    residual = (p - q).clamp(min=0)
+    if float(residual.sum()) <= 0.0:  # p ≤ q everywhere: p = q, and the draft would have been accepted
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=gen))
+
+
+def draft_pick(sampler: Sampler, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """A draft token from the proposer's logits row (host, float32): greedy its first argmax; else
+    a draw from q = its distribution at the request's temperature, top-k, top-p and min-p."""
+    p = req.params
+    if p.greedy:
+        return _first_argmax(logits), None
+    q = torch.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)
+    return int(torch.multinomial(q, 1, generator=sampler.generator_of(req))), q
+
+
+class MTPProposer:
+    """Drafts from the checkpoint's MTP layer (``ReferenceModel.mtp_forward``).
+
+    Draft 1 of a request comes from its last valid row: the target's streams there and the token
+    just appended. Every valid row of the step also goes through the layer (its window KV at that
+    row's position, from the row's streams and the next token), so the layer's cache holds every
+    position of the sequence as a run without rejections would. Drafts 2..k re-feed the layer's own
+    output streams with the previous draft at the next position; those window entries are
+    provisional and are rewritten from the target's streams once the position is verified."""
+
+    def __init__(self, model, kv, sampler: Sampler, num_speculative_tokens: int, paged_attention: bool):
+        self.model, self.kv, self.sampler = model, kv, sampler
+        self.num_speculative_tokens = num_speculative_tokens
+        self.paged = paged_attention
+        self.device = model.device
+
+    def _forward(self, next_ids: list[int], streams: torch.Tensor, chunks: list[SeqChunk], allocs,
+                 logits_rows: list[int]):
+        ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        tables = StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
+        with torch.no_grad():
+            return self.model.mtp_forward(ids, streams, chunks, logits_rows=rows, tables=tables)
+
+    def _picks(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Each request's draft from its logits row: greedy rows picked on the device in one batch."""
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        picked = greedy_picks(logits, greedy)
+        rest = [i for i in range(len(reqs)) if i not in picked]
+        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+        return [(picked[i], None) if i in picked else draft_pick(self.sampler, r, host[i]) for i, r in enumerate(reqs)]
+
+    def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
+        view = self.kv.view
+        chunks, allocs, ids, src, want, last = [], [], [], [], [], []
+        off = 0
+        for r in rows:
+            req, c, n = r.req, r.chunk, r.num_valid
+            if n <= 0:
+                continue
+            chunks.append(SeqChunk(view(req.alloc), c.start, n))
+            allocs.append(req.alloc)
+            ids.extend(req.token_slice(c.start + 1, c.start + n + 1))
+            src.extend(range(c.offset, c.offset + n))
+            if r.num_drafts:
+                want.append(r)
+                last.append(off + n - 1)
+            off += n
+        if not chunks:
+            return
+        index = torch.tensor(src, dtype=torch.long, device=streams.device)
+        out = self._forward(ids, streams[index], chunks, allocs, last)
+        if not want:
+            return
+        drafts = [Drafts([], None if r.req.params.greedy else []) for r in want]
+        active = list(range(len(want)))  # the requests still drafting; ``s`` and ``logits`` rows follow it
+        s, logits = out.streams[torch.tensor(last, dtype=torch.long, device=streams.device)], out.logits
+        for step in range(self.num_speculative_tokens):
+            for i, (tok, q) in zip(active, self._picks([want[i].req for i in active], logits)):
+                drafts[i].tokens.append(tok)
+                if drafts[i].probs is not None:
+                    drafts[i].probs.append(q)
+            keep = [j for j, i in enumerate(active) if want[i].num_drafts > step + 1]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            # draft step+2 of each: the previous draft at the next position, the layer's own streams
+            chunks = [SeqChunk(view(want[i].req.alloc), want[i].chunk.start + want[i].num_valid + step, 1)
+                      for i in active]
+            out = self._forward([drafts[i].tokens[-1] for i in active], s[keep], chunks,
+                                [want[i].req.alloc for i in active], list(range(len(active))))
+            s, logits = out.streams, out.logits
+        for r, d in zip(want, drafts):
+            r.req.drafts = d

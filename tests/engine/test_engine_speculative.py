@@ -1,0 +1,291 @@
+"""MTP speculative decoding: greedy output identical to decoding without it, caches rolled back exactly.
+
+The tiny checkpoint's MTP layer is random, so its drafts are almost never accepted. To drive
+acceptance and rejection at every draft position, most tests wrap the MTP proposer (which still
+runs, so its own cache is checked) and replace its drafts by the continuation a run without
+speculation produced, with one wrong token at a rotating position.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
+
+from dsv4.engine.request import Drafts
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.speculative import SpecStats
+from dsv4.engine.structured import StructuredOutputsParams
+from dsv4.model.attention import SeqChunk
+from dsv4.model.cache import DenseSequenceCache
+
+# decoding from these lengths crosses the 64-token SWA page, the 128-token window / HCA ratio, the
+# 256-token block, and ratio-4 groups everywhere
+LENGTHS = (58, 122, 250, 9)
+NEW = 16
+
+
+def mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+class ScriptedDrafts:
+    """Drafts = the known continuation with draft ``calls % (k + 1)`` wrong (k + 1: all right)."""
+
+    def __init__(self, inner, truth: dict[str, list[int]], vocab: int):
+        self.inner, self.truth, self.vocab = inner, truth, vocab
+        self.num_speculative_tokens = inner.num_speculative_tokens
+        self.calls: dict[str, int] = {}
+
+    def propose(self, rows, streams):
+        self.inner.propose(rows, streams)  # the MTP layer sees every row (its cache is checked too)
+        k = self.num_speculative_tokens
+        for r in rows:
+            req = r.req
+            if not r.num_drafts or req.request_id not in self.truth:  # (unscripted: the MTP layer's drafts)
+                continue
+            n = self.calls[req.request_id] = self.calls.get(req.request_id, -1) + 1
+            toks = list(self.truth[req.request_id][len(req.output_token_ids):][: r.num_drafts])
+            wrong = n % (k + 1)
+            if wrong < len(toks):
+                toks[wrong] = (toks[wrong] + 1 + n) % self.vocab
+            req.drafts = Drafts(toks, None)
+
+
+def _script(llm, truth):
+    eng = llm.engine
+    eng.proposer = ScriptedDrafts(eng.proposer, truth, eng.model_config.vocab_size)
+    return eng.proposer
+
+
+def _run(llm, prompts, params, ids=None):
+    eng = llm.engine
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(prompt_token_ids=p, params=params, request_id=rid)
+    return eng.run_to_completion(ids)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return rand_prompts(37, LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_ckpt, prompts):
+    """Outputs without speculation (per request id), for both attention paths."""
+    out = {}
+    for attention in ("reference", "batched"):
+        llm = make_llm(tiny_ckpt, "auto", max_model_len=512, attention=attention, backend="torch")
+        out[attention] = {rid: o for rid, o in _run(llm, prompts, greedy(NEW)).items()}
+    return out
+
+
+@pytest.mark.parametrize("k,attention", [(1, "reference"), (3, "reference"), (2, "batched")])
+def test_greedy_identical_with_rejections_at_every_position(tiny_ckpt, prompts, plain, k, attention):
+    llm = make_llm(tiny_ckpt, "auto", max_model_len=512, attention=attention, backend="torch",
+                   speculative_config=mtp(k))
+    truth = {rid: o.outputs[0].token_ids for rid, o in plain[attention].items()}
+    scripted = _script(llm, truth)
+    got = _run(llm, prompts, greedy(NEW))
+    for rid, o in got.items():
+        assert signature(o) == signature(plain[attention][rid]), rid
+    st = llm.engine.spec_stats
+    assert st.num_accepted_tokens > 0 and st.num_drafts > 0
+    assert st.accepted_per_position[k - 1] > 0  # some steps accepted every draft
+    assert st.num_accepted_tokens < st.num_draft_tokens  # and some rejected
+    assert min(scripted.calls.values()) >= k  # every request went through every rejection position
+    assert_no_leaks(llm)
+
+
+def test_greedy_identical_with_the_mtp_drafts_in_every_batch_composition(tiny_ckpt, prompts, plain):
+    """The MTP layer's own drafts (nearly always rejected here): the same tokens alone, together,
+    staggered, and with async scheduling on."""
+    want = {rid: signature(o) for rid, o in plain["reference"].items()}
+    llm = make_llm(tiny_ckpt, "auto", max_model_len=512, speculative_config=mtp(2), async_scheduling=True)
+    eng = llm.engine
+    for rid, p in zip(want, prompts):  # alone
+        assert signature(_run(llm, [p], greedy(NEW), [rid])[rid]) == want[rid]
+    eng.add_request(prompt_token_ids=prompts[0], params=greedy(NEW), request_id="r0")
+    for _ in range(3):
+        eng.step()
+    for rid, p in list(zip(want, prompts))[1:]:  # staggered: joining a running batch
+        eng.add_request(prompt_token_ids=p, params=greedy(NEW), request_id=rid)
+        eng.step()
+    done = eng.run_to_completion(list(want))
+    assert {rid: signature(o) for rid, o in done.items()} == want
+    assert eng.spec_stats.num_drafts > 0
+    assert_no_leaks(llm)
+
+
+def _cache_image(eng, req) -> dict:
+    """Everything of ``req`` a later query can read, by kind (and the MTP layer's window)."""
+    kvc, view, cfg = eng.kv_cache, eng.kv.view(req.alloc), eng.model_config
+    nc = req.alloc.num_computed
+    pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
+    out = {f"window {layer}": view.read_kv(layer, pos) for layer in range(cfg.num_hidden_layers)}
+    if cfg.num_mtp_layers:
+        out["mtp window"] = view.read_kv(cfg.num_hidden_layers, pos)
+    for key in kvc.comp:
+        n = nc // kvc.ratio[key]
+        out[f"compressed {key}"] = view.read_compressed(*key, torch.arange(n)) if n else None
+    for key, ring in kvc.ring.items():
+        r, size = kvc.ratio[key], ring.shape[1]
+        first = max(0, (nc // r) * r - (r if r == 4 else 0))
+        out[f"state {key}"] = ring[req.alloc.slot][torch.arange(first, nc) % size].clone()
+    for key, b in kvc.boundary.items():
+        out[f"boundary {key}"] = [b[blk].clone() for blk in req.alloc.blocks[: nc // 256]]
+    return out
+
+
+def _record_images(llm, images: dict, want: set | None = None):
+    eng = llm.engine
+    finish = eng._finish_step
+
+    def recording(schedule, touched):
+        for sc in schedule:
+            req = sc.req
+            key = (req.request_id, req.alloc.num_computed)
+            if not req.finished and (want is None or key in want):
+                images[key] = _cache_image(eng, req)
+        return finish(schedule, touched)
+
+    eng._finish_step = recording
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_ds_mla"])
+def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prompts, kv_dtype):
+    """At every token count the speculative run passes through, every cache kind of every request —
+    window KV, compressed entries and indexer keys, compressor state rings, prefix-cache boundary
+    rows — equals the run without speculation at the same count, byte for byte; the MTP layer's
+    window cache equals the reference model's MTP pass over the final sequence."""
+    k = 3
+    base = make_llm(tiny_ckpt, kv_dtype, max_model_len=512)
+    spec = make_llm(tiny_ckpt, kv_dtype, max_model_len=512, speculative_config=mtp(k))
+    truth = {rid: o.outputs[0].token_ids for rid, o in _run(base, prompts, greedy(NEW)).items()}
+    _script(spec, truth)
+    seen: dict = {}
+    _record_images(spec, seen)
+    got = _run(spec, prompts, greedy(NEW))
+    assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == truth
+    counts = sorted(n for r, n in seen if r == "r2")
+    assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
+    again: dict = {}
+    base.engine.kv.reset_prefix_cache()
+    _record_images(base, again, set(seen))
+    _run(base, prompts, greedy(NEW))
+    assert set(again) == set(seen)
+    for key in seen:
+        a, b = seen[key], again[key]
+        bad = [kind for kind in a if kind != "mtp window" and not _equal(a[kind], b[kind])]
+        assert not bad, f"{key}: {bad} differ from the run without speculation"
+    # the MTP layer's window entries: those of the reference's MTP pass over the final sequence
+    model, cfg = spec.engine.model, spec.engine.model_config
+    for rid, p in zip(truth, prompts):
+        ids = torch.tensor(list(p) + truth[rid])
+        out = model.forward(ids[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+        dense = DenseSequenceCache(cfg, model.numerics)
+        model.mtp_forward(ids[1:], out.streams, [SeqChunk(dense, 0, len(ids) - 1)])
+        for (r, nc), image in seen.items():
+            if r == rid:
+                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
+                assert torch.equal(image["mtp window"], dense.read_kv(cfg.num_hidden_layers, pos)), (rid, nc)
+
+
+def test_prefix_hits_chunked_prefill_and_n(tiny_ckpt):
+    """With speculation: prefix-cache hits (their last block recomputed for the proposer), prefill in
+    200-token chunks, n > 1 — the same tokens as without."""
+    shared = rand_prompts(41, [520])[0]
+    ps = [shared + q for q in rand_prompts(42, [7, 30, 11])]
+    kw = dict(max_model_len=1024, max_num_batched_tokens=200, max_num_seqs=4)
+    base = make_llm(tiny_ckpt, "auto", **kw)
+    spec = make_llm(tiny_ckpt, "auto", speculative_config=mtp(2), **kw)
+    runs = {}
+    for name, llm in (("base", base), ("spec", spec)):  # the first prompt's blocks cached, then hit twice
+        outs = llm.generate({"prompt_token_ids": ps[0]}, greedy(12))
+        outs += llm.generate([{"prompt_token_ids": p} for p in ps[1:]], greedy(12))
+        runs[name] = [signature(o) for o in outs]
+    assert runs["spec"] == runs["base"]
+    assert spec.engine.kv.hits == 256 * 2 and base.engine.kv.hits == 512 * 2  # one block fewer per hit
+    n = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in spec.generate({"prompt_token_ids": ps[0]}, n)[0].outputs] == \
+           [c.token_ids for c in base.generate({"prompt_token_ids": ps[0]}, n)[0].outputs]
+    assert_no_leaks(spec)
+
+
+def test_preemption(tiny_ckpt):
+    """Three 256-token blocks for two requests that need two each: one is preempted (its drafts
+    dropped) and recomputed; the tokens are those without speculation."""
+    from dsv4.cache.paged import plan_budget, unit_bytes
+    from dsv4.config import load_config
+    from dsv4.model.cache import CacheNumerics
+
+    cfg, num = load_config(tiny_ckpt), CacheNumerics("auto")
+    blk, swa, _ = unit_bytes(cfg, num, torch.float32)
+    big = plan_budget(cfg, num, torch.float32, 1 << 34, 2, 64, 512)
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=512,
+              kv_cache_memory=big.total_bytes - (big.num_blocks - 3) * (blk + 2 * swa))
+    prompts = [{"prompt_token_ids": p} for p in rand_prompts(44, [250, 252])]
+    want = [signature(o) for o in make_llm(tiny_ckpt, "auto", **kw).generate(prompts, greedy(12))]
+    spec = make_llm(tiny_ckpt, "auto", speculative_config=mtp(3), **kw)
+    assert [signature(o) for o in spec.generate(prompts, greedy(12))] == want
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(spec)
+
+
+def test_stops_and_max_tokens_inside_a_draft(tiny_ckpt, prompts, plain):
+    """A stop token id, a stop string and max_tokens landing inside an accepted draft end the output
+    exactly where they would without speculation; a grammar-constrained request is unchanged too."""
+    truth = {rid: o.outputs[0].token_ids for rid, o in plain["reference"].items()}
+    llm = make_llm(tiny_ckpt, "auto", max_model_len=512, speculative_config=mtp(3))
+    base = make_llm(tiny_ckpt, "auto", max_model_len=512)
+    scripted = _script(llm, truth)
+    p = prompts[3]
+    stop_id = truth["r3"][6]
+    text = llm.engine.tokenizer.decode(truth["r3"][:9])
+    cases = [greedy(NEW, stop_token_ids=[stop_id]), greedy(5), greedy(NEW, stop=[text[-3:]])]
+    for params in cases:
+        a = _run(llm, [p], params, ["r3"])["r3"]
+        b = _run(base, [p], params, ["r3"])["r3"]
+        assert signature(a) == signature(b) and a.outputs[0].text == b.outputs[0].text
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    so = StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{1,12}){2,5}")
+    b = _run(base, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
+    scripted.truth["g"] = b.outputs[0].token_ids  # drafts the grammar accepts, then one it must reject
+    a = _run(llm, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
+    assert signature(a) == signature(b) and len(b.outputs[0].token_ids) > 3
+    assert_no_leaks(llm)
+
+
+def test_settings_and_checkpoints_are_checked(tiny_ckpt, tmp_path):
+    from dsv4.checkpoint.synthetic import write_checkpoint
+    from dsv4.engine.settings import EngineConfig
+
+    for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of mtp"),
+                       ({"method": "dspark", "num_speculative_tokens": 2}, "DSpark drafting is not implemented"),
+                       ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+                       ({"method": "mtp", "num_speculative_tokens": 5}, "num_speculative_tokens must be"),
+                       ({"method": "mtp", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
+                       ("[1]", "must be a JSON object")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model=str(tiny_ckpt), speculative_config=bad)
+    no_mtp = write_checkpoint(tmp_path / "no_mtp", preset="tiny", progress=False,
+                              overrides={"num_nextn_predict_layers": 0})
+    with pytest.raises(ValueError, match="no MTP layer"):
+        make_llm(no_mtp, "auto", max_model_len=256, speculative_config=mtp(1))
+
+
+def test_spec_stats():
+    st = SpecStats()
+    st.record(3, 2)
+    st.record(3, 0)
+    st.record(1, 1)
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 7, 3)
+    assert st.accepted_per_position == [2, 1, 0]
+    assert st.acceptance_length == 2.0
