@@ -7,13 +7,15 @@ The multi-GPU run, on a machine with ≥ 2 H200s:
 1. writes (or reuses) a ``flash-width`` checkpoint with ``--layers`` layers — small enough that
    TP=1 fits one GPU, so the parallel runs have a single-GPU reference;
 2. for every layout — TP=1, TP=N, TP=N + expert parallel, and data-parallel attention with expert
-   parallelism over ``--dp`` ranks (DP=M + EP; each in its own process): greedy tokens of fixed
+   parallelism over ``--dp`` ranks (DP=M + EP, with decode graphs and eager; each in its own
+   process): greedy tokens of fixed
    prompts with their top-2 logprobs; decode ms/step at batch 1 / 8 / 64 (steady-state decode
    steps only; under DP the batch is spread over the ranks, and at batch 1 one rank runs dummy
    forwards); prefill tok/s at 8K (one 8K prompt, or one per rank under DP: every rank computes);
    the KV cache capacity in tokens (all ranks' together: replicated under TP, added up under DP);
    and the share of a decode step rank 0 spends in collectives (a second pass with every collective
-   synchronised and timed: the all-reduces under TP, the MoE all-to-alls under DP);
+   synchronised and timed, which runs the decode steps eagerly: the all-reduces under TP, the MoE
+   all-to-alls under DP);
 3. compares the parallel runs' greedy tokens with TP=1: a divergence is reported with TP=1's
    top-1/top-2 margin there (bf16 partial sums are rounded in another order than TP=1, so a near
    tie may flip; the ``*_f32`` configurations make the comparison tight);
@@ -53,19 +55,21 @@ F32 = "_f32"  # suffix of the greedy-only float32 configurations
 
 
 def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str, dict]]:
-    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel (decode replays CUDA graphs on every rank
-    unless eager), DP=M + EP (eager: see dsv4/parallel/dp_rank.py); then each but TP=1 eager in
-    float32 for greedy tokens only. bf16 rounds each rank's partial sum before the all-reduce adds
-    it (TP=1 rounds once; under EP each expert's output is rounded before its rank adds it up), so on
-    a random-weight model whose bf16 logits often tie exactly, bf16 greedy tokens may part at a
-    near-tie; in float32 the layouts differ only in fp32 summation order."""
+    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel, DP=M + EP and DP=M + EP eager (decode
+    replays CUDA graphs on every rank unless eager; under DP all ranks replay one agreed bucket,
+    dsv4/parallel/dp_graphs.py); then each but the eager ones in float32 for greedy tokens only.
+    bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds once; under EP
+    each expert's output is rounded before its rank adds it up), so on a random-weight model whose
+    bf16 logits often tie exactly, bf16 greedy tokens may part at a near-tie; in float32 the
+    layouts differ only in fp32 summation order."""
     layouts = [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
                (f"tp{tp}", {"tensor_parallel_size": tp}),
                (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
     if dp > 1:
-        layouts.append((f"dp{dp}_ep", {"data_parallel_size": dp, "enable_expert_parallel": True}))
+        dpx = {"data_parallel_size": dp, "enable_expert_parallel": True}
+        layouts += [(f"dp{dp}_ep", dpx), (f"dp{dp}_ep_eager", {**dpx, "enforce_eager": True})]
     f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32", "backend": f32_backend})
-           for name, extra in layouts if name != "tp1_eager"]
+           for name, extra in layouts if not name.endswith("_eager")]
     return layouts + f32
 
 
@@ -119,6 +123,12 @@ def _ranks(engine) -> int:
     return engine.config.data_parallel_size
 
 
+def _graph_replays(engine) -> list[int] | None:
+    """Every data-parallel rank's decode-graph replays so far (None without DP)."""
+    stats = getattr(engine, "rank_stats", None)
+    return None if stats is None else [s.get("graph_replays", 0) for s in stats]
+
+
 def _sync(dev) -> None:
     import torch
 
@@ -141,6 +151,7 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
     for _ in range(warm):
         engine.step()
     dev = _parts(engine)[0]
+    replays = _graph_replays(engine)
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -148,6 +159,8 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
     _sync(dev)
     ms = (time.perf_counter() - t0) / steps * 1e3
     res = {"batch": batch, "ms_per_step": round(ms, 3)}
+    if replays is not None:  # DP: the timed steps' graph replays on each rank (0 when eager)
+        res["graph_replays"] = [b - a for a, b in zip(replays, _graph_replays(engine))]
     if tp is not None:
         tp.comm_s, tp.comm_calls, tp.timed = 0.0, 0, True
         t0 = time.perf_counter()
@@ -349,8 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=None, help="default 32 (GPU), 6 (--cpu)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
-    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep, dpM_ep, "
-                   "and each with _f32)")
+    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tp1_eager, tpN, tpN_ep, "
+                   "dpM_ep, dpM_ep_eager, and each not eager with _f32)")
     p.add_argument(
         "--f32-backend",
         default="auto",
