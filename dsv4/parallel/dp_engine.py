@@ -212,6 +212,12 @@ class DPEngine:
         else:  # told with the next command (before that rank steps again)
             self._aborts.setdefault(rank, []).append(request_id)
 
+    def left_waiting(self, request_id: str) -> bool:
+        """Whether a request has left its rank's waiting queue (or is gone), as of the ranks' last
+        reports: what the server reads of ``LLMEngine.requests`` for the queue-time metric."""
+        rank = self.requests.get(request_id)
+        return rank is None or request_id not in self.rank_stats[rank].get("waiting_ids", ())
+
     def _take_aborts(self) -> dict[int, list[str]]:
         out, self._aborts = self._aborts, {}
         return out

@@ -146,8 +146,12 @@ def rank_step(engine) -> list:
 
 def rank_state(engine) -> dict:
     """What the front end keeps of a rank after each command (its load, /metrics, the tests)."""
+    from ..engine.request import Status
+
     s, kv, g = engine.scheduler, engine.kv, engine.runner.graphs
+    queued = [rid for rid, group in engine.requests.items() if all(r.status is Status.WAITING for r in group)]
     return {"waiting": len(s.waiting), "running": len(s.running), "kv_cache_usage": kv.usage(),
+            "waiting_ids": queued,  # requests none of whose sequences has been scheduled yet (serve's queue time)
             "prefix_cache_hits": kv.hits, "prefix_cache_queries": kv.queries, "preemptions": s.num_preemptions,
             "graph_replays": getattr(g, "replays", 0), "spare_replays": getattr(g, "spare_replays", 0)}
 

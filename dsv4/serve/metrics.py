@@ -51,9 +51,12 @@ class ServerMetrics:
         names, values = ["model_name", "engine"], {"model_name": model_name, "engine": "0"}
 
         def gauge(name, doc):
-            return Gauge(name, doc, names, registry=r).labels(**values)
+            return Gauge(name, doc, names, registry=r)
 
         def counter(name, doc):
+            return Counter(name, doc, names, registry=r)
+
+        def labelled(name, doc):
             return Counter(name, doc, names, registry=r).labels(**values)
 
         def histogram(name, doc, buckets):
@@ -66,8 +69,11 @@ class ServerMetrics:
                                        "Prefix cache queries, in terms of number of queried tokens.")
         self._prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self._generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        for fam in (self._running, self._waiting, self._cache_usage, self._prefix_queries, self._prefix_hits,
+                    self._preemptions):
+            fam.labels(**values)  # engine "0" present from the start; a data-parallel server adds one per rank
+        self._prompt_tokens = labelled("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = labelled("vllm:generation_tokens", "Number of generation tokens processed.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 names + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM's
@@ -103,19 +109,25 @@ class ServerMetrics:
               ).set_function(compiles.count)
 
     # ---- engine side (called from the engine thread; prometheus_client is thread-safe) --------
-    def scheduler_state(self, waiting: int, running: int, cache_usage: float) -> None:
-        self._waiting.set(waiting)
-        self._running.set(running)
-        self._cache_usage.set(cache_usage)
+    def _engine(self, engine: int) -> dict:
+        return {**self._labels, "engine": str(engine)}
 
-    def engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
+    def scheduler_state(self, waiting: int, running: int, cache_usage: float, engine: int = 0) -> None:
+        """``engine``: the data-parallel rank (vLLM's ``engine`` label; 0 for one engine core)."""
+        lab = self._engine(engine)
+        self._waiting.labels(**lab).set(waiting)
+        self._running.labels(**lab).set(running)
+        self._cache_usage.labels(**lab).set(cache_usage)
+
+    def engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int, engine: int = 0) -> None:
         """Increments since the last call (tokens queried / found in the prefix cache, preemptions)."""
+        lab = self._engine(engine)
         if prefix_queries:
-            self._prefix_queries.inc(prefix_queries)
+            self._prefix_queries.labels(**lab).inc(prefix_queries)
         if prefix_hits:
-            self._prefix_hits.inc(prefix_hits)
+            self._prefix_hits.labels(**lab).inc(prefix_hits)
         if preemptions:
-            self._preemptions.inc(preemptions)
+            self._preemptions.labels(**lab).inc(preemptions)
 
     def tokens(self, prompt: int, generated: int) -> None:
         if prompt:
