@@ -64,7 +64,7 @@ step_serve() {
 step_tp() {
   ckpt 4
   timeout ${TP_S:-540} python3 bench/tp.py --ckpt /tmp/fw4 --layers 4 ${TP_ARGS:-} --out "$OUT/tp.json" > "$OUT/tp.log" 2>&1
-  echo "== tp exit $? ($(elapsed))"; grep -E "^\[|^config|^---|^tp|^probe|FAILED|Error" "$OUT/tp.log" | cut -c1-300 | tail -40
+  echo "== tp exit $? ($(elapsed))"; grep -E "^\[|^config|^---|^tp|^dp|^probe|FAILED|Error" "$OUT/tp.log" | cut -c1-300 | tail -40
 }
 
 for s in ${STEPS:-tests e2e}; do "step_$s"; done

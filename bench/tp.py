@@ -1,18 +1,24 @@
-"""Tensor / expert parallelism on several GPUs: equality with TP=1, the probe, speed, all-reduce share.
+"""Multi-GPU layouts against one GPU: equality with TP=1, the probe, speed, KV capacity, collective share.
 
-The multi-GPU run (issue 11), on a machine with ≥ 2 H200s:
+The multi-GPU run, on a machine with ≥ 2 H200s:
 
-    python bench/tp_gpu.py --ckpt /tmp/fw4 --layers 4 --out $OUT/tp_gpu.json
+    python bench/tp.py --ckpt /tmp/fw4 --layers 4 --out $OUT/tp.json
 
 1. writes (or reuses) a ``flash-width`` checkpoint with ``--layers`` layers — small enough that
    TP=1 fits one GPU, so the parallel runs have a single-GPU reference;
-2. for TP=1, TP=N and TP=N + expert parallel (each in its own process): greedy tokens of fixed
+2. for every layout — TP=1, TP=N, TP=N + expert parallel, and data-parallel attention with expert
+   parallelism over ``--dp`` ranks (DP=M + EP, with decode graphs and eager; each in its own
+   process): greedy tokens of fixed
    prompts with their top-2 logprobs; decode ms/step at batch 1 / 8 / 64 (steady-state decode
-   steps only); prefill tok/s of one 8K-token prompt (one chunk); and the share of a decode step
-   rank 0 spends in collectives (a second pass with every collective synchronised and timed);
+   steps only; under DP the batch is spread over the ranks, and at batch 1 one rank runs dummy
+   forwards); prefill tok/s at 8K (one 8K prompt, or one per rank under DP: every rank computes);
+   the KV cache capacity in tokens (all ranks' together: replicated under TP, added up under DP);
+   and the share of a decode step rank 0 spends in collectives (a second pass with every collective
+   synchronised and timed, which runs the decode steps eagerly: the all-reduces under TP, the MoE
+   all-to-alls under DP);
 3. compares the parallel runs' greedy tokens with TP=1: a divergence is reported with TP=1's
-   top-1/top-2 margin there (bf16 all-reduces sum in another order than TP=1, so a near tie may
-   flip; ``--dtype float32`` makes the comparison tight);
+   top-1/top-2 margin there (bf16 partial sums are rounded in another order than TP=1, so a near
+   tie may flip; the ``*_f32`` configurations make the comparison tight);
 4. runs ``dsv4 probe`` at TP=N, and at each TP of ``--probe-tps`` (oracle: a separately loaded
    single-GPU torch model; TP=1 shows how far the engine itself is from the oracle);
 5. prints a table and writes JSON.
@@ -48,17 +54,22 @@ N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
 F32 = "_f32"  # suffix of the greedy-only float32 configurations
 
 
-def _configs(tp: int, f32_backend: str = "auto") -> list[tuple[str, dict]]:
-    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel (decode replays CUDA graphs on every rank
-    unless eager); then TP=1, TP=N and TP=N + EP in float32 for greedy
-    tokens only. bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds
-    once), so on a random-weight model whose bf16 logits often tie exactly, bf16 greedy tokens may
-    part at a near-tie; in float32 the layouts differ only in fp32 summation order."""
+def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str, dict]]:
+    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel, DP=M + EP and DP=M + EP eager (decode
+    replays CUDA graphs on every rank unless eager; under DP all ranks replay one agreed bucket,
+    dsv4/parallel/dp_graphs.py); then each but the eager ones in float32 for greedy tokens only.
+    bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds once; under EP
+    each expert's output is rounded before its rank adds it up), so on a random-weight model whose
+    bf16 logits often tie exactly, bf16 greedy tokens may part at a near-tie; in float32 the
+    layouts differ only in fp32 summation order."""
     layouts = [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
                (f"tp{tp}", {"tensor_parallel_size": tp}),
                (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
+    if dp > 1:
+        dpx = {"data_parallel_size": dp, "enable_expert_parallel": True}
+        layouts += [(f"dp{dp}_ep", dpx), (f"dp{dp}_ep_eager", {**dpx, "enforce_eager": True})]
     f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32", "backend": f32_backend})
-           for name, extra in layouts if name != "tp1_eager"]
+           for name, extra in layouts if not name.endswith("_eager")]
     return layouts + f32
 
 
@@ -99,6 +110,25 @@ def _greedy(llm, a) -> list[dict]:
     return out
 
 
+def _parts(engine):
+    """(rank 0's device, every rank's startup report or None, rank 0's collective timer or None) of
+    an engine of any layout: one process, a tensor-parallel driver, or a data-parallel front end."""
+    if hasattr(engine, "engine0"):  # DPEngine
+        return engine.device, engine.startup_reports, engine.engine0.executor.ep
+    ex = engine.executor
+    return engine.model.device, (ex.rank_stats if ex is not None else None), (ex.tp if ex is not None else None)
+
+
+def _ranks(engine) -> int:
+    return engine.config.data_parallel_size
+
+
+def _graph_replays(engine) -> list[int] | None:
+    """Every data-parallel rank's decode-graph replays so far (None without DP)."""
+    stats = getattr(engine, "rank_stats", None)
+    return None if stats is None else [s.get("graph_replays", 0) for s in stats]
+
+
 def _sync(dev) -> None:
     import torch
 
@@ -107,19 +137,21 @@ def _sync(dev) -> None:
 
 
 def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
-    """Steady-state decode of ``batch`` requests: ms/step, then the same with collectives timed."""
+    """Steady-state decode of ``batch`` requests: ms/step, then the same with rank 0's collectives
+    timed (``tp``: its ``CommTimer``, the tensor-parallel group or the data-parallel EP group)."""
     from dsv4 import SamplingParams
 
     warm = 3
     sp = SamplingParams(temperature=0, max_tokens=warm + 2 * steps + 2, ignore_eos=True)
     rids = [engine.add_request(prompt_token_ids=p, params=sp)
             for p in _prompts(batch, (prompt_len,), engine.model_config.vocab_size, seed=2)]
-    reqs = [engine.requests[r][0] for r in rids]
-    while any(not r.output_token_ids for r in reqs):  # prefill (chunked as the scheduler likes)
-        engine.step()
+    started: set[str] = set()
+    while len(started) < len(rids):  # prefill (chunked as the scheduler likes) until each has a token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     for _ in range(warm):
         engine.step()
-    dev = engine.model.device
+    dev = _parts(engine)[0]
+    replays = _graph_replays(engine)
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -127,6 +159,8 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
     _sync(dev)
     ms = (time.perf_counter() - t0) / steps * 1e3
     res = {"batch": batch, "ms_per_step": round(ms, 3)}
+    if replays is not None:  # DP: the timed steps' graph replays on each rank (0 when eager)
+        res["graph_replays"] = [b - a for a, b in zip(replays, _graph_replays(engine))]
     if tp is not None:
         tp.comm_s, tp.comm_calls, tp.timed = 0.0, 0, True
         t0 = time.perf_counter()
@@ -148,17 +182,21 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, tp) -> dict:
 
 
 def _prefill(engine, n: int, seed: int = 3) -> dict:
+    """One ``n``-token prompt per data-parallel rank (one in all without DP), to its first token."""
     from dsv4 import SamplingParams
 
-    ids = _prompts(1, (n,), engine.model_config.vocab_size, seed=seed)[0]
-    rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    _sync(engine.model.device)
+    k = _ranks(engine)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rids = [engine.add_request(prompt_token_ids=ids, params=sp)
+            for ids in _prompts(k, (n,), engine.model_config.vocab_size, seed=seed)]
+    dev = _parts(engine)[0]
+    _sync(dev)
     t0 = time.perf_counter()
-    while rid in engine.requests:
+    while any(r in engine.requests for r in rids):
         engine.step()
-    _sync(engine.model.device)
+    _sync(dev)
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": round(dt, 3), "tok_per_s": round(n / dt, 1)}
+    return {"tokens": n, "prompts": k, "seconds": round(dt, 3), "tok_per_s": round(k * n / dt, 1)}
 
 
 def run_one(a, name: str, extra: dict, save) -> dict:
@@ -169,10 +207,12 @@ def run_one(a, name: str, extra: dict, save) -> dict:
     t0 = time.perf_counter()
     llm = LLM(a.ckpt, **_engine_kwargs(a, extra))
     eng = llm.engine
-    res = {"config": name, **extra, "init_s": round(time.perf_counter() - t0, 1)}
-    if eng.executor is not None:
-        res["ranks"] = eng.executor.rank_stats
-    res["rank0_after_init"] = peak_memory(eng.model.device)  # weights + KV cache (TP=1: the whole model)
+    dev, ranks, timer = _parts(eng)
+    res = {"config": name, **extra, "init_s": round(time.perf_counter() - t0, 1),
+           "kv_tokens": eng.kv_cache.budget.capacity_tokens}  # under DP: every rank's cache, added up
+    if ranks is not None:
+        res["ranks"] = ranks
+    res["rank0_after_init"] = peak_memory(dev)  # weights + KV cache (TP=1: the whole model)
     print(f"[{name}] init {res['init_s']} s, rank 0 {res['rank0_after_init']}", flush=True)
     save(res)
     try:
@@ -180,7 +220,6 @@ def run_one(a, name: str, extra: dict, save) -> dict:
         save(res)
         if name.endswith(F32):  # greedy tokens only
             return res
-        tp = eng.executor.tp if eng.executor is not None else None
         # warm-up at the timed length (other tokens): Triton compiles a kernel per new shape class,
         # and NCCL sets up its first collectives; neither belongs in the timed prefill
         _prefill(eng, a.prefill_len, seed=4)
@@ -189,7 +228,7 @@ def run_one(a, name: str, extra: dict, save) -> dict:
         save(res)
         res["decode"] = []
         for b in a.batches:
-            res["decode"].append(_decode(eng, b, a.decode_prompt_len, a.steps, tp))
+            res["decode"].append(_decode(eng, b, a.decode_prompt_len, a.steps, timer))
             print(f"[{name}] decode {res['decode'][-1]}", flush=True)
             save(res)
     finally:
@@ -263,7 +302,7 @@ def run_probe(a, spec: str, out_dir: Path) -> dict:
 def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) -> str:
     lines = []
     head = (
-        ["config", "init s", "prefill tok/s"]
+        ["config", "init s", "KV tokens", "prefill tok/s"]
         + [f"decode b{b} ms" for b in batches]
         + [f"comm share b{b}" for b in batches]
         + [f"greedy = {ref_name}"]
@@ -287,7 +326,8 @@ def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) 
             )
         )
         dec = {d["batch"]: d for d in r.get("decode", [])}
-        row = [r["config"], str(r["init_s"]), str(r["prefill"]["tok_per_s"]) if "prefill" in r else "-"]
+        row = [r["config"], str(r["init_s"]), str(r.get("kv_tokens", "-")),
+               str(r["prefill"]["tok_per_s"]) if "prefill" in r else "-"]
         row += [str(dec[b]["ms_per_step"]) if b in dec else "-" for b in batches]
         row += [f"{100 * dec[b]['comm_share']:.1f}%" if "comm_share" in dec.get(b, {}) else "-" for b in batches]
         lines.append(" | ".join(row + [eq]))
@@ -299,8 +339,9 @@ def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) 
         )
         for s in r.get("ranks", []):
             dev = "" if s["device_peak_mib"] is None else f", device peak {s['device_peak_mib']:.0f} MiB"
+            dp = "" if "kv_tokens" not in s else f", weights {s['weights_mib']:.0f} MiB, KV {s['kv_tokens']} tokens"
             lines.append(
-                f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s, "
+                f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s{dp}, "
                 f"host peak {s['host_peak_mib']:.0f} MiB{dev}"
             )
     return "\n".join(lines)
@@ -311,6 +352,7 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", default=None, help="checkpoint directory (written if missing)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the parallel runs")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel size of the DP + EP run (1: none)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (GPU), float32 (--cpu)")
     p.add_argument("--kv-cache-dtype", default=None, help="default: fp8_ds_mla (GPU), auto (--cpu)")
     p.add_argument("--batches", default=None, help="decode batch sizes, default 1,8,64 (GPU), 1,4 (--cpu)")
@@ -320,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=None, help="default 32 (GPU), 6 (--cpu)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
-    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tpN, tpN_ep)")
+    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tp1_eager, tpN, tpN_ep, "
+                   "dpM_ep, dpM_ep_eager, and each not eager with _f32)")
     p.add_argument(
         "--f32-backend",
         default="auto",
@@ -350,7 +393,7 @@ def main(argv=None) -> int:
     a.kv_cache_mib = a.kv_cache_mib or (256 if cpu else 0)
 
     if a.run_one:
-        extra = dict(_configs(a.tp, a.f32_backend))[a.run_one]
+        extra = dict(_configs(a.tp, a.f32_backend, a.dp))[a.run_one]
         run_one(a, a.run_one, extra, lambda res: Path(a.one_out).write_text(json.dumps(res)))
         return 0
 
@@ -382,6 +425,7 @@ def main(argv=None) -> int:
         doc = {
             "ckpt": a.ckpt,
             "tp": a.tp,
+            "dp": a.dp,
             "cpu": cpu,
             "dtype": a.dtype,
             "kv_cache_dtype": a.kv_cache_dtype,
@@ -400,7 +444,7 @@ def main(argv=None) -> int:
         return refs[False] or refs[True], checks
 
     wanted = a.only.split(",") if a.only else None  # "none": probes only
-    for name, _ in _configs(a.tp, a.f32_backend):
+    for name, _ in _configs(a.tp, a.f32_backend, a.dp):
         if wanted and name not in wanted:
             continue
         one = out_dir / f"tp_gpu_{name}.json"

@@ -13,8 +13,14 @@ from .engine.settings import EngineConfig
 
 
 def build_engine(config: EngineConfig, tokenizer=None) -> LLMEngine:
-    """The engine of ``config``; a parallel config first starts its worker processes
-    (``dsv4.parallel.start_executor``) and hands the engine their driver."""
+    """The engine of ``config``; a tensor-parallel config first starts its worker processes
+    (``dsv4.parallel.start_executor``) and hands the engine their driver; a data-parallel one is
+    an engine per rank behind one front end with LLMEngine's interface
+    (``dsv4.parallel.start_data_parallel``)."""
+    if config.data_parallel_size > 1:
+        from .parallel import start_data_parallel
+
+        return start_data_parallel(config, tokenizer)
     executor = None
     if config.parallel:
         from .parallel import start_executor
@@ -43,7 +49,7 @@ class LLM:
         self.engine = build_engine(EngineConfig.from_kwargs("LLM", model=str(model), **settings), tokenizer=tokenizer)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes (they also stop when this process exits)."""
+        """Stop the worker processes of a parallel engine (they also stop when this process exits)."""
         self.engine.shutdown()
 
     def get_tokenizer(self):

@@ -194,6 +194,7 @@ class StepTables:
         self.positions[:n].copy_(step.positions)
         for mine, theirs in ((self.swa_table, step.swa_table), (self.block_table, step.block_table)):
             w = min(mine.shape[1], theirs.shape[1])
+            mine[:n].fill_(-1)  # a real row is −1 past its pages, as ``decode_tables`` stages it: the same bytes
             mine[:n, :w].copy_(theirs[:, :w])
         self.slots[:n].copy_(step.slots)
         self.swa_page[:n].copy_(step.swa_page)

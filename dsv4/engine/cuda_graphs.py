@@ -121,10 +121,16 @@ class DecodeGraphs:
                 and batch.logits_rows.numel() == len(batch.chunks)  # one sampled row per request
                 and p.max_end <= self.max_model_len)
 
-    def run(self, batch) -> torch.Tensor:
+    def run(self, batch, bucket: int | None = None) -> torch.Tensor:
+        """Replay the graph of the batch's bucket (or of ``bucket``, a larger one: data-parallel
+        ranks replay the bucket they agreed on) and advance the requests' caches; the logits rows."""
         n = len(batch.chunks)
-        graph, static, ids, logits = self.graphs[self.bucket(n)]
-        if not getattr(batch, "graph_staged", False):  # else the step's copy already put them there
+        own = self.bucket(n)
+        b = own if bucket is None else bucket
+        if b < n:
+            raise ValueError(f"a decode step of {n} requests cannot replay the graph of bucket {b}")
+        graph, static, ids, logits = self.graphs[b]
+        if not (getattr(batch, "graph_staged", False) and b == own):  # else the step's copy put them there
             static.load(batch.tables)
             ids.zero_()
             ids[:n].copy_(batch.token_ids)
@@ -136,3 +142,16 @@ class DecodeGraphs:
         for c in batch.chunks:
             c.cache.advance(c.length)
         return logits[:n]
+
+    def replay_spare(self, b: int) -> None:
+        """Bucket ``b``'s graph with every lane spare: what a data-parallel rank without requests
+        replays while the others replay theirs (the collectives inside pair up); it writes only the
+        spare pages."""
+        graph, static, ids, logits = self.graphs[b]
+        static.load(None)
+        ids.zero_()
+        if graph is None:
+            chunks, rows = logits
+            self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
+        else:
+            graph.replay()

@@ -52,12 +52,14 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool
     process on a CUDA device, whose kernels run asynchronously to the host, so the next step's
     scheduling and the previous step's bookkeeping run under the current step (H200, 4-layer
     flash-width checkpoint: 10-20 % per decode step). On the CPU the model runs on the host thread and
-    nothing overlaps; tensor parallelism does not support it (an explicit True there is an error)."""
+    nothing overlaps. A multi-process engine does not support it (an explicit True there is an error):
+    its step plan carries the step's token ids, which a deferred step only has on the device."""
     if config.async_scheduling is None:
         return device.type == "cuda" and not config.parallel
     if config.async_scheduling and config.parallel:
-        raise ValueError("async_scheduling is not supported with tensor parallelism "
-                         f"(tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes})")
+        raise ValueError("async_scheduling is not supported with more than one process "
+                         f"(tensor_parallel_size={config.tensor_parallel_size}, "
+                         f"data_parallel_size={config.data_parallel_size}, nnodes={config.nnodes})")
     return bool(config.async_scheduling)
 
 
@@ -117,9 +119,11 @@ class LLMEngine:
 
         if config.speculative is not None and config.parallel:
             raise ValueError(f"speculative_config={config.speculative_config!r} with tensor_parallel_size="
-                             f"{config.tensor_parallel_size}: speculative decoding runs in a single process only")
+                             f"{config.tensor_parallel_size}, data_parallel_size={config.data_parallel_size}, "
+                             f"nnodes={config.nnodes}: speculative decoding runs in a single process only")
         if config.parallel and executor is None:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, nnodes={config.nnodes}: a "
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
+                             f"{config.data_parallel_size}, nnodes={config.nnodes}: a "
                              "parallel engine needs its executor (dsv4.parallel.start_executor; LLM and dsv4 serve "
                              "start it)")
         if executor is not None and model is not None:

@@ -105,7 +105,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(1, "ranks (one process and GPU each) the model is sharded over "
                                         "(docs/distributed.md)", aliases=("-tp",))
     enable_expert_parallel: bool = setting(False, "split routed experts by expert across the ranks (default: "
-                                           "each expert's intermediate dimension)")
+                                           "each expert's intermediate dimension); with --data-parallel-size "
+                                           "the routed experts run expert-parallel over the data-parallel ranks")
+    data_parallel_size: int = setting(1, "data-parallel ranks (one process and GPU each): each owns its requests "
+                                      "and their KV cache, attention and the dense layers run on its own tokens, "
+                                      "the routed experts are split over the ranks (needs "
+                                      "--enable-expert-parallel; docs/distributed.md)", aliases=("-dp",))
     nnodes: int = setting(1, "nodes of a multi-node tensor-parallel run")
     node_rank: int = setting(0, "this node's index; node 0 serves, nodes > 0 only run worker ranks (headless)")
     master_addr: str = setting("127.0.0.1", "node 0's address for the torch.distributed rendezvous")
@@ -150,7 +155,7 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model: a model directory is required")
         self.model = str(self.model)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size", "nnodes"):
             v = getattr(self, name)
             if v is not None and int(v) < 1:
                 raise ValueError(f"{name} must be at least 1; got {v!r}")
@@ -167,6 +172,26 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         SpeculativeConfig.parse(self.speculative_config)  # (validated here: a bad one fails before any load)
+        if self.data_parallel_size > 1:
+            self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """The layouts data parallelism supports, refused by name otherwise."""
+        dp = self.data_parallel_size
+        if not self.enable_expert_parallel:
+            # vLLM without EP shards each expert's intermediate dim over all DP x TP ranks (its MoE
+            # layers then all-gather the ranks' tokens); that layout is not implemented here
+            raise ValueError(f"data_parallel_size={dp} needs enable_expert_parallel=True (--enable-expert-parallel): "
+                             "the routed experts are split over the data-parallel ranks; splitting each expert's "
+                             "intermediate dimension over them (vLLM's default without EP) is not implemented")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={dp} with tensor_parallel_size={self.tensor_parallel_size}: "
+                             "tensor parallelism inside a data-parallel rank is not implemented; use one of them")
+        if self.nnodes > 1:
+            raise ValueError(f"data_parallel_size={dp} with nnodes={self.nnodes}: data parallelism runs on one node")
+        if self.speculative_config is not None:  # (refused here, before any rank is spawned)
+            raise ValueError(f"data_parallel_size={dp} with speculative_config={self.speculative_config!r}: "
+                             "speculative decoding runs in a single process only")
 
     @classmethod
     def from_kwargs(cls, caller: str = "EngineConfig", **kwargs) -> "EngineConfig":
@@ -189,8 +214,8 @@ class EngineConfig:
 
     @property
     def parallel(self) -> bool:
-        """More than one process: tensor parallelism or several nodes."""
-        return self.tensor_parallel_size > 1 or self.nnodes > 1
+        """More than one process: tensor or data parallelism, or several nodes."""
+        return self.tensor_parallel_size > 1 or self.nnodes > 1 or self.data_parallel_size > 1
 
     def resolved(self, device: torch.device, fp8_format: str, async_scheduling: bool) -> "EngineConfig":
         """A copy with every device-dependent default made definite (what the engine runs with)."""

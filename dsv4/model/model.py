@@ -77,19 +77,23 @@ class ReferenceModel:
 
     def __init__(self, model_dir: str | Path | ModelWeights, dtype: torch.dtype = torch.float32, device="cpu",
                  numerics: CacheNumerics | None = None, act_quant: bool = False, progress: bool = False,
-                 ops: OpSet | None = None, tp=None):
+                 ops: OpSet | None = None, tp=None, ep=None):
         """``numerics``: what the caches round to (the engine's, handed down; default the release's
         ``fp8_ds_mla`` in OCP bytes): the dense caches of ``new_cache`` apply it. ``ops``: the op set
         (``dsv4.ops.resolve_op_set``; default the oracle's, plain torch); with weight ops, weights stay
         in their checkpoint formats and those ops consume them (the GPU path). ``tp``: tensor
         parallelism (a ``dsv4.parallel.group.TPGroup``): this rank loads only its shard and the sharded
-        layers call its collectives; None is the single-process model."""
+        layers call its collectives; None is the single-process model. ``ep``: data-parallel attention
+        with expert parallelism (a ``dsv4.parallel.expert.EPGroup``): this rank loads every weight but
+        the other ranks' routed experts, and its MoE layers exchange tokens with the other ranks."""
+        if tp is not None and ep is not None:
+            raise ValueError("a model is either tensor-parallel (tp) or expert-parallel over data-parallel ranks (ep)")
         self.ops = ops = ops or reference_ops()
         if isinstance(model_dir, ModelWeights):
             self.w = model_dir
         else:
             self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=ops.quantized_weights,
-                                  fp8_linear=ops.fp8_linear, shard=tp)
+                                  fp8_linear=ops.fp8_linear, shard=tp or ep)
         self.cfg: ModelConfig = self.w.config
         self.dtype, self.device = self.w.dtype, self.w.device
         self.numerics = numerics or CacheNumerics()
@@ -99,9 +103,10 @@ class ReferenceModel:
                     for m in range(cfg.num_mtp_layers)]
         self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
         self.hc_head_w = (self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"])
-        self.tp = tp
-        if tp is not None:
-            tp.install(self)
+        self.tp, self.ep = tp, ep
+        for group in (tp, ep):
+            if group is not None:
+                group.install(self)
 
     def set_hooks(self, fn) -> None:
         """Install a callback(name, tensor) on every attention (used by finite checks)."""

@@ -63,6 +63,9 @@ class MoE:
         # tensor parallelism (dsv4/parallel): this rank holds its experts (EP) or a slice of each
         # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
         self.tp = None
+        # expert parallelism over data-parallel ranks (dsv4/parallel/expert.py): this rank holds its
+        # share of the routed experts, everything else whole; ``ep.exchange`` reaches the others
+        self.ep = None
         self.grouped = weights.keep_quantized and ops.moe_experts is not None  # the fast path's grouped experts
         if self.grouped:
             # stacked now, not at the first forward: the engine sizes its KV cache from the memory
@@ -70,6 +73,8 @@ class MoE:
             weights.stacked_experts(prefix)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            return self._forward_ep(x, token_ids)
         if self.grouped:
             return self._forward_ops(x, token_ids)
         cfg, ops = self.cfg, self.ops
@@ -96,15 +101,20 @@ class MoE:
             self._gate_f32 = self.gate.float()
         return self._gate_f32
 
-    def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
+    def _route_ops(self, x: torch.Tensor, token_ids: torch.Tensor):
+        """The fast path's routing: (expert ids [T, k], weights [T, k] fp32)."""
         cfg, ops = self.cfg, self.ops
         logits = ops.linear_f32(x, self.gate, self._gate_float)  # the batch-invariant GEMM on the fast path
         hash_ids = None
         if self.tid2eid is not None:
             hash_ids = self.tid2eid[token_ids.clamp(0, self.tid2eid.shape[0] - 1)]
-        ids, w = ops.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                                  cfg.norm_topk_prob, hash_ids)
+        return ops.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                             cfg.norm_topk_prob, hash_ids)
+
+    def _forward_ops(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The fast path: routing and grouped expert GEMMs on the checkpoint-format weights."""
+        cfg, ops = self.cfg, self.ops
+        ids, w = self._route_ops(x, token_ids)
         if self.tp is not None:
             ids = self.tp.local_expert_ids(ids)  # EP: index into this rank's stack, -1 = another rank's
         out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
@@ -113,3 +123,83 @@ class MoE:
             out = out + ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
         return out if self.tp is None else self.tp.all_reduce(out)
 
+
+    def _forward_ep(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism over data-parallel ranks: this rank routes its own tokens,
+        ``ep.exchange`` computes every (token, expert) pair on the rank holding that expert and
+        brings the outputs back, and they are summed here in the order the single-process layer
+        sums them (``combine_pairs``), then the shared expert is added as there. A rank with no
+        tokens (``x`` of 0 rows) still joins the exchange: the other ranks' tokens reach its experts."""
+        cfg, ops = self.cfg, self.ops
+        k = cfg.num_experts_per_tok
+        if x.shape[0] == 0:
+            ids = torch.zeros(0, k, dtype=torch.long, device=x.device)
+            w = torch.zeros(0, k, dtype=torch.float32, device=x.device)
+        elif self.grouped:
+            ids, w = self._route_ops(x, token_ids)
+        else:
+            ids, w = route(ops, x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
+        out = combine_pairs(self.ep.exchange(x, ids, self._pair_outputs, self._slot_outputs), ids, w)
+        if self.shared is None or x.shape[0] == 0:
+            return out.to(x.dtype)
+        shared = ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
+        if self.grouped:  # as _forward_ops: the experts' sum rounded to x.dtype, then the shared expert added
+            return out.to(x.dtype) + shared
+        return (out + shared.float()).to(x.dtype)
+
+    def _pair_outputs(self, xr: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Expert ``experts[p]`` (one of this rank's) of token row ``xr[rows[p]]`` for every pair p:
+        [P, H] in xr's dtype, unweighted (the token's rank weights and sums them)."""
+        cfg, ops = self.cfg, self.ops
+        if rows.numel() == 0:
+            return xr.new_zeros(0, xr.shape[1])
+        if self.grouped:  # one slot per pair, weight 1: the op's fp32 sum of one term is that term exactly
+            lo, _ = self.ep.expert_range(cfg.n_routed_experts)
+            one = torch.ones(rows.numel(), 1, dtype=torch.float32, device=xr.device)
+            return ops.moe_experts(xr[rows], (experts - lo).to(torch.int32)[:, None], one,
+                                   *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
+                                   expert_dtype=cfg.expert_dtype)
+        y = xr.new_empty(rows.numel(), xr.shape[1])
+        for e in torch.unique(experts).tolist():
+            sel = torch.where(experts == e)[0]
+            p = f"{self.prefix}.experts.{e}"
+            y[sel] = ops.swiglu(xr[rows[sel]], self.wts.expert(f"{p}.w1"), self.wts.expert(f"{p}.w3"),
+                                self.wts.expert(f"{p}.w2"), cfg.swiglu_limit, self.act_quant)
+        return y
+
+    def _slot_outputs(self, xr: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Every slot of ``local`` [R, k] (the global id of one of this rank's experts, else -1) of
+        token row ``xr[r]``: [R, k, H] in xr's dtype, zeros at -1. Fixed shapes on the grouped path
+        (what a CUDA graph captures: each slot a row of its own, weight 1, -1 skipped by the op)."""
+        cfg = self.cfg
+        r, k = local.shape
+        h = xr.shape[1]
+        if self.grouped:
+            lo, _ = self.ep.expert_range(cfg.n_routed_experts)
+            ids = torch.where(local >= 0, local - lo, torch.full_like(local, -1)).to(torch.int32).reshape(r * k, 1)
+            one = torch.ones(r * k, 1, dtype=torch.float32, device=xr.device)
+            y = self.ops.moe_experts(xr[:, None, :].expand(r, k, h).reshape(r * k, h), ids, one,
+                                     *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
+                                     expert_dtype=cfg.expert_dtype)
+            return y.view(r, k, h)
+        y = xr.new_zeros(r, k, h)
+        rows, slots = torch.where(local >= 0)
+        if rows.numel():
+            y[rows, slots] = self._pair_outputs(xr, rows, local[rows, slots])
+        return y
+
+
+def combine_pairs(y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_j w[t, j] · y[t, j] in float32, [T, k, H] → [T, H], summed as ``MoE.forward`` (and the torch
+    ``moe_experts``) sum: from zero, each token's experts in ascending id order (ties: slot order),
+    each term ``y.float() * w`` — so an expert-parallel layer gives the single-process bits."""
+    t = y.shape[0]
+    out = torch.zeros(t, y.shape[2], dtype=torch.float32, device=y.device)
+    if t == 0:
+        return out
+    order = torch.sort(ids.long(), dim=1, stable=True).indices
+    tok = torch.arange(t, device=y.device)
+    for j in range(y.shape[1]):
+        s = order[:, j]
+        out += y[tok, s].float() * w[tok, s, None].float()
+    return out

@@ -15,68 +15,18 @@ exit code. A dead engine never runs another step (the ranks' collectives cannot 
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection
 import os
-import socket
-import threading
 import time
-import weakref
 
 import torch
 
 from ..cache.paged import BLOCK
-from ..engine.errors import EngineDeadError
 from .group import DistSpec, TPGroup, init_distributed
 from .plan import StepPlan, plan_step
+from .ranks import RankProcesses, free_port
 from .worker import load_shard, rank_device, worker_main
 
 log = logging.getLogger("dsv4.parallel")
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _stop_workers(procs: dict, grace: float = 10.0) -> None:
-    deadline = time.monotonic() + grace
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-            p.join(5.0)
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
-
-
-def _destroy_group(timeout: float) -> None:
-    """Leave the process group, giving up after ``timeout`` seconds (a hung teardown must not hang
-    the caller's shutdown; the process exit releases what is left)."""
-    if not torch.distributed.is_initialized():
-        return
-
-    def destroy():
-        try:
-            torch.distributed.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-
-    t = threading.Thread(target=destroy, name="dsv4-destroy-group", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        log.warning("destroying the process group did not return in %.0f s; leaving it to the process exit", timeout)
-
-
-def _finalize(procs: dict) -> None:  # the engine was dropped without shutdown(): no graceful message
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-    _stop_workers(procs, grace=0.0)
-    _destroy_group(timeout=30.0)
 
 
 class TPDriver:
@@ -90,30 +40,24 @@ class TPDriver:
         self.config = config
         self.device = rank_device(config, 0) if device.type == "cuda" else device
         TPGroup(spec, 0, self.device).shard_plan(load_config(config.model))  # a layout error before any spawn
-        self.port = spec.master_port or _free_port(spec.master_addr)
-        self.procs: dict[int, object] = {}
-        self.dead: str | None = None
-        self.closed = False
+        self.port = spec.master_port or free_port(spec.master_addr)
+        self.ranks = RankProcesses("tensor-parallel", "worker rank", spec.timeout_s)
         self.restores: list = []  # cache writes outside a forward, for the plan (plan.StepPlan.restores)
-        self._in_step = False
-        ctx = torch.multiprocessing.get_context("spawn")
-        for lr in range(1, spec.local_world):
-            rank = spec.global_rank(lr)
-            p = ctx.Process(target=worker_main, args=(config, spec, lr, self.port, os.getpid()),
-                            name=f"dsv4-tp-rank{rank}", daemon=True)
-            p.start()
-            self.procs[rank] = p
-            log.info("dsv4 parallel: started tensor-parallel worker rank %d, pid %d", rank, p.pid)
-        self._finalizer = weakref.finalize(self, _finalize, self.procs)
         try:
+            for lr in range(1, spec.local_world):
+                self.ranks.spawn(spec.global_rank(lr), worker_main, (config, spec, lr, self.port, os.getpid()))
             self._start(config)
         except BaseException:
-            self._finalizer()
+            self.ranks.abandon()
             raise
 
     @property
     def worker_pids(self) -> dict[int, int]:
-        return {r: p.pid for r, p in self.procs.items()}
+        return self.ranks.pids
+
+    @property
+    def dead(self) -> str | None:
+        return self.ranks.dead
 
     def _start(self, config) -> None:
         import torch.distributed as dist
@@ -122,22 +66,8 @@ class TPDriver:
         t0 = time.monotonic()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        box: dict = {}
-
-        def join():
-            try:
-                box["groups"] = init_distributed(spec, 0, self.device, self.port)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                box["error"] = e
-
-        t = threading.Thread(target=join, name="dsv4-tp-rendezvous", daemon=True)
-        t.start()
-        while t.is_alive():  # a worker that dies while starting must not leave us waiting for it
-            t.join(0.2)
-            self._check_workers("while starting")
-        if "error" in box:
-            raise box["error"]
-        self.tp = TPGroup(spec, 0, self.device, box["groups"])
+        groups = self.ranks.rendezvous(lambda: init_distributed(spec, 0, self.device, self.port))
+        self.tp = TPGroup(spec, 0, self.device, groups)
         mode = "expert" if spec.ep else "tensor"
         log.info("dsv4 parallel: %d ranks (%d node(s)), routed experts split by %s, %s backend, rendezvous at %s:%d",
                  spec.world_size, spec.nnodes, mode, dist.get_backend(), spec.master_addr, self.port)
@@ -154,7 +84,7 @@ class TPDriver:
                      "%.0f MiB%s", s["rank"], s["node"], s["pid"], s["device"], s["load_s"], s["host_peak_mib"], dev)
         self.model = TPModel(self, inner)
         if self.device.type == "cuda":
-            threading.Thread(target=self._watch_cuda, name="dsv4-tp-watch", daemon=True).start()
+            self.ranks.watch_cuda(self.device)
 
     # ---- what the engine calls (its executor interface) ----------------------------------------
     def start_caches(self, budget, numerics, kv) -> None:
@@ -194,16 +124,16 @@ class TPDriver:
         makes the engine dead: the workers are mid-step and nothing can be re-matched."""
         self.send(plan)
         del self.restores[:len(plan.restores)]
-        self._in_step = True
+        self.ranks.in_step = True
         try:
             out = run()
-            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (see _watch_cuda)
+            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (RankProcesses.watch_cuda)
                 torch.cuda.synchronize(self.device)
             return out
         except Exception as e:  # noqa: BLE001
             raise self.fatal(e, what) from e
         finally:
-            self._in_step = False
+            self.ranks.in_step = False
 
     def send(self, plan: StepPlan) -> None:
         import torch.distributed as dist
@@ -212,94 +142,27 @@ class TPDriver:
 
     def shutdown(self) -> None:
         """Stop the workers (a 'shutdown' plan, then terminate stragglers) and leave the group."""
-        if self.closed:
+        from ..engine.errors import EngineDeadError
+
+        if self.ranks.closed:
             return
-        self.closed = True
-        if self.dead is None:
+        clean = self.dead is None
+        if clean:
             try:
                 self.send(StepPlan("shutdown"))
             except EngineDeadError:
-                pass
-            # every rank leaves the group at the same time: NCCL's communicator teardown can wait
-            # for its peers, so rank 0 must not first wait for the workers to exit
-            _destroy_group(timeout=30.0)
-        _stop_workers(self.procs, grace=10.0 if self.dead is None else 0.0)
-        self._finalizer.detach()
-        _finalize(self.procs)
+                clean = False
+        self.ranks.stop(clean)
 
-    # ---- liveness ----------------------------------------------------------------------------
-    def _check_workers(self, when: str) -> None:
-        for rank, p in self.procs.items():
-            if not p.is_alive():
-                raise self._die(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
-                                f"{when}")
-
+    # ---- liveness (dsv4/parallel/ranks.py) ------------------------------------------------------
     def ensure_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-        if self.closed:
-            raise EngineDeadError("the tensor-parallel engine was shut down")
-        self._check_workers("before a step")
+        self.ranks.ensure_alive()
 
     def _collective(self, fn, what: str):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - any failure here leaves the ranks out of step
-            raise self.fatal(e, what) from e
+        return self.ranks.collective(fn, what)
 
-    def fatal(self, e: BaseException, what: str) -> EngineDeadError:
-        """The error to raise after ``e`` broke a step: names a dead worker if there is one."""
-        if isinstance(e, EngineDeadError):
-            return e
-        sentinels = [p.sentinel for p in self.procs.values()]
-        if sentinels:  # a peer's death often surfaces as a socket error a moment before its exit code
-            # (seconds on a loaded machine: 2 s and once 10 s were too short with the suite on 2 cores);
-            # after a timeout the peer is more likely hung than dying: wait briefly
-            timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-            multiprocessing.connection.wait(sentinels, timeout=2.0 if timed_out else 20.0)
-        for rank, p in self.procs.items():
-            if not p.is_alive():
-                return self._die(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
-                    f"during the {what} ({type(e).__name__}: {e})"
-                )
-        return self._die(
-            f"tensor-parallel {what} failed on rank 0 while every local worker is alive (a rank hung, "
-            f"or one on another node is gone; distributed_timeout={self.spec.timeout_s:g} s): "
-            f"{type(e).__name__}: {e}"
-        )
-
-    def _die(self, message: str) -> EngineDeadError:
-        if self.dead is None:
-            self.dead = message
-            log.critical("dsv4 parallel: the engine is dead: %s", message)
-            for p in self.procs.values():
-                if p.is_alive():
-                    p.terminate()
-        return EngineDeadError(self.dead)
-
-    def _watch_cuda(self) -> None:
-        """NCCL does not notice a dead peer on NVLink: a collective would wait for the timeout, and
-        the timeout then aborts the process. A local worker that dies mid-step aborts the
-        communicator instead (the step then raises); if rank 0 is still stuck, it exits."""
-        sentinels = {p.sentinel: r for r, p in self.procs.items()}
-        if not sentinels:
-            return
-        multiprocessing.connection.wait(list(sentinels))
-        if self.closed:
-            return
-        time.sleep(5.0)
-        if not self._in_step or self.closed:
-            return  # the next step's liveness check reports it
-        log.critical("dsv4 parallel: a worker died while rank 0 waits in a collective; aborting the NCCL communicator")
-        try:
-            torch.distributed.distributed_c10d._get_default_group()._get_backend(self.device).abort()
-        except Exception as e:  # noqa: BLE001 - best effort; the exit below bounds the wait
-            log.critical("dsv4 parallel: NCCL abort failed: %s", e)
-        time.sleep(10.0)
-        if self._in_step:
-            log.critical("dsv4 parallel: rank 0 is still blocked after a worker died; exiting")
-            os._exit(1)
+    def fatal(self, e: BaseException, what: str):
+        return self.ranks.fatal(e, what)
 
 
 class TPModel:

@@ -84,19 +84,41 @@ def init_distributed(spec: DistSpec, rank: int, device: torch.device, port: int)
     return ctrl, startup
 
 
-class TPGroup:
-    """One rank of a tensor(-and-expert)-parallel model: what the sharded layers call.
+class CommTimer:
+    """``timed`` makes every collective synchronise and add its wall time to ``comm_s`` (the
+    benchmark's collective share); off by default because the synchronisation costs overlap."""
 
-    ``timed`` makes every collective synchronise and add its wall time to ``comm_s`` (the
-    benchmark's all-reduce share); off by default because the synchronisation costs overlap.
-    """
+    device: torch.device
+
+    def __init__(self):
+        self.timed = False
+        self.comm_s, self.comm_calls = 0.0, 0
+
+    def _tick(self) -> float | None:
+        if not self.timed:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _tock(self, t0: float | None) -> None:
+        if t0 is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.comm_s += time.perf_counter() - t0
+        self.comm_calls += 1
+
+
+class TPGroup(CommTimer):
+    """One rank of a tensor(-and-expert)-parallel model: what the sharded layers call (collectives
+    timed as ``CommTimer`` says)."""
 
     def __init__(self, spec: DistSpec, rank: int, device: torch.device, groups=(None, None)):
+        super().__init__()
         self.spec, self.rank, self.world_size, self.ep = spec, rank, spec.world_size, spec.ep
         self.device = torch.device(device)
         self.ctrl, self.startup = groups  # gloo groups of init_distributed (None: no process group yet)
-        self.timed = False
-        self.comm_s, self.comm_calls = 0.0, 0
         self._plan = None
 
     # ---- ranges --------------------------------------------------------------------------
@@ -172,22 +194,6 @@ class TPGroup:
             return ids
         lo, hi = self.expert_range(self._plan.cfg.n_routed_experts)
         return torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1))
-
-    # ---- timing --------------------------------------------------------------------------
-    def _tick(self) -> float | None:
-        if not self.timed:
-            return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _tock(self, t0: float | None) -> None:
-        if t0 is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.comm_s += time.perf_counter() - t0
-        self.comm_calls += 1
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -46,7 +46,7 @@ def load_shard(config, tp, device):
     return model, stats
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
     """Exit when the parent process is gone (it was killed and could not stop us)."""
     def watch():
         while True:
@@ -62,7 +62,7 @@ def worker_main(config, spec, local_rank: int, port: int, parent_pid: int) -> No
     rank = spec.global_rank(local_rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: rank 0 decides
-    _watch_parent(parent_pid)
+    watch_parent(parent_pid)
     try:
         _serve_steps(config, spec, rank, local_rank, port)
     except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 reports it

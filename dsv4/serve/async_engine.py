@@ -166,6 +166,8 @@ class AsyncEngine:
         self._beat = time.monotonic()
         self._newly_scheduled = 0
         self._counters = (0,) * 7  # the engine's counters at the last publish (``_engine_counters``)
+        # prefix-cache queries, hits and preemptions per data-parallel rank at the last publish
+        self._rank_counters: list[tuple[int, int, int]] | None = None
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -271,6 +273,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         log.debug("engine loop started")
         self._counters = self._engine_counters()
+        ranks = getattr(self.engine, "rank_stats", None)
+        if ranks is not None:
+            self._rank_counters = [(st["prefix_cache_queries"], st["prefix_cache_hits"], st["preemptions"])
+                                   for st in ranks]
         while True:
             try:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):
@@ -400,9 +406,14 @@ class AsyncEngine:
         if not self._unscheduled:
             return
         requests, n = self.engine.requests, 0
+        left = getattr(self.engine, "left_waiting", None)  # a data-parallel engine: its ranks hold the requests
         for rid in list(self._unscheduled):
-            group = requests.get(rid)
-            if group is None or any(r.status is not Status.WAITING for r in group):
+            if left is not None:
+                gone = left(rid)
+            else:
+                group = requests.get(rid)
+                gone = group is None or any(r.status is not Status.WAITING for r in group)
+            if gone:
                 self._unscheduled.discard(rid)
                 t = self._tracks.get(rid)
                 if t is not None:
@@ -454,6 +465,18 @@ class AsyncEngine:
         moved = (host.offloaded_bytes, host.restored_bytes) if host is not None else (0, 0)
         return kv.queries, kv.hits, sched.num_preemptions, kv.host_queries, kv.host_hits, *moved
 
+    def _publish_ranks(self, ranks: list[dict]) -> None:
+        """/metrics of a data-parallel engine: each rank's queues, KV-cache usage and counters under
+        its own ``engine`` label (as vLLM's ``--data-parallel-size``)."""
+        last = self._rank_counters or [(0, 0, 0)] * len(ranks)
+        now = []
+        for r, st in enumerate(ranks):
+            cur = (st["prefix_cache_queries"], st["prefix_cache_hits"], st["preemptions"])
+            self.metrics.scheduler_state(st["waiting"], st["running"], st["kv_cache_usage"], engine=r)
+            self.metrics.engine_counters(*[c - p if c >= p else c for c, p in zip(cur, last[r])], engine=r)
+            now.append(cur)
+        self._rank_counters = now
+
     def _publish(self) -> None:
         try:
             sched = self.engine.scheduler
@@ -467,10 +490,14 @@ class AsyncEngine:
                 self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
             self._newly_scheduled = 0
             if self.metrics is not None:
-                host = self.engine.kv.host
-                self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage,
-                                             len(host) / host.num_slots if host is not None else 0.0)
-                self.metrics.engine_counters(*delta)
-                self.metrics.spec_decode(self.engine.spec_stats)
+                ranks = getattr(self.engine, "rank_stats", None)  # a data-parallel engine: one engine label per rank
+                if ranks is None:
+                    host = self.engine.kv.host
+                    self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage,
+                                                 len(host) / host.num_slots if host is not None else 0.0)
+                    self.metrics.engine_counters(*delta)
+                    self.metrics.spec_decode(self.engine.spec_stats)
+                else:
+                    self._publish_ranks(ranks)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

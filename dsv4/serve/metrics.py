@@ -59,16 +59,24 @@ class ServerMetrics:
         def counter(name, doc):
             return Counter(name, doc, names, registry=r).labels(**values)
 
+        # what a data-parallel server reports per rank: families, labelled per engine when set
+        def gauge_family(name, doc):
+            return Gauge(name, doc, names, registry=r)
+
+        def counter_family(name, doc):
+            return Counter(name, doc, names, registry=r)
+
         def histogram(name, doc, buckets):
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**values)
 
-        self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self._cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self._prefix_queries = counter("vllm:prefix_cache_queries",
-                                       "Prefix cache queries, in terms of number of queried tokens.")
-        self._prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self._running = gauge_family("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self._waiting = gauge_family("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self._cache_usage = gauge_family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self._prefix_queries = counter_family("vllm:prefix_cache_queries",
+                                              "Prefix cache queries, in terms of number of queried tokens.")
+        self._prefix_hits = counter_family("vllm:prefix_cache_hits",
+                                           "Prefix cache hits, in terms of number of cached tokens.")
+        self._preemptions = counter_family("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         # the prefix cache's host tier (kv_offloading_size): vLLM's names for the hits of a tier beyond the GPU
         # pool, dsv4's for what vLLM has no name of (0 without a host tier)
         self._host_queries = counter("vllm:external_prefix_cache_queries",
@@ -83,6 +91,9 @@ class ServerMetrics:
                                        "Bytes copied from the device KV cache to the host tier (evicted blocks).")
         self._host_restored = counter("dsv4:host_kv_restored_bytes",
                                       "Bytes copied from the host tier back to the device KV cache (prefix hits).")
+        for fam in (self._running, self._waiting, self._cache_usage, self._prefix_queries, self._prefix_hits,
+                    self._preemptions):
+            fam.labels(**values)  # engine "0" present from the start; a data-parallel server adds one per rank
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -130,20 +141,32 @@ class ServerMetrics:
               ).set_function(compiles.count)
 
     # ---- engine side (called from the engine thread; prometheus_client is thread-safe) --------
-    def scheduler_state(self, waiting: int, running: int, cache_usage: float, host_usage: float = 0.0) -> None:
-        self._waiting.set(waiting)
-        self._running.set(running)
-        self._cache_usage.set(cache_usage)
-        self._host_usage.set(host_usage)
+    def _engine(self, engine: int) -> dict:
+        return {**self._labels, "engine": str(engine)}
+
+    def scheduler_state(self, waiting: int, running: int, cache_usage: float, host_usage: float = 0.0,
+                        engine: int = 0) -> None:
+        """``engine``: the data-parallel rank (vLLM's ``engine`` label; 0 for one engine core)."""
+        lab = self._engine(engine)
+        self._waiting.labels(**lab).set(waiting)
+        self._running.labels(**lab).set(running)
+        self._cache_usage.labels(**lab).set(cache_usage)
+        if engine == 0:
+            self._host_usage.set(host_usage)
 
     def engine_counters(self, prefix_queries: int, prefix_hits: int, preemptions: int, host_queries: int = 0,
-                        host_hits: int = 0, offloaded_bytes: int = 0, restored_bytes: int = 0) -> None:
+                        host_hits: int = 0, offloaded_bytes: int = 0, restored_bytes: int = 0,
+                        engine: int = 0) -> None:
         """Increments since the last call (tokens queried / found in the prefix cache's device tier,
-        preemptions; tokens queried / found in its host tier, bytes copied out to it and back)."""
-        for c, n in ((self._prefix_queries, prefix_queries), (self._prefix_hits, prefix_hits),
-                     (self._preemptions, preemptions), (self._host_queries, host_queries),
-                     (self._host_hits, host_hits), (self._host_offloaded, offloaded_bytes),
-                     (self._host_restored, restored_bytes)):
+        preemptions, for data-parallel rank ``engine``; tokens queried / found in its host tier,
+        bytes copied out to it and back)."""
+        lab = self._engine(engine)
+        for fam, n in ((self._prefix_queries, prefix_queries), (self._prefix_hits, prefix_hits),
+                       (self._preemptions, preemptions)):
+            if n:
+                fam.labels(**lab).inc(n)
+        for c, n in ((self._host_queries, host_queries), (self._host_hits, host_hits),
+                     (self._host_offloaded, offloaded_bytes), (self._host_restored, restored_bytes)):
             if n:
                 c.inc(n)
 

@@ -179,13 +179,13 @@ def test_async_non_finite_logits_name_the_request(tiny_ckpt):
 
 
 def test_async_refuses_tensor_parallel(tiny_ckpt):
-    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor parallelism"):
+    with pytest.raises(ValueError, match="async_scheduling is not supported with more than one process"):
         make_llm(tiny_ckpt, "auto", async_scheduling=True, tensor_parallel_size=2)
 
 
 def test_async_default_is_on_for_one_cuda_process_only():
     """None (the default) resolves to on for a single-process CUDA engine, off on the CPU and with
-    tensor parallelism; an explicit choice stands (True with tensor parallelism is refused)."""
+    more than one process; an explicit choice stands (True with more than one process is refused)."""
     from dsv4.cli import build_parser
     from dsv4.engine.engine import EngineConfig, resolve_async_scheduling
 
@@ -195,10 +195,14 @@ def test_async_default_is_on_for_one_cuda_process_only():
     assert resolve_async_scheduling(EngineConfig(model="m"), cpu) is False
     assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2), cuda) is False
     assert resolve_async_scheduling(EngineConfig(model="m", nnodes=2), cuda) is False
+    dp = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True)
+    assert resolve_async_scheduling(dp, cuda) is False
     assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=False), cuda) is False
     assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True), cpu) is True
-    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+    with pytest.raises(ValueError, match=r"not supported with more than one process \(tensor_parallel_size=2"):
         resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2), cuda)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        resolve_async_scheduling(dp.replace(async_scheduling=True), cuda)
     parse = build_parser().parse_args
     assert parse(["generate", "--prompt", "x"]).async_scheduling is None
     assert parse(["generate", "--prompt", "x", "--async-scheduling"]).async_scheduling is True

@@ -33,6 +33,23 @@ def test_a_bad_value_names_the_setting(field, value, needle):
         EngineConfig(model="m", **{field: value})
 
 
+@pytest.mark.parametrize("extra,needle", [
+    ({}, r"data_parallel_size=2 needs enable_expert_parallel=True \(--enable-expert-parallel\)"),
+    ({"enable_expert_parallel": True, "tensor_parallel_size": 2},
+     "data_parallel_size=2 with tensor_parallel_size=2: tensor parallelism inside a data-parallel rank"),
+    ({"enable_expert_parallel": True, "nnodes": 2}, "data_parallel_size=2 with nnodes=2"),
+    ({"enable_expert_parallel": True, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+     "data_parallel_size=2 with speculative_config=.*single process only"),
+])
+def test_data_parallel_layouts_that_are_not_implemented_are_refused_by_name(extra, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(model="m", data_parallel_size=2, **extra)
+    ok = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True)
+    assert ok.parallel and not EngineConfig(model="m", enable_expert_parallel=True).parallel
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        EngineConfig(model="m", data_parallel_size=0)
+
+
 def test_fp8_is_an_alias_of_fp8_ds_mla():
     assert EngineConfig(model="m", kv_cache_dtype="fp8").kv_cache_dtype == "fp8_ds_mla"
 
@@ -46,15 +63,16 @@ def test_every_setting_but_the_model_is_a_flag_with_its_default_and_help():
     for name, action in flags.items():
         assert action.help and "default:" in action.help, name
     assert "-tp" in flags["tensor_parallel_size"].option_strings
+    assert "-dp" in flags["data_parallel_size"].option_strings
     ns = p.parse_args([])
     got = cli_settings(ns)
     assert EngineConfig(model="m", **got) == EngineConfig(model="m")  # the flags' defaults are the settings'
     ns = p.parse_args(["--kv-cache-memory", "512", "--no-enable-prefix-caching", "-tp", "2", "--enforce-eager",
-                       "--no-async-scheduling", "--max-model-len", "4096", "--device", "cpu"])
+                       "--no-async-scheduling", "--max-model-len", "4096", "--device", "cpu", "-dp", "3"])
     got = cli_settings(ns)
     assert got["kv_cache_memory"] == 512 << 20 and got["enable_prefix_caching"] is False  # MiB on the command line
     assert got["tensor_parallel_size"] == 2 and got["enforce_eager"] and got["async_scheduling"] is False
-    assert got["max_model_len"] == 4096 and got["device"] == "cpu"
+    assert got["max_model_len"] == 4096 and got["device"] == "cpu" and got["data_parallel_size"] == 3
     with pytest.raises(SystemExit):
         p.parse_args(["--backend", "cuda"])
 

@@ -87,9 +87,8 @@ class ServeProcess:
         raise TimeoutError(f"dsv4 serve did not become ready in {timeout} s:\n{self.log()[-4000:]}")
 
     def worker_pids(self) -> dict[int, int]:
-        return {
-            int(r): int(p) for r, p in re.findall(r"started tensor-parallel worker rank (\d+), pid (\d+)", self.log())
-        }
+        started = r"started (?:tensor-parallel worker|data-parallel) rank (\d+), pid (\d+)"
+        return {int(r): int(p) for r, p in re.findall(started, self.log())}
 
     def complete(self, ids: list[int], timeout: float = 120.0):
         import httpx

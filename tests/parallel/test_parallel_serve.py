@@ -1,6 +1,7 @@
-"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) as a real subprocess:
-the same greedy tokens as TP=1, and a killed worker makes the server answer with an error and
-exit non-zero instead of hanging."""
+"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) and ``dsv4 serve
+--data-parallel-size 2 --enable-expert-parallel`` as real subprocesses: the same greedy tokens as
+one process, and a killed rank makes the server answer with an error and exit non-zero instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -14,6 +15,23 @@ from parallel_helpers import ServeProcess, prompts, served_tokens
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
+
+
+def _check_rank_metrics(srv: ServeProcess) -> None:
+    """/metrics per data-parallel rank (vLLM's ``engine`` label): each rank computed one prompt."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def value(name: str, engine: str) -> float | None:
+        got = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and s.labels.get("engine") == engine]
+        return sum(got) if got else None
+
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    for rank in ("0", "1"):
+        assert value("vllm:prefix_cache_queries_total", rank) > 0, text
+        assert value("vllm:num_requests_running", rank) == 0 and value("vllm:kv_cache_usage_perc", rank) is not None
+    assert value("vllm:num_requests_running", "2") is None
 
 
 def _check_greedy(srv: ServeProcess, expected_texts: list[list[str]]) -> None:
@@ -67,3 +85,33 @@ def test_serve_tp2_expert_parallel(tiny_ckpt, tp1_reference, tmp_path):
             raise AssertionError(f"worker pid {pid} outlived the server")
         except ProcessLookupError:
             pass
+
+
+def test_serve_dp2_expert_parallel_then_a_killed_rank_stops_the_server(tiny_ckpt, tp1_reference, tmp_path):
+    """The two prompts land on both ranks (one each, sent together); then rank 1 is killed."""
+    import concurrent.futures
+
+    srv = ServeProcess(tiny_ckpt, tmp_path / "serve.log", "-dp", "2", "--enable-expert-parallel")
+    try:
+        srv.wait_ready()
+        log = srv.log()
+        assert "data-parallel rank 1 (pid" in log and "KV cache" in log and "peak host RSS" in log, log[-3000:]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            resps = list(pool.map(srv.complete, prompts()[:2]))
+        assert [served_tokens(r) for r in resps] == tp1_reference[1][:2]
+        _check_rank_metrics(srv)
+        pid = srv.worker_pids()[1]
+        os.kill(pid, signal.SIGKILL)
+        r = srv.complete(prompts()[0], timeout=60)
+        assert r.status_code == 500, r.text
+        # as under TP: the body names the request, the server log says why (the rank, its pid and exit code)
+        msg = r.json()["error"]["message"]
+        m = re.fullmatch(r"internal error while running request (\S+); see the server log", msg)
+        assert m is not None, msg
+        assert srv.proc.wait(60) == 1
+        failed = [ln for ln in srv.log().splitlines() if f"request {m.group(1)} failed" in ln]
+        assert failed and "the engine died" in failed[0], srv.log()[-3000:]
+        assert f"data-parallel rank 1 (pid {pid}) exited with code -9" in failed[0], failed
+        assert "exiting because the engine died" in srv.log()
+    finally:
+        srv.close()
