@@ -71,6 +71,8 @@ class _Capacity:
 
 
 class DPEngine:
+    proposer = None  # (LLMEngine's speculative proposer: the settings refuse speculation with data parallelism)
+
     def __init__(self, config, tokenizer=None):
         from ..config import load_config
         from .expert import EPGroup
