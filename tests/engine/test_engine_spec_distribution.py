@@ -49,8 +49,10 @@ def prompt_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def llms():
-    """Without and with speculation (k=2); batched paged attention, the default cache dtype."""
-    base = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048, attention="batched")
+    """Without and with speculation (k=2); batched paged attention (its torch ops: under the suite's
+    ``TRITON_INTERPRET=1`` the registry would pick the interpreted kernels), the default cache dtype."""
+    base = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048, attention="batched",
+                backend="torch")
     plain = make_llm(default_model_dir(), "auto", **base)
     spec = make_llm(default_model_dir(), "auto", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                     **base)
