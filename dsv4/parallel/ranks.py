@@ -143,7 +143,12 @@ class RankProcesses:
             # (seconds on a loaded machine: 2 s and once 10 s were too short with the suite on 2 cores);
             # after a timeout the peer is more likely hung than dying: wait briefly
             timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-            multiprocessing.connection.wait(sentinels, timeout=2.0 if timed_out else 20.0)
+            ready = multiprocessing.connection.wait(sentinels, timeout=2.0 if timed_out else 20.0)
+            # a sentinel is ready when the exiting process has closed its files, a moment before the
+            # kernel makes it a zombie: is_alive() (waitpid WNOHANG) can still say alive then; join it
+            for p in self.procs.values():
+                if p.sentinel in ready:
+                    p.join(5.0)
         for rank, p in self.procs.items():
             if not p.is_alive():
                 return self.die(f"{self.role} {rank} (pid {p.pid}) exited with code {p.exitcode} during the {what} "
