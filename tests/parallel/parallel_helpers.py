@@ -22,6 +22,16 @@ ENGINE = dict(dtype="float32", kv_cache_dtype="auto", max_model_len=1024, max_nu
 MAX_TOKENS = 6
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
+        return f.read().split()[2] == "Z"
+
+
 def prompts() -> list[list[int]]:
     """Three prompts (one window, past the 128 window and the first CSA blocks, past a 256-token
     block with an HCA entry), batched together; then one sharing the last one's first block."""

@@ -19,7 +19,7 @@ import signal
 import time
 
 import pytest
-from parallel_helpers import ENGINE, greedy_llm
+from parallel_helpers import ENGINE, gone, greedy_llm
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.errors import EngineDeadError
@@ -40,15 +40,6 @@ def _preempting_prompts() -> list[list[int]]:
 def _sampled(outs) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
             for o in outs]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
-        return f.read().split()[2] == "Z"
 
 
 def test_dp2_expert_parallel_matches_one_process_then_a_killed_rank_kills_the_engine(tiny_ckpt, tp1_reference,
@@ -91,4 +82,4 @@ def test_dp2_expert_parallel_matches_one_process_then_a_killed_rank_kills_the_en
     assert all(after[r]["preemptions"] - stats[r]["preemptions"] > 0 for r in range(2)), after
     report = [r.getMessage() for r in caplog.records if "started in" in r.getMessage() and "weights" in r.getMessage()]
     assert len(report) == 2 and all("KV cache 768 tokens" in line and "peak host RSS" in line for line in report)
-    assert all(_gone(pid) for pid in pids.values())
+    assert all(gone(pid) for pid in pids.values())

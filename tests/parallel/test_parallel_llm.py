@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch.distributed as torch_dist
-from parallel_helpers import ENGINE, free_port, greedy_llm
+from parallel_helpers import ENGINE, free_port, gone, greedy_llm
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.errors import EngineDeadError
@@ -25,15 +25,6 @@ from dsv4.engine.errors import EngineDeadError
 @pytest.fixture(scope="module")
 def reference(tp1_reference):
     return tp1_reference[0]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
-        return f.read().split()[2] == "Z"
 
 
 def test_tp2_matches_tp1_and_a_hung_worker_times_out(tiny_ckpt, reference, caplog):
@@ -58,7 +49,7 @@ def test_tp2_matches_tp1_and_a_hung_worker_times_out(tiny_ckpt, reference, caplo
     assert 9 < waited < 40
     report = [r.getMessage() for r in caplog.records if "loaded its shard" in r.getMessage()]
     assert len(report) == 2 and all("peak host RSS" in line for line in report), report
-    assert all(_gone(pid) for pid in pids.values())
+    assert all(gone(pid) for pid in pids.values())
 
 
 def test_tp2_expert_parallel_over_two_nodes_matches_tp1(tiny_ckpt, reference, tmp_path):
@@ -141,4 +132,4 @@ def test_tp2_engine_dropped_without_shutdown_releases_its_graphs_then_stops_the_
         torch_dist.destroy_process_group = destroy
     assert order == ["release", "destroy"], order
     assert graphs.buckets == [] and not torch_dist.is_initialized()
-    assert all(_gone(pid) for pid in pids.values())
+    assert all(gone(pid) for pid in pids.values())
