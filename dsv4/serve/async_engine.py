@@ -193,8 +193,12 @@ class AsyncEngine:
         return self.running and self.stalled() is None
 
     def stalled(self) -> str | None:
-        """Why the loop counts as stuck (no step or idle wait finished for ``stall_timeout`` s), or None."""
+        """Why the loop counts as stuck (work waits on it and no step or command pick-up finished for
+        ``stall_timeout`` s), or None. An idle loop is healthy however long the OS left it unscheduled: on a
+        loaded host the idle wait can overrun, and that must not turn /health 503."""
         if not self.stall_timeout or self._thread is None:
+            return None
+        if not self._streams and self._cmds.empty():
             return None
         quiet = time.monotonic() - self._beat
         if quiet <= self.stall_timeout:
@@ -316,6 +320,7 @@ class AsyncEngine:
             cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
         except queue.Empty:
             return True
+        self._beat = time.monotonic()  # the loop is alive: a stall counts from here, not from an idle wait
         while True:
             kind = cmd[0]
             if kind == "stop":

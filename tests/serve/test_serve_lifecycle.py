@@ -147,10 +147,28 @@ def test_health_is_503_while_the_engine_makes_no_progress(tiny_ckpt):
         assert backend.waiting.wait(30)
         assert _health_until(srv.url, 503, 10) < 5
         assert srv.async_engine.health().startswith("the engine has made no progress for")
+        assert "1 request(s) in flight" in srv.async_engine.health()
         backend.open.set()
         client.join(30)
         assert done and done[0].status_code == 200
         _health_until(srv.url, 200, 5)
+
+
+def test_an_idle_engine_left_unscheduled_stays_healthy(tiny_ckpt):
+    """On a loaded host the idle loop's wait can overrun the stall timeout; with nothing in flight that is not
+    a stall (a request arriving then is timed from when the loop picks it up)."""
+    from dsv4.config import load_config
+    from dsv4.serve.app import ServeOptions, build_app
+
+    app = build_app(make_engine(tiny_ckpt, ScriptedBackend(load_config(tiny_ckpt))), served_model_name="tiny",
+                    options=ServeOptions(engine_stall_timeout=0.5, log_stats=False))
+    with ServerThread(app) as srv:
+        srv.async_engine._beat -= 60  # as if the engine thread had not run for a minute
+        assert srv.async_engine.health() is None
+        assert httpx.get(srv.url + "/health").status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_a_stopped_tensor_parallel_rank_turns_health_503(tiny_ckpt, tmp_path):
