@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -92,6 +93,10 @@ def _read_pad_token(tokenizer_json: Path) -> str | None:
     return pad if isinstance(pad, str) else None
 
 
+_LOADED: dict[tuple[str, int, int], "Tokenizer"] = {}  # Tokenizer.from_file's instances
+_LOADED_LOCK = threading.Lock()
+
+
 class Tokenizer:
     """Encode/decode with the DeepSeek-V4 vocabulary (129,280 ids including added tokens)."""
 
@@ -121,12 +126,26 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "Tokenizer":
         """Load ``path``. A missing file raises ``FileNotFoundError`` and a corrupt one ``ValueError``,
-        both naming the file, which the library's own errors do not."""
-        from tokenizers import Tokenizer as _FastTokenizer  # lazy: keeps `import dsv4.chat` light
+        both naming the file, which the library's own errors do not.
 
+        Parsing the 129K-token file takes about half a second, so a process keeps one instance per file
+        (keyed by its path, size and mtime: a rewritten file is read again): every engine, server and
+        tool in the process shares it, as they share its read-only vocabulary."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such tokenizer file")
+        st = path.stat()
+        key = (str(path.absolute()), st.st_size, st.st_mtime_ns)
+        with _LOADED_LOCK:
+            tok = _LOADED.get(key)
+            if tok is None:
+                tok = _LOADED[key] = cls._parse(path)
+        return tok
+
+    @classmethod
+    def _parse(cls, path: Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as _FastTokenizer  # lazy: keeps `import dsv4.chat` light
+
         try:
             backend = _FastTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception

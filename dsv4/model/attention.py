@@ -289,7 +289,8 @@ def sparse_attention(
         ids = idx[s : s + query_block]
         b = ids.shape[0]
         valid = ids >= 0
-        keys = tf[ids.clamp(min=0)] * valid[..., None]  # [b, L, d]
+        # a row gather (embedding) copies the same values 3-6x faster on CPU than 2-D advanced indexing
+        keys = torch.nn.functional.embedding(ids.clamp(min=0), tf).mul_(valid[..., None])  # [b, L, d]
         logits = torch.bmm(q[s : s + b].float(), keys.transpose(1, 2)) * scale  # [b, h, L]
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         full = torch.cat([sink_col.expand(b, h, 1), logits], dim=-1).double()

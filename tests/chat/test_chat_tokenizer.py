@@ -187,3 +187,23 @@ def test_missing_tokenizer_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError) as exc:
         tokmod.Tokenizer.from_file(tmp_path / "nope.json")
     assert str(tmp_path / "nope.json") in str(exc.value)
+
+
+def test_one_instance_per_file_until_the_file_changes(tmp_path):
+    """Engines in one process share the parsed tokenizer; a rewritten file is parsed again."""
+    import shutil
+
+    from dsv4.chat.tokenizer import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    shutil.copyfile(tokenizer_json_path(), path)
+    first = Tokenizer.from_file(path)
+    assert Tokenizer.from_file(path) is first
+    assert load_tokenizer(tmp_path) is first
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text + "\n", encoding="utf-8")  # a new size (and mtime): another file now
+    again = Tokenizer.from_file(path)
+    assert again is not first and again.encode("hello") == first.encode("hello")
+    path.write_text("{", encoding="utf-8")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_file(path)
