@@ -17,7 +17,8 @@ A step with speculation:
 
 A proposer is anything with ``propose(rows, streams)`` (``Proposer``): ``MTPProposer`` runs the
 checkpoint's MTP layer on the target's pre-hc_head streams, reusing the one layer for every draft
-past the first as vLLM does.
+past the first as vLLM does; ``DSparkProposer`` (the 0731 release) writes its stages' context KV
+from the target layers' stream means and drafts a whole block in one pass (``dsv4.model.dspark``).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Proposer(Protocol):
     num_speculative_tokens: int
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
-        """Set ``req.drafts`` of every row that wants drafts; ``streams``: the step's pre-hc_head
-        streams [T, hc, H] (all rows)."""
+        """Set ``req.drafts`` of every row that wants drafts; ``streams``: what the runner kept of
+        the step's forward for the proposer, all rows (MTP: the pre-hc_head streams [T, hc, H];
+        DSpark: the target layers' stream means [T, n·H])."""
 
 
 @dataclass
@@ -148,6 +150,15 @@ def draft_pick(sampler: Sampler, req: Request, logits: torch.Tensor) -> tuple[in
     return int(torch.multinomial(q, 1, generator=sampler.generator_of(req))), q
 
 
+def draft_picks(sampler: Sampler, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """Each request's draft from its logits row: greedy rows picked on the device in one batch."""
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    picked = greedy_picks(logits, greedy)
+    rest = [i for i in range(len(reqs)) if i not in picked]
+    host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+    return [(picked[i], None) if i in picked else draft_pick(sampler, r, host[i]) for i, r in enumerate(reqs)]
+
+
 class MTPProposer:
     """Drafts from the checkpoint's MTP layer (``ReferenceModel.mtp_forward``).
 
@@ -171,14 +182,6 @@ class MTPProposer:
         tables = StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
         with torch.no_grad():
             return self.model.mtp_forward(ids, streams, chunks, logits_rows=rows, tables=tables)
-
-    def _picks(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """Each request's draft from its logits row: greedy rows picked on the device in one batch."""
-        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        picked = greedy_picks(logits, greedy)
-        rest = [i for i in range(len(reqs)) if i not in picked]
-        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
-        return [(picked[i], None) if i in picked else draft_pick(self.sampler, r, host[i]) for i, r in enumerate(reqs)]
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         view = self.kv.view
@@ -206,7 +209,7 @@ class MTPProposer:
         active = list(range(len(want)))  # the requests still drafting; ``s`` and ``logits`` rows follow it
         s, logits = out.streams[torch.tensor(last, dtype=torch.long, device=streams.device)], out.logits
         for step in range(self.num_speculative_tokens):
-            for i, (tok, q) in zip(active, self._picks([want[i].req for i in active], logits)):
+            for i, (tok, q) in zip(active, draft_picks(self.sampler, [want[i].req for i in active], logits)):
                 drafts[i].tokens.append(tok)
                 if drafts[i].probs is not None:
                     drafts[i].probs.append(q)
@@ -220,5 +223,89 @@ class MTPProposer:
             out = self._forward([drafts[i].tokens[-1] for i in active], s[keep], chunks,
                                 [want[i].req.alloc for i in active], list(range(len(active))))
             s, logits = out.streams, out.logits
+        for r, d in zip(want, drafts):
+            r.req.drafts = d
+
+
+class DSparkProposer:
+    """Drafts from the checkpoint's DSpark stages (``dsv4.model.dspark``).
+
+    Every valid row of the step writes its position's context KV into each stage's window cache
+    (from the target layers' stream means at that row), so those caches hold exactly the verified
+    positions, as a run without rejections would; nothing else is written to them (the draft block's
+    own KV is not stored), so a rejection leaves nothing to roll back. A request that wants drafts
+    then gets one block ``[last token, noise × (k − 1)]`` at the positions after its context; its
+    k rows' logits, each with the Markov bias of the token before it (the last token, then each
+    draft), give the drafts in order. With the confidence head the drafts carry its acceptance
+    probabilities (``Drafts.confidence``), and ``min_confidence`` > 0 ends them before the first
+    draft below it.
+
+    The block always has ``num_speculative_tokens`` rows (non-causal attention makes a row depend on
+    the block's length): a request nearer its max_tokens keeps the first drafts."""
+
+    def __init__(self, model, kv, sampler: Sampler, num_speculative_tokens: int, min_confidence: float = 0.0):
+        drafter = model.dspark
+        if drafter is None:
+            raise ValueError("DSpark drafting needs a checkpoint with DSpark stages (config.json dspark_* fields)")
+        if min_confidence and not drafter.has_confidence:
+            raise ValueError(f"dspark_min_confidence={min_confidence}: the checkpoint has no confidence head "
+                             f"(mtp.{len(drafter.stages) - 1}.confidence_head.proj.weight)")
+        self.model, self.kv, self.sampler, self.drafter = model, kv, sampler, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_confidence = min_confidence
+        self.device = model.device
+
+    def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
+        view = self.kv.view
+        chunks, src, want = [], [], []
+        for r in rows:
+            c, n = r.chunk, r.num_valid
+            if n <= 0:
+                continue
+            chunks.append(SeqChunk(view(r.req.alloc), c.start, n))
+            src.extend(range(c.offset, c.offset + n))
+            if r.num_drafts:
+                want.append(r)
+        if not chunks:
+            return
+        with torch.no_grad():
+            self.model.dspark_context(streams[torch.tensor(src, dtype=torch.long, device=streams.device)], chunks)
+            if want:
+                self._draft(want)
+
+    def _draft(self, want: list[StepRows]) -> None:
+        k, dev = self.num_speculative_tokens, self.device
+        noise = self.drafter.noise_token_id
+        anchors = [r.req.token_slice(r.chunk.start + r.num_valid, r.chunk.start + r.num_valid + 1)[0] for r in want]
+        ids = torch.tensor([t for a in anchors for t in [a] + [noise] * (k - 1)], dtype=torch.long, device=dev)
+        blocks = [SeqChunk(self.kv.view(r.req.alloc), r.chunk.start + r.num_valid, k) for r in want]
+        logits, h = self.model.dspark_block(ids, blocks)
+        reqs = [r.req for r in want]
+        drafts = [Drafts([], None if q.params.greedy else [], [] if self.drafter.has_confidence else None)
+                  for q in reqs]
+        prev = torch.tensor(anchors, dtype=torch.long, device=dev)
+        active = list(range(len(want)))  # the requests still drafting
+        for i in range(k):
+            bias, e = self.drafter.markov(prev)
+            rows = torch.tensor([j * k + i for j in active], dtype=torch.long, device=dev)
+            conf = self.drafter.confidence(h[rows], e)
+            picks = draft_picks(self.sampler, [reqs[j] for j in active], logits[rows] + bias)
+            keep = []
+            for a, j in enumerate(active):
+                if conf is not None:
+                    c = float(conf[a])
+                    if c < self.min_confidence:
+                        continue  # (this draft and the rest dropped)
+                    drafts[j].confidence.append(c)
+                tok, q = picks[a]
+                drafts[j].tokens.append(tok)
+                if drafts[j].probs is not None:
+                    drafts[j].probs.append(q)
+                if want[j].num_drafts > i + 1:
+                    keep.append(a)
+            if not keep:
+                break
+            active = [active[a] for a in keep]
+            prev = torch.tensor([drafts[j].tokens[-1] for j in active], dtype=torch.long, device=dev)
         for r, d in zip(want, drafts):
             r.req.drafts = d

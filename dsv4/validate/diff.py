@@ -319,8 +319,8 @@ class Diff:
         for b in m.blocks:
             inner = b.attn.forward
 
-            def fwd(x, chunks, paged=None, _inner=inner, _layer=b.layer):
-                y = _inner(x, chunks, paged)
+            def fwd(x, chunks, *rest, _inner=inner, _layer=b.layer):
+                y = _inner(x, chunks, *rest)
                 name = f"layers.{_layer}.attn.out"
                 cap["decode"][name] = y.detach().float().cpu()
                 order.append(name)
