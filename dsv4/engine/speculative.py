@@ -56,16 +56,27 @@ class Proposer(Protocol):
         DSpark: the target layers' stream means [T, n·H])."""
 
 
+CONFIDENCE_CUTS = tuple(i / 20 for i in range(20))  # the thresholds SpecStats evaluates: 0, 0.05 … 0.95
+
+
 @dataclass
 class SpecStats:
-    """Counters with vLLM's meaning: a draft is one request's proposal for one step."""
+    """Counters with vLLM's meaning: a draft is one request's proposal for one step.
+
+    Drafts that carry confidences (DSpark's head) also feed, per threshold t of ``CONFIDENCE_CUTS``,
+    the tokens that would have been drafted and accepted had each draft ended before its first
+    confidence below t (``confidence_cuts``): exact, since whether the first n drafts are accepted
+    does not depend on the drafts after them."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_confident_drafts: int = 0
+    cut_draft_tokens: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_CUTS))
+    cut_accepted_tokens: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_CUTS))
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, confidence: list[float] | None = None) -> None:
         if not proposed:
             return
         self.num_drafts += 1
@@ -75,6 +86,22 @@ class SpecStats:
             self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        if confidence is not None and len(confidence) == proposed:
+            self.num_confident_drafts += 1
+            for j, t in enumerate(CONFIDENCE_CUTS):
+                n = next((i for i, c in enumerate(confidence) if c < t), proposed)
+                self.cut_draft_tokens[j] += n
+                self.cut_accepted_tokens[j] += min(n, accepted)
+
+    def confidence_cuts(self) -> list[tuple[float, float, float]]:
+        """Per threshold t: (t, draft tokens per step, tokens per step) over the drafts with
+        confidences, had they been cut at t — the verify work a cut saves against the tokens it
+        loses (t = 0: no cut; a step always adds one token of the target's own)."""
+        n = self.num_confident_drafts
+        if not n:
+            return []
+        return [(t, d / n, 1.0 + a / n) for t, d, a in zip(CONFIDENCE_CUTS, self.cut_draft_tokens,
+                                                            self.cut_accepted_tokens)]
 
     @property
     def acceptance_length(self) -> float:
@@ -92,7 +119,10 @@ class SpecStats:
         pos = [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
                for i, n in enumerate(self.accepted_per_position)]
         return SpecStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
-                         self.num_accepted_tokens - before.num_accepted_tokens, pos)
+                         self.num_accepted_tokens - before.num_accepted_tokens, pos,
+                         self.num_confident_drafts - before.num_confident_drafts,
+                         [a - b for a, b in zip(self.cut_draft_tokens, before.cut_draft_tokens)],
+                         [a - b for a, b in zip(self.cut_accepted_tokens, before.cut_accepted_tokens)])
 
 
 def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, vocab_size: int,
@@ -122,7 +152,7 @@ def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, v
         raise AssertionError("unreachable")
     finally:
         if stats is not None:
-            stats.record(d, accepted)
+            stats.record(d, accepted, drafts.confidence)
 
 
 def _judge(sampler: Sampler, req: Request, x: torch.Tensor, draft: int, q: torch.Tensor | None) -> int:

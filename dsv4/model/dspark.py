@@ -19,9 +19,21 @@ The checkpoint's ``mtp.0..S-1`` are S full SWA decoder blocks (layer indices ``n
 - **confidence head** (optional): ``sigmoid(proj([h_i ; markov_w1[prev]]))`` with ``h_i`` the
   row's ``hc_head`` output before the norm, the predicted chance that the draft is accepted.
 
-The context window of W = ``sliding_window`` positions is the DeepSeek reference's (a ring of
-``window`` context entries per stage); the block's KV is rounded like the cache's entries, as the
-reference quantizes it.
+Choices where the public sources leave a fact open (the most plausible reading of them):
+
+- the number of stages is the count of ``compress_ratios`` entries past the main layers (3 in
+  0731, whose ``num_nextn_predict_layers`` is 1); the stages are SWA-only with the main RoPE and
+  bias-routed MoE (never hash-routed), like the MTP layer;
+- the block has k = ``num_speculative_tokens`` rows, not ``dspark_block_size`` (non-causal
+  attention makes each row depend on the block's length);
+- the context window is the ``sliding_window`` positions before the anchor (DeepSeek's reference
+  keeps a ring of ``window`` context entries per stage);
+- the block's own KV is rounded like a cache entry (the reference quantizes it) but not stored;
+- ``markov_w2`` is stored as the [V, r] weight of a linear from r to V (the loaders read it as an
+  LM head of width r);
+- the confidence head reads ``hc_head``'s output before the final norm, and a ``proj.bias`` is
+  used when the checkpoint has one;
+- a layer's stream mean is taken in the compute dtype.
 """
 
 from __future__ import annotations

@@ -133,7 +133,11 @@ def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckp
     assert {rid: signature(o) for rid, o in got.items()} == {rid: signature(o) for rid, o in want.items()}
     lens = [len(t) for _, _, t, _ in records]
     assert 0 in lens and any(n > 0 for n in lens)  # the cut dropped whole drafts and kept others
-    assert eng.spec_stats.num_drafts > 0
+    st = eng.spec_stats
+    assert st.num_drafts > 0 and st.num_confident_drafts == st.num_drafts
+    cuts = st.confidence_cuts()  # no cut at t ≤ 0.5: the proposer's own cut came first
+    assert all(row[1:] == (st.num_draft_tokens / st.num_drafts, st.acceptance_length) for row in cuts if row[0] <= cut)
+    assert cuts[-1][1] < cuts[0][1]
     for tokens, wanted, toks, conf in records[::4]:
         ref_toks, ref_conf = reference_drafts(eng.model, tokens, k, cut)
         assert (toks, conf) == (ref_toks[:wanted], ref_conf[:wanted]), len(tokens)

@@ -203,3 +203,19 @@ def test_spec_stats():
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 7, 3)
     assert st.accepted_per_position == [2, 1, 0]
     assert st.acceptance_length == 2.0
+
+
+def test_spec_stats_confidence_cuts():
+    """What cutting each draft before its first confidence below t would have drafted and kept."""
+    st = SpecStats()
+    st.record(3, 1, [0.9, 0.4, 0.8])  # cut at 0.5: 1 drafted, 1 kept; at 0.95: nothing
+    st.record(2, 2, [0.6, 0.7])  # cut at 0.65: nothing
+    st.record(2, 0)  # no confidences: not in the table
+    rows = {round(t, 2): (d, n) for t, d, n in st.confidence_cuts()}
+    assert st.num_confident_drafts == 2
+    assert rows[0.0] == (2.5, 2.5) and rows[0.4] == (2.5, 2.5)
+    assert rows[0.45] == (1.5, 2.5) and rows[0.65] == (0.5, 1.5) and rows[0.95] == (0.0, 1.0)
+    before = st.since(SpecStats())  # a copy
+    st.record(1, 1, [0.99])
+    new = st.since(before)
+    assert new.num_confident_drafts == 1 and new.confidence_cuts()[-1][1:] == (1.0, 2.0)
