@@ -142,17 +142,15 @@ PRESETS = {"tiny": TINY_OVERRIDES, "tiny-dspark": TINY_DSPARK_OVERRIDES, "flash-
            "flash": {}, "flash-0731": FLASH_0731_OVERRIDES}
 
 
-def _ratios_for(preset: str, n_layers: int) -> list[int]:
-    if preset == "tiny-dspark":
-        return _ratios_for("tiny", n_layers)[:-1] + [0, 0, 0]
-    if preset == "tiny":
+def _ratios_for(preset: str, n_layers: int, n_extra: int) -> list[int]:
+    if preset.startswith("tiny"):
         base = [0, 4, 128, 4]
         body = (base + [128, 4] * n_layers)[:n_layers]
     elif preset == "flash-width":
         body = ([4, 128] * n_layers)[:n_layers]
     else:
         body = ([0, 0] + [4, 128] * n_layers)[:n_layers]
-    return body + [0]
+    return body + [0] * n_extra  # the MTP layer, or the DSpark stages
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -177,8 +175,9 @@ def build_config(
     cfg = copy.deepcopy(REFERENCE_CONFIG)
     cfg.update(copy.deepcopy(PRESETS[preset]))
     if layers is not None:
+        n_extra = len(cfg["compress_ratios"]) - cfg["num_hidden_layers"]
         cfg["num_hidden_layers"] = layers
-        cfg["compress_ratios"] = _ratios_for(preset, layers)
+        cfg["compress_ratios"] = _ratios_for(preset, layers, n_extra)
         cfg["num_hash_layers"] = min(cfg["num_hash_layers"], layers)
         if "dspark_target_layer_ids" in cfg:  # the last layers, as in the release
             cfg["dspark_target_layer_ids"] = list(range(max(0, layers - 3), layers))

@@ -232,7 +232,7 @@ class Diff:
         g = torch.Generator().manual_seed(self.o.seed + 7)
         pos = torch.arange(n, device=m.device)
         stage = f"cache round trip ({side.name})"
-        layers = list(range(cfg.num_hidden_layers + cfg.num_mtp_layers))
+        layers = list(range(cfg.num_hidden_layers + cfg.num_draft_layers))
         for layer in layers:
             x = (torch.randn(n, cfg.head_dim, generator=g) * 2).to(m.device)
             view.write_kv(layer, pos, x.to(m.dtype))

@@ -108,3 +108,14 @@ def test_a_missing_dspark_field_is_named(flash_0731_dict):
     del d["dspark_markov_rank"]
     with pytest.raises(ConfigError, match="DSpark field 'dspark_markov_rank' is missing"):
         config_from_dict(d)
+
+
+def test_presets_follow_the_release(flash_0731_dict):
+    """flash-0731 is the release's config.json; a DSpark preset cut to fewer layers keeps its three
+    stages and takes its target layers from the last ones."""
+    from dsv4.checkpoint.synthetic import build_config
+
+    assert build_config("flash-0731") == flash_0731_dict
+    for preset in ("tiny-dspark", "flash-0731"):
+        c = config_from_dict(build_config(preset, layers=6))
+        assert (c.num_dspark_stages, c.dspark_target_layer_ids, c.num_hidden_layers) == (3, (3, 4, 5), 6)
