@@ -319,23 +319,24 @@ class DSparkProposer:
             bias, e = self.drafter.markov(prev)
             rows = torch.tensor([j * k + i for j in active], dtype=torch.long, device=dev)
             conf = self.drafter.confidence(h[rows], e)
-            picks = draft_picks(self.sampler, [reqs[j] for j in active], logits[rows] + bias)
+            sel = list(range(len(active)))
+            if conf is not None:
+                conf = conf.tolist()
+                sel = [a for a in sel if conf[a] >= self.min_confidence]  # the others end here
+            picks = draft_picks(self.sampler, [reqs[active[a]] for a in sel], (logits[rows] + bias)[sel]) if sel else []
             keep = []
-            for a, j in enumerate(active):
-                if conf is not None:
-                    c = float(conf[a])
-                    if c < self.min_confidence:
-                        continue  # (this draft and the rest dropped)
-                    drafts[j].confidence.append(c)
-                tok, q = picks[a]
-                drafts[j].tokens.append(tok)
-                if drafts[j].probs is not None:
-                    drafts[j].probs.append(q)
-                if want[j].num_drafts > i + 1:
-                    keep.append(a)
+            for a, (tok, q) in zip(sel, picks):
+                d = drafts[active[a]]
+                d.tokens.append(tok)
+                if d.probs is not None:
+                    d.probs.append(q)
+                if d.confidence is not None:
+                    d.confidence.append(conf[a])
+                if want[active[a]].num_drafts > i + 1:
+                    keep.append(active[a])
             if not keep:
                 break
-            active = [active[a] for a in keep]
+            active = keep
             prev = torch.tensor([drafts[j].tokens[-1] for j in active], dtype=torch.long, device=dev)
         for r, d in zip(want, drafts):
             r.req.drafts = d
