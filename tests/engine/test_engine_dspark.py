@@ -66,6 +66,27 @@ def reference_drafts(model, tokens: list[int], k: int, min_confidence: float) ->
     return toks, conf
 
 
+def record_drafts(eng) -> list:
+    """Wrap the engine's proposer: every proposal's (tokens so far, drafts wanted, drafts, confidences)."""
+    propose, records = eng.proposer.propose, []
+
+    def recording(rows, streams):
+        propose(rows, streams)
+        for r in rows:
+            if r.num_drafts:
+                d = r.req.drafts
+                records.append((r.req.all_token_ids, r.num_drafts, list(d.tokens), list(d.confidence or [])))
+
+    eng.proposer.propose = recording
+    return records
+
+
+def assert_drafts_match_the_models_pass(model, records, k: int, cut: float, every: int) -> None:
+    for tokens, wanted, toks, conf in records[::every]:
+        ref_toks, ref_conf = reference_drafts(model, tokens, k, cut)
+        assert (toks, conf) == (ref_toks[:wanted], ref_conf[:wanted]), len(tokens)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return prompts_for(37, LENGTHS)
@@ -118,16 +139,7 @@ def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckp
     spec = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256,
                     speculative_config=dspark(k, dspark_min_confidence=cut))
     eng = spec.engine
-    propose, records = eng.proposer.propose, []
-
-    def recording(rows, streams):
-        propose(rows, streams)
-        for r in rows:
-            if r.num_drafts:
-                d = r.req.drafts
-                records.append((r.req.all_token_ids, r.num_drafts, list(d.tokens), list(d.confidence)))
-
-    eng.proposer.propose = recording
+    records = record_drafts(eng)
     want = run(base, ps, greedy(12))
     got = run(spec, ps, greedy(12))
     assert {rid: signature(o) for rid, o in got.items()} == {rid: signature(o) for rid, o in want.items()}
@@ -138,10 +150,30 @@ def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckp
     cuts = st.confidence_cuts()  # no cut at t ≤ 0.5: the proposer's own cut came first
     assert all(row[1:] == (st.num_draft_tokens / st.num_drafts, st.acceptance_length) for row in cuts if row[0] <= cut)
     assert cuts[-1][1] < cuts[0][1]
-    for tokens, wanted, toks, conf in records[::4]:
-        ref_toks, ref_conf = reference_drafts(eng.model, tokens, k, cut)
-        assert (toks, conf) == (ref_toks[:wanted], ref_conf[:wanted]), len(tokens)
-        assert all(cut <= c < 1 for c in conf)
+    assert all(cut <= c < 1 for _, _, _, conf in records for c in conf)
+    assert_drafts_match_the_models_pass(eng.model, records, k, cut, every=4)
+    assert_no_leaks(spec)
+
+
+def test_prefix_hits_and_chunked_prefill(tiny_dspark_ckpt):
+    """A prefix-cache hit (its last block recomputed, so the stages' windows before the anchor are
+    written again) and prefill in 100-token chunks: the tokens are those without speculation and the
+    drafts those of the model's pass over the whole sequence."""
+    k = 3
+    shared = prompts_for(41, [520])[0]
+    ps = [shared + q for q in prompts_for(42, [7, 20])]
+    kw = dict(max_model_len=1024, max_num_batched_tokens=100, max_num_seqs=4)
+    base = make_llm(tiny_dspark_ckpt, "auto", **kw)
+    spec = make_llm(tiny_dspark_ckpt, "auto", speculative_config=dspark(k), **kw)
+    records = record_drafts(spec.engine)
+    runs = {}
+    for name, llm in (("base", base), ("spec", spec)):  # the first prompt's two blocks cached, then hit
+        outs = llm.generate({"prompt_token_ids": ps[0]}, greedy(6))
+        outs += llm.generate({"prompt_token_ids": ps[1]}, greedy(6))
+        runs[name] = [signature(o) for o in outs]
+    assert runs["spec"] == runs["base"]
+    assert spec.engine.kv.hits == 256 and base.engine.kv.hits == 512  # one block fewer: recomputed
+    assert_drafts_match_the_models_pass(spec.engine.model, records, k, 0.0, every=3)
     assert_no_leaks(spec)
 
 
