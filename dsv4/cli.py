@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")
-    m.add_argument("--preset", choices=["tiny", "flash-width", "flash"], default="tiny")
+    m.add_argument("--preset", choices=["tiny", "tiny-dspark", "flash-width", "flash", "flash-0731"], default="tiny")
     m.add_argument("--out", required=True)
     m.add_argument("--layers", type=int, default=None)
     m.add_argument("--seed", type=int, default=0)

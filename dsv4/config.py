@@ -154,6 +154,32 @@ class ModelConfig:
     def is_dspark(self) -> bool:
         return bool(self.dspark)
 
+    @property
+    def num_dspark_stages(self) -> int:
+        """DSpark draft layers (``mtp.0..``): the ``compress_ratios`` entries past the main stack."""
+        return len(self.mtp_compress_ratios) if self.is_dspark else 0
+
+    @property
+    def num_draft_layers(self) -> int:
+        """SWA-only layers past the main stack that keep a window cache (classic MTP or DSpark)."""
+        return self.num_mtp_layers + self.num_dspark_stages
+
+    @property
+    def dspark_block_size(self) -> int:
+        return int(self.dspark.get("dspark_block_size", 0))
+
+    @property
+    def dspark_noise_token_id(self) -> int:
+        return int(self.dspark.get("dspark_noise_token_id", 0))
+
+    @property
+    def dspark_target_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.dspark.get("dspark_target_layer_ids", ()))
+
+    @property
+    def dspark_markov_rank(self) -> int:
+        return int(self.dspark.get("dspark_markov_rank", 0))
+
     def layer_type(self, layer: int) -> LayerType:
         if layer >= self.num_hidden_layers:  # MTP / DSpark layers are sliding-window only
             return LayerType.SWA
@@ -225,6 +251,33 @@ def _get(d: dict, key: str, kind: type | tuple, default: Any = ...) -> Any:
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise ConfigError(f"config.json: field '{key}' must be {getattr(kind, '__name__', kind)}, found {v!r}")
     return v
+
+
+_DSPARK_REQUIRED = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+
+
+def _check_dspark(d: dict[str, Any], n_layers: int, vocab: int, n_stages: int) -> None:
+    """A DSpark config (any ``dspark_*`` field) has all four fields, each in range, and its stages
+    as ``compress_ratios`` entries past the main layers."""
+    for k in _DSPARK_REQUIRED:
+        if k not in d:
+            raise ConfigError(f"config.json: DSpark field '{k}' is missing (the config has "
+                              f"{sorted(k2 for k2 in d if k2.startswith('dspark_'))})")
+    for k in ("dspark_block_size", "dspark_markov_rank"):
+        if _get(d, k, int) <= 0:
+            raise ConfigError(f"config.json: field '{k}' must be positive, found {d[k]}")
+    noise = _get(d, "dspark_noise_token_id", int)
+    if not 0 <= noise < vocab:
+        raise ConfigError(f"config.json: field 'dspark_noise_token_id' ({noise}) must be a token id below "
+                          f"vocab_size ({vocab})")
+    ids = d["dspark_target_layer_ids"]
+    if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or not all(0 <= i < n_layers for i in ids)):
+        raise ConfigError(f"config.json: field 'dspark_target_layer_ids' must be a non-empty list of layer ids "
+                          f"in 0..{n_layers - 1}, found {ids!r}")
+    if n_stages == 0:
+        raise ConfigError("config.json: DSpark fields are set but 'compress_ratios' has no entries past "
+                          f"num_hidden_layers ({n_layers}): no DSpark stages")
 
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
@@ -360,6 +413,8 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
                 )
 
     dspark = {k: v for k, v in d.items() if k.startswith("dspark_")}
+    if dspark:
+        _check_dspark(d, n_layers, ints["vocab_size"], len(extra))
     return ModelConfig(
         **ints,
         compress_ratios=tuple(ratios[:n_layers]),

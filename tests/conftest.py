@@ -38,6 +38,15 @@ def tiny_ckpt_fp8_experts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_dspark_ckpt(tmp_path_factory):
+    """tiny-dspark (the 0731 layout: three DSpark stages drafting from layers 1-3, the confidence
+    head) with an 8-token vocabulary: drafts and target picks overlap often enough for the
+    distribution test, and it is written in about a second."""
+    return _make(tmp_path_factory, "tiny_dspark", preset="tiny-dspark",
+                 overrides={"vocab_size": 8, "dspark_noise_token_id": 7})
+
+
+@pytest.fixture(scope="session")
 def tiny_model_auto(tiny_ckpt):
     import torch
 

@@ -14,11 +14,13 @@ TOL = 0.05  # nats
 def greedy_run(ckpt, lengths, new: int, seed: int, **settings):
     """An LLM on ``ckpt`` (``settings`` added) and its greedy outputs (top-2 logprobs) for random
     prompts of ``lengths``."""
+    from dsv4.config import load_config
     from dsv4.engine.sampling_params import SamplingParams
     from dsv4.llm import LLM
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in lengths]
+    hi = min(120000, load_config(ckpt).vocab_size)  # (ids 0-2: BOS, EOS and a spare)
+    prompts = [torch.randint(3, hi, (n,), generator=g).tolist() for n in lengths]
     llm = LLM(str(ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024, kv_cache_memory=1 << 30,
               max_num_seqs=16, max_num_batched_tokens=512, **settings)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2))

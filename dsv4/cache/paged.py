@@ -1,7 +1,7 @@
 """Preallocated paged caches for every cache kind, and a per-request view the model reads through.
 
 Units (one id space each, shared by all layers, as in vLLM):
-- a **SWA page** = 64 raw tokens of every layer's sliding-window KV (the MTP layer's too);
+- a **SWA page** = 64 raw tokens of every layer's sliding-window KV (the MTP layer's or the DSpark stages' too);
 - a **block** = 256 raw tokens: per CSA layer a compressed page (64 entries) and an indexer page
   (64 keys), per HCA layer a compressed page (2 entries), and per CSA layer the compressor rows
   of the block's last 4 tokens (the overlap state a prefix-cache hit at the block end needs).
@@ -69,7 +69,7 @@ def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype) ->
     """Bytes of one block, one SWA page and one state slot over all layers."""
     elt = torch.tensor([], dtype=dtype).element_size()
     q = numerics.quantized
-    n_swa_layers = cfg.num_hidden_layers + cfg.num_mtp_layers
+    n_swa_layers = cfg.num_hidden_layers + cfg.num_draft_layers
     swa = n_swa_layers * (page_stride(SWA_PAGE) if q else SWA_PAGE * cfg.head_dim * elt)
     blk = slot = 0
     for layer in range(cfg.num_hidden_layers):
@@ -115,7 +115,7 @@ class PagedKVCache:
         self.cfg, self.numerics, self.budget, self.dtype = cfg, numerics, budget, dtype
         self.device = torch.device(device)
         q = numerics.quantized
-        nl = cfg.num_hidden_layers + cfg.num_mtp_layers
+        nl = cfg.num_hidden_layers + cfg.num_draft_layers
         # one spare page past the pool's pages: batched writers send masked-out rows there
         # instead of branching on the host (dsv4.engine.paged_attention)
         P, B, S = budget.num_swa_pages + 1, budget.num_blocks + 1, budget.num_slots

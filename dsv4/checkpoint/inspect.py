@@ -37,7 +37,8 @@ def inspect_checkpoint(model_dir: str | Path, check_values: bool = True, progres
         f"rope: main θ={c.rope_main.theta:g}; compress θ={c.rope_compress.theta:g} "
         f"YaRN ×{c.rope_compress.yarn_factor:g} (orig {c.rope_compress.original_max_position}, "
         f"β {c.rope_compress.beta_fast:g}/{c.rope_compress.beta_slow:g})",
-        f"mtp: {c.num_mtp_layers} layer(s)" + (f"; DSpark fields {sorted(c.dspark)}" if c.is_dspark else ""),
+        f"mtp: {c.num_mtp_layers} layer(s)"
+        + (f"; DSpark: {c.num_dspark_stages} stage(s), fields {sorted(c.dspark)}" if c.is_dspark else ""),
         f"layer schedule: {c.schedule_summary()}",
     ]
     counts = Counter(t.value for t in c.layer_types)

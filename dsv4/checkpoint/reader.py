@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from ..config import ModelConfig, load_config
-from .schema import TensorSpec, expected_tensors, ignored_prefixes
+from .schema import TensorSpec, expected_tensors, optional_tensors
 
 DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2,
                "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
@@ -170,6 +170,7 @@ class Checkpoint:
                 if name not in self.weight_map:
                     raise CheckpointError(f"tensor '{name}' in {e.file.name} is not listed in {INDEX_FILE}")
         self.specs = expected_tensors(self.config)
+        self.specs.update({n: s for n, s in optional_tensors(self.config).items() if n in self.entries})
         self._handles: dict[Path, object] = {}
         if validate:
             self.validate()
@@ -189,9 +190,8 @@ class Checkpoint:
                 out.append(
                     f"tensor '{name}' in {e.file.name}: shape expected {list(spec.shape)}, found {list(e.shape)}"
                 )
-        skip = ignored_prefixes(self.config)
         for name, e in self.entries.items():
-            if name not in self.specs and not name.startswith(skip):
+            if name not in self.specs:
                 out.append(
                     f"unexpected tensor '{name}' in {e.file.name} ({e.dtype}{list(e.shape)}): not in the config's "
                     "inventory"

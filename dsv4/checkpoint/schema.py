@@ -4,6 +4,14 @@ The reader validates files against it and the synthetic generator writes exactly
 two can never disagree about the format. Key names are the original DeepSeek ones
 (``layers.N.attn.wq_a.weight``, ``ffn.experts.E.w1.scale``, ``mtp.0.e_proj.weight`` …).
 For the full Flash config this yields 69,187 tensors, the count of the published index.
+
+A DSpark config (0731) holds its drafter under the same ``mtp.`` namespace: stage m is a full
+SWA block ``mtp.m.*`` at layer index ``num_hidden_layers + m``; stage 0 adds the context
+projection ``main_proj`` (FP8, [H, n_target·H]) and ``main_norm``; the last stage adds the head
+(``norm``, ``hc_head_*``), the Markov head ``markov_head.markov_w1`` (the previous token's
+embedding, [V, r]) and ``markov_head.markov_w2`` (a [V, r] linear back to the vocabulary), both BF16,
+and, optionally, ``confidence_head.proj`` ([1, H + r]). These names and placements are the ones the
+public DSpark loaders (vLLM, SGLang) read from the release; a shape is the one its use implies.
 """
 
 from __future__ import annotations
@@ -141,6 +149,32 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
         b.fp8_linear(f"{p}.h_proj", h, h)
         b.hc(f"{p}.hc_head", cfg.hc_mult)
         b.norm(f"{p}.norm.weight", h)
+    n = cfg.num_dspark_stages
+    for m in range(n):
+        p = f"mtp.{m}"
+        b.block(p, cfg.num_hidden_layers + m)
+        if m == 0:
+            b.fp8_linear(f"{p}.main_proj", h, len(cfg.dspark_target_layer_ids) * h)
+            b.norm(f"{p}.main_norm.weight", h)
+        if m == n - 1:
+            b.norm(f"{p}.norm.weight", h)
+            b.hc(f"{p}.hc_head", cfg.hc_mult)
+            r = cfg.dspark_markov_rank
+            b.add(f"{p}.markov_head.markov_w1.weight", (cfg.vocab_size, r), FLOATS, "dense")
+            b.add(f"{p}.markov_head.markov_w2.weight", (cfg.vocab_size, r), FLOATS, "dense")
+    return b.specs
+
+
+def optional_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Tensors a checkpoint may hold or leave out (validated when present): DSpark's confidence
+    head, which not every DSpark release ships."""
+    n = cfg.num_dspark_stages
+    if not n:
+        return {}
+    b = _Builder(cfg)
+    p = f"mtp.{n - 1}.confidence_head.proj"
+    b.add(f"{p}.weight", (1, cfg.hidden_size + cfg.dspark_markov_rank), FLOATS, "dense")
+    b.add(f"{p}.bias", (1,), FLOATS, "dense")
     return b.specs
 
 
@@ -150,8 +184,3 @@ def layer_of(name: str) -> str:
     if parts[0] in ("layers", "mtp") and len(parts) > 1:
         return f"{parts[0]}.{parts[1]}"
     return "globals"
-
-
-def ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
-    """Keys the reader accepts without validating (the DSpark stages of the 0731 release)."""
-    return ("mtp.",) if cfg.is_dspark else ()

@@ -22,7 +22,7 @@ import torch
 from ..config import config_from_dict
 from ..formats import quantize_block_fp8, quantize_mxfp4
 from .reader import INDEX_FILE
-from .schema import TensorSpec, expected_tensors
+from .schema import TensorSpec, expected_tensors, optional_tensors
 
 REFERENCE_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -114,18 +114,43 @@ FLASH_WIDTH_OVERRIDES: dict[str, Any] = {
     "compress_ratios": [4, 128, 4, 128, 0],
 }
 
-PRESETS = {"tiny": TINY_OVERRIDES, "flash-width": FLASH_WIDTH_OVERRIDES, "flash": {}}
+# tiny-dspark: the 0731 layout on the tiny model — three DSpark stages (three more compress_ratios
+# entries, num_nextn_predict_layers 1 as in the release), target layers inside its depth, a small
+# Markov rank; the release's block size and noise token.
+DSPARK_TINY_FIELDS: dict[str, Any] = {
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [1, 2, 3],
+    "dspark_markov_rank": 32,
+}
+TINY_DSPARK_OVERRIDES: dict[str, Any] = {
+    **TINY_OVERRIDES,
+    "compress_ratios": [0, 4, 128, 4, 0, 0, 0],
+    **DSPARK_TINY_FIELDS,
+}
+
+# flash-0731: the 0731 release's config (DeepSeek-V4-Flash-0731: the 0423 one plus DSpark)
+FLASH_0731_OVERRIDES: dict[str, Any] = {
+    "compress_ratios": REFERENCE_CONFIG["compress_ratios"] + [0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+
+PRESETS = {"tiny": TINY_OVERRIDES, "tiny-dspark": TINY_DSPARK_OVERRIDES, "flash-width": FLASH_WIDTH_OVERRIDES,
+           "flash": {}, "flash-0731": FLASH_0731_OVERRIDES}
 
 
-def _ratios_for(preset: str, n_layers: int) -> list[int]:
-    if preset == "tiny":
+def _ratios_for(preset: str, n_layers: int, n_extra: int) -> list[int]:
+    if preset.startswith("tiny"):
         base = [0, 4, 128, 4]
         body = (base + [128, 4] * n_layers)[:n_layers]
     elif preset == "flash-width":
         body = ([4, 128] * n_layers)[:n_layers]
     else:
         body = ([0, 0] + [4, 128] * n_layers)[:n_layers]
-    return body + [0]
+    return body + [0] * n_extra  # the MTP layer, or the DSpark stages
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -150,9 +175,12 @@ def build_config(
     cfg = copy.deepcopy(REFERENCE_CONFIG)
     cfg.update(copy.deepcopy(PRESETS[preset]))
     if layers is not None:
+        n_extra = len(cfg["compress_ratios"]) - cfg["num_hidden_layers"]
         cfg["num_hidden_layers"] = layers
-        cfg["compress_ratios"] = _ratios_for(preset, layers)
+        cfg["compress_ratios"] = _ratios_for(preset, layers, n_extra)
         cfg["num_hash_layers"] = min(cfg["num_hash_layers"], layers)
+        if "dspark_target_layer_ids" in cfg:  # the last layers, as in the release
+            cfg["dspark_target_layer_ids"] = list(range(max(0, layers - 3), layers))
     if expert_dtype == "fp8":  # the Base release: FP8 experts, float32 block scales, no expert_dtype
         cfg.pop("expert_dtype", None)
         cfg["quantization_config"].pop("scale_fmt", None)
@@ -250,7 +278,9 @@ def write_checkpoint(
     cfg_dict = build_config(preset, layers, expert_dtype, overrides)
     cfg = config_from_dict(cfg_dict)
     specs = expected_tensors(cfg)
-    if preset == "tiny":
+    opt = optional_tensors(cfg)  # the confidence head's weight (a bias is accepted, not written)
+    specs.update({n: sp for n, sp in opt.items() if n.endswith(".weight")})
+    if preset.startswith("tiny"):
         shard_bytes = min(shard_bytes, 64 << 20)  # several shards even for tiny: exercises the index
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
 

@@ -31,7 +31,7 @@ from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .settings import EngineConfig
-from .speculative import MTPProposer, SpecStats, StepRows, verify
+from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify
 from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
@@ -77,12 +77,21 @@ def _load_tokenizer(config: EngineConfig):
     return load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
 
 
-def _check_mtp_layer(cfg, speculative_config) -> None:
-    """MTP drafting needs the checkpoint's classic MTP layer."""
+def _check_draft_model(cfg, spec, speculative_config) -> None:
+    """MTP drafting needs the checkpoint's classic MTP layer; DSpark its DSpark stages and k within
+    their block."""
+    if spec.method == "dspark":
+        if not cfg.is_dspark:
+            raise ValueError(f"speculative_config={speculative_config!r}: the checkpoint has no DSpark stages "
+                             "(config.json has no dspark_* fields); its mtp.* layer is drafted with method 'mtp'")
+        if spec.num_speculative_tokens > cfg.dspark_block_size:
+            raise ValueError(f"speculative_config={speculative_config!r}: num_speculative_tokens="
+                             f"{spec.num_speculative_tokens} exceeds the checkpoint's dspark_block_size "
+                             f"({cfg.dspark_block_size})")
+        return
     if cfg.is_dspark:
         raise ValueError(f"speculative_config={speculative_config!r}: this checkpoint's mtp.* layers are DSpark "
-                         "drafter stages (the 0731 release), not a classic MTP layer; DSpark drafting is not "
-                         "implemented")
+                         "drafter stages (the 0731 release), not a classic MTP layer; use method 'dspark'")
     if cfg.num_mtp_layers == 0:
         raise ValueError(f"speculative_config={speculative_config!r}: the checkpoint has no MTP layer "
                          "(config.json num_nextn_predict_layers is 0: no mtp.0.* tensors)")
@@ -175,11 +184,13 @@ class LLMEngine:
             executor.start_caches(budget, numerics, self.kv)  # transfers are mirrored
         spec = config.speculative
         if spec is not None:
-            _check_mtp_layer(cfg, config.speculative_config)
+            _check_draft_model(cfg, spec, config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.long_prefill_token_threshold, recompute_last_hit_block=spec is not None)
         paged = self.ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
-        self.runner = ModelRunner(self.model, self.kv, paged, keep_streams=spec is not None)
+        dspark = spec is not None and spec.method == "dspark"
+        self.runner = ModelRunner(self.model, self.kv, paged, keep_streams=spec is not None,
+                                  aux_layers=cfg.dspark_target_layer_ids if dspark else ())
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
         if (device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
@@ -192,8 +203,12 @@ class LLMEngine:
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
         self.grammars = GrammarCompiler(tok, cfg.vocab_size, cfg.eos_token_id)
         self.spec_stats = SpecStats()
-        self.proposer = None if spec is None else MTPProposer(self.model, self.kv, self.sampler,
-                                                              spec.num_speculative_tokens, paged)
+        self.proposer = None
+        if dspark:
+            self.proposer = DSparkProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens,
+                                           spec.dspark_min_confidence)
+        elif spec is not None:
+            self.proposer = MTPProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens, paged)
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read

@@ -16,10 +16,12 @@ from .sampling_params import SamplingParams
 @dataclass
 class Drafts:
     """A request's proposed next tokens and, for a sampled request, the distribution each was drawn
-    from (``q`` of the rejection rule; None when greedy)."""
+    from (``q`` of the rejection rule; None when greedy); with DSpark's confidence head, each
+    draft's predicted acceptance probability."""
 
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] | None = None
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -28,6 +30,8 @@ class Drafts:
         del self.tokens[n:]
         if self.probs is not None:
             del self.probs[n:]
+        if self.confidence is not None:
+            del self.confidence[n:]
 
 
 class Status(enum.Enum):

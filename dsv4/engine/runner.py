@@ -42,17 +42,21 @@ class StepBatch:
     # speculative decoding: schedule index → drafts in its chunk (their rows follow its sample row);
     # those chunks' caches advance only once verification says by how much (``commit``)
     draft_counts: dict[int, int] = field(default_factory=dict)
-    streams: torch.Tensor | None = None  # the forward's pre-hc_head streams, when the runner keeps them
+    # the proposer's input, when the runner keeps it: the forward's pre-hc_head streams [T, hc, H], or
+    # with ``aux_layers`` those layers' stream means, concatenated [T, n·H]
+    streams: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False,
-                 keep_streams: bool = False):
+                 keep_streams: bool = False, aux_layers: tuple[int, ...] = ()):
         """``paged_attention``: build the step's page tables for the model's batched attention
         (``dsv4.model.paged_attention``); False keeps the reference's per-request attention.
-        ``keep_streams``: each batch keeps the forward's pre-hc_head streams (a proposer's input)."""
+        ``keep_streams``: each batch keeps the forward's pre-hc_head streams (a proposer's input),
+        or with ``aux_layers`` the stream means of those layers' outputs (DSpark's input)."""
         self.backend, self.kv = backend, kv
-        self.keep_streams = keep_streams
+        self.keep_streams = keep_streams or bool(aux_layers)
+        self.aux_layers = tuple(aux_layers)
         self.device = backend.device
         self.paged_attention = paged_attention
         self.graphs = None  # DecodeGraphs, when the engine captured CUDA graphs of the decode forward
@@ -140,6 +144,8 @@ class ModelRunner:
         if self.graphs is not None and not self.keep_streams and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         extra = {} if batch.tables is None else {"tables": batch.tables}
+        if self.aux_layers:
+            extra["aux_layers"] = self.aux_layers
         if batch.draft_counts:
             extra["advance"] = False
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
@@ -148,7 +154,7 @@ class ModelRunner:
                 if si not in batch.draft_counts:
                     c.cache.advance(c.length)
         if self.keep_streams:
-            batch.streams = out.streams
+            batch.streams = out.aux if self.aux_layers else out.streams
         return out.logits
 
     @staticmethod

@@ -32,18 +32,21 @@ def setting(default, help: str, *, choices=None, flag: str | None = None, aliase
     return field(default=default, metadata=meta)
 
 
-SPECULATIVE_METHODS = ("mtp",)
-MAX_SPECULATIVE_TOKENS = 4
+SPECULATIVE_METHODS = ("mtp", "dspark")
+MAX_SPECULATIVE_TOKENS = 4  # MTP; DSpark's bound is the checkpoint's dspark_block_size (checked at load)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``speculative_config`` checked: vLLM's keys, of which dsv4 reads ``method`` and
-    ``num_speculative_tokens`` (the single MTP layer is reused for drafts past the first, as vLLM
-    does)."""
+    ``num_speculative_tokens`` (MTP: the single MTP layer is reused for drafts past the first, as
+    vLLM does; DSpark: one block of k drafts, k ≤ the checkpoint's ``dspark_block_size``), and for
+    DSpark ``dspark_min_confidence``: drafts end before the first whose confidence head says a
+    lower acceptance probability (0, the default: never cut; needs the head)."""
 
     method: str
     num_speculative_tokens: int
+    dspark_min_confidence: float = 0.0
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -58,18 +61,25 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         method = value.get("method")
         if method not in SPECULATIVE_METHODS:
-            hint = " (DSpark drafting is not implemented)" if method == "dspark" else ""
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; got "
-                             f"{method!r}{hint}")
+                             f"{method!r}")
         k = value.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
-                             f"1..{MAX_SPECULATIVE_TOKENS}; got {k!r}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "model"})
+        top = MAX_SPECULATIVE_TOKENS if method == "mtp" else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (top is not None and k > top):
+            bound = f"1..{top}" if top else "1..dspark_block_size"
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in {bound}; got {k!r}")
+        keys = {"method", "num_speculative_tokens", "model"}
+        if method == "dspark":
+            keys.add("dspark_min_confidence")
+        unknown = sorted(set(value) - keys)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} (dsv4 reads "
-                             "method and num_speculative_tokens; the draft model is the checkpoint's MTP layer)")
-        return cls(method, k)
+                             f"{', '.join(sorted(keys - {'model'}))}; the draft model is the checkpoint's own "
+                             f"{'MTP layer' if method == 'mtp' else 'DSpark stages'})")
+        c = value.get("dspark_min_confidence", 0.0)
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
+            raise ValueError(f"speculative_config.dspark_min_confidence must be a number in [0, 1); got {c!r}")
+        return cls(method, k, float(c))
 
 
 @dataclass
@@ -135,7 +145,9 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps")
     speculative_config: dict | None = setting(None, "speculative decoding, as vLLM's JSON: "
                                               '\'{"method": "mtp", "num_speculative_tokens": 2}\' (the '
-                                              "checkpoint's MTP layer drafts 1-4 tokens a step)",
+                                              "checkpoint's MTP layer drafts 1-4 tokens a step) or "
+                                              '\'{"method": "dspark", "num_speculative_tokens": 5}\' (a 0731 '
+                                              "checkpoint's DSpark stages draft up to dspark_block_size tokens)",
                                               cli_type=json.loads)
     warm_up: bool | None = setting(None, "run every step shape once at start, so that no kernel is built in a "
                                    "request's path (default: on a GPU)")

@@ -17,7 +17,8 @@ A step with speculation:
 
 A proposer is anything with ``propose(rows, streams)`` (``Proposer``): ``MTPProposer`` runs the
 checkpoint's MTP layer on the target's pre-hc_head streams, reusing the one layer for every draft
-past the first as vLLM does.
+past the first as vLLM does; ``DSparkProposer`` (the 0731 release) writes its stages' context KV
+from the target layers' stream means and drafts a whole block in one pass (``dsv4.model.dspark``).
 """
 
 from __future__ import annotations
@@ -50,20 +51,32 @@ class Proposer(Protocol):
     num_speculative_tokens: int
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
-        """Set ``req.drafts`` of every row that wants drafts; ``streams``: the step's pre-hc_head
-        streams [T, hc, H] (all rows)."""
+        """Set ``req.drafts`` of every row that wants drafts; ``streams``: what the runner kept of
+        the step's forward for the proposer, all rows (MTP: the pre-hc_head streams [T, hc, H];
+        DSpark: the target layers' stream means [T, n·H])."""
+
+
+CONFIDENCE_CUTS = tuple(i / 20 for i in range(20))  # the thresholds SpecStats evaluates: 0, 0.05 … 0.95
 
 
 @dataclass
 class SpecStats:
-    """Counters with vLLM's meaning: a draft is one request's proposal for one step."""
+    """Counters with vLLM's meaning: a draft is one request's proposal for one step.
+
+    Drafts that carry confidences (DSpark's head) also feed, per threshold t of ``CONFIDENCE_CUTS``,
+    the tokens that would have been drafted and accepted had each draft ended before its first
+    confidence below t (``confidence_cuts``): exact, since whether the first n drafts are accepted
+    does not depend on the drafts after them."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_confident_drafts: int = 0
+    cut_draft_tokens: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_CUTS))
+    cut_accepted_tokens: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_CUTS))
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, confidence: list[float] | None = None) -> None:
         if not proposed:
             return
         self.num_drafts += 1
@@ -73,6 +86,22 @@ class SpecStats:
             self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        if confidence is not None and len(confidence) == proposed:
+            self.num_confident_drafts += 1
+            for j, t in enumerate(CONFIDENCE_CUTS):
+                n = next((i for i, c in enumerate(confidence) if c < t), proposed)
+                self.cut_draft_tokens[j] += n
+                self.cut_accepted_tokens[j] += min(n, accepted)
+
+    def confidence_cuts(self) -> list[tuple[float, float, float]]:
+        """Per threshold t: (t, draft tokens per step, tokens per step) over the drafts with
+        confidences, had they been cut at t — the verify work a cut saves against the tokens it
+        loses (t = 0: no cut; a step always adds one token of the target's own)."""
+        n = self.num_confident_drafts
+        if not n:
+            return []
+        return [(t, d / n, 1.0 + a / n) for t, d, a in zip(CONFIDENCE_CUTS, self.cut_draft_tokens,
+                                                            self.cut_accepted_tokens)]
 
     @property
     def acceptance_length(self) -> float:
@@ -90,7 +119,10 @@ class SpecStats:
         pos = [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
                for i, n in enumerate(self.accepted_per_position)]
         return SpecStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
-                         self.num_accepted_tokens - before.num_accepted_tokens, pos)
+                         self.num_accepted_tokens - before.num_accepted_tokens, pos,
+                         self.num_confident_drafts - before.num_confident_drafts,
+                         [a - b for a, b in zip(self.cut_draft_tokens, before.cut_draft_tokens)],
+                         [a - b for a, b in zip(self.cut_accepted_tokens, before.cut_accepted_tokens)])
 
 
 def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, vocab_size: int,
@@ -120,7 +152,7 @@ def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, v
         raise AssertionError("unreachable")
     finally:
         if stats is not None:
-            stats.record(d, accepted)
+            stats.record(d, accepted, drafts.confidence)
 
 
 def _judge(sampler: Sampler, req: Request, x: torch.Tensor, draft: int, q: torch.Tensor | None) -> int:
@@ -148,6 +180,15 @@ def draft_pick(sampler: Sampler, req: Request, logits: torch.Tensor) -> tuple[in
     return int(torch.multinomial(q, 1, generator=sampler.generator_of(req))), q
 
 
+def draft_picks(sampler: Sampler, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """Each request's draft from its logits row: greedy rows picked on the device in one batch."""
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    picked = greedy_picks(logits, greedy)
+    rest = [i for i in range(len(reqs)) if i not in picked]
+    host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+    return [(picked[i], None) if i in picked else draft_pick(sampler, r, host[i]) for i, r in enumerate(reqs)]
+
+
 class MTPProposer:
     """Drafts from the checkpoint's MTP layer (``ReferenceModel.mtp_forward``).
 
@@ -171,14 +212,6 @@ class MTPProposer:
         tables = StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
         with torch.no_grad():
             return self.model.mtp_forward(ids, streams, chunks, logits_rows=rows, tables=tables)
-
-    def _picks(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """Each request's draft from its logits row: greedy rows picked on the device in one batch."""
-        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        picked = greedy_picks(logits, greedy)
-        rest = [i for i in range(len(reqs)) if i not in picked]
-        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
-        return [(picked[i], None) if i in picked else draft_pick(self.sampler, r, host[i]) for i, r in enumerate(reqs)]
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         view = self.kv.view
@@ -206,7 +239,7 @@ class MTPProposer:
         active = list(range(len(want)))  # the requests still drafting; ``s`` and ``logits`` rows follow it
         s, logits = out.streams[torch.tensor(last, dtype=torch.long, device=streams.device)], out.logits
         for step in range(self.num_speculative_tokens):
-            for i, (tok, q) in zip(active, self._picks([want[i].req for i in active], logits)):
+            for i, (tok, q) in zip(active, draft_picks(self.sampler, [want[i].req for i in active], logits)):
                 drafts[i].tokens.append(tok)
                 if drafts[i].probs is not None:
                     drafts[i].probs.append(q)
@@ -220,5 +253,90 @@ class MTPProposer:
             out = self._forward([drafts[i].tokens[-1] for i in active], s[keep], chunks,
                                 [want[i].req.alloc for i in active], list(range(len(active))))
             s, logits = out.streams, out.logits
+        for r, d in zip(want, drafts):
+            r.req.drafts = d
+
+
+class DSparkProposer:
+    """Drafts from the checkpoint's DSpark stages (``dsv4.model.dspark``).
+
+    Every valid row of the step writes its position's context KV into each stage's window cache
+    (from the target layers' stream means at that row), so those caches hold exactly the verified
+    positions, as a run without rejections would; nothing else is written to them (the draft block's
+    own KV is not stored), so a rejection leaves nothing to roll back. A request that wants drafts
+    then gets one block ``[last token, noise × (k − 1)]`` at the positions after its context; its
+    k rows' logits, each with the Markov bias of the token before it (the last token, then each
+    draft), give the drafts in order. With the confidence head the drafts carry its acceptance
+    probabilities (``Drafts.confidence``), and ``min_confidence`` > 0 ends them before the first
+    draft below it.
+
+    The block always has ``num_speculative_tokens`` rows (non-causal attention makes a row depend on
+    the block's length): a request nearer its max_tokens keeps the first drafts."""
+
+    def __init__(self, model, kv, sampler: Sampler, num_speculative_tokens: int, min_confidence: float = 0.0):
+        drafter = model.dspark
+        if drafter is None:
+            raise ValueError("DSpark drafting needs a checkpoint with DSpark stages (config.json dspark_* fields)")
+        if min_confidence and not drafter.has_confidence:
+            raise ValueError(f"dspark_min_confidence={min_confidence}: the checkpoint has no confidence head "
+                             f"(mtp.{len(drafter.stages) - 1}.confidence_head.proj.weight)")
+        self.model, self.kv, self.sampler, self.drafter = model, kv, sampler, drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_confidence = min_confidence
+        self.device = model.device
+
+    def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
+        view = self.kv.view
+        chunks, src, want = [], [], []
+        for r in rows:
+            c, n = r.chunk, r.num_valid
+            if n <= 0:
+                continue
+            chunks.append(SeqChunk(view(r.req.alloc), c.start, n))
+            src.extend(range(c.offset, c.offset + n))
+            if r.num_drafts:
+                want.append(r)
+        if not chunks:
+            return
+        with torch.no_grad():
+            self.model.dspark_context(streams[torch.tensor(src, dtype=torch.long, device=streams.device)], chunks)
+            if want:
+                self._draft(want)
+
+    def _draft(self, want: list[StepRows]) -> None:
+        k, dev = self.num_speculative_tokens, self.device
+        noise = self.drafter.noise_token_id
+        anchors = [r.req.token_slice(r.chunk.start + r.num_valid, r.chunk.start + r.num_valid + 1)[0] for r in want]
+        ids = torch.tensor([t for a in anchors for t in [a] + [noise] * (k - 1)], dtype=torch.long, device=dev)
+        blocks = [SeqChunk(self.kv.view(r.req.alloc), r.chunk.start + r.num_valid, k) for r in want]
+        logits, h = self.model.dspark_block(ids, blocks)
+        reqs = [r.req for r in want]
+        drafts = [Drafts([], None if q.params.greedy else [], [] if self.drafter.has_confidence else None)
+                  for q in reqs]
+        prev = torch.tensor(anchors, dtype=torch.long, device=dev)
+        active = list(range(len(want)))  # the requests still drafting
+        for i in range(k):
+            bias, e = self.drafter.markov(prev)
+            rows = torch.tensor([j * k + i for j in active], dtype=torch.long, device=dev)
+            conf = self.drafter.confidence(h[rows], e)
+            sel = list(range(len(active)))
+            if conf is not None:
+                conf = conf.tolist()
+                sel = [a for a in sel if conf[a] >= self.min_confidence]  # the others end here
+            picks = draft_picks(self.sampler, [reqs[active[a]] for a in sel], (logits[rows] + bias)[sel]) if sel else []
+            keep = []
+            for a, (tok, q) in zip(sel, picks):
+                d = drafts[active[a]]
+                d.tokens.append(tok)
+                if d.probs is not None:
+                    d.probs.append(q)
+                if d.confidence is not None:
+                    d.confidence.append(conf[a])
+                if want[active[a]].num_drafts > i + 1:
+                    keep.append(active[a])
+            if not keep:
+                break
+            active = keep
+            prev = torch.tensor([drafts[j].tokens[-1] for j in active], dtype=torch.long, device=dev)
         for r, d in zip(want, drafts):
             r.req.drafts = d

@@ -173,10 +173,10 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], tables=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], tables=None, draft_block: bool = False) -> torch.Tensor:
         """``tables``: the step's page tables (``dsv4.cache.tables.StepTables``); when given, the
         sequence-dependent part runs batched over the pages (``paged_attention.attend``) instead of
-        per chunk."""
+        per chunk. ``draft_block``: each chunk is a DSpark draft block (``_attend_block``)."""
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         hd = cfg.head_dim
@@ -196,9 +196,10 @@ class Attention:
             out = paged_attention.attend(self, tables, x, qr, q, kv, kv_raw, cos, sin)
         else:
             out = torch.empty_like(q)
+            attend = self._attend_block if draft_block else self._attend
             for c in chunks:
                 sl = slice(c.offset, c.offset + c.length)
-                out[sl] = self._attend(x[sl], qr[sl], q[sl], kv[sl], c)
+                out[sl] = attend(x[sl], qr[sl], q[sl], kv[sl], c)
         o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
@@ -249,6 +250,18 @@ class Attention:
         win_idx = torch.where(wpos >= 0, n + wpos - win_start, -1)
         idx = left_align(torch.cat([comp_idx, win_idx], dim=1))
         return sparse_attention(q, table, idx, self.sink, cfg.head_dim**-0.5, self._check)
+
+    def _attend_block(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:
+        """A DSpark draft block at positions ``c.start ..``: every query sees the layer's context KV
+        at the ``sliding_window`` positions before the block (read from the cache, where the
+        proposer wrote it) and every key of the block, its own and later ones included (non-causal
+        inside the block). The block's KV is rounded as the cache would store it but not written:
+        the cache keeps context KV of verified positions only."""
+        cache, dev = c.cache, x.device
+        ctx = cache.read_kv(self.layer, torch.arange(max(0, c.start - self.cfg.sliding_window), c.start, device=dev))
+        table = torch.cat([ctx.to(kv.dtype), cache.numerics.kv(kv)], dim=0)
+        idx = torch.arange(table.shape[0], device=dev).expand(c.length, -1)
+        return sparse_attention(q, table, idx, self.sink, self.cfg.head_dim**-0.5, self._check)
 
 
 def left_align(idx: torch.Tensor) -> torch.Tensor:

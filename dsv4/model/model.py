@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from .attention import Attention, SeqChunk
 from .cache import CacheNumerics, DenseSequenceCache
+from .dspark import DSparkDrafter
 from .moe import MoE
 from .opset import OpSet, reference_ops
 from .rope import shared_tables
@@ -43,16 +44,16 @@ class Block:
         return self.ops.mhc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
     def run(self, streams: torch.Tensor, pre, chunks: list[SeqChunk], token_ids: torch.Tensor, tables=None,
-            next_block: "Block | None" = None):
+            next_block: "Block | None" = None, draft_block: bool = False):
         """The block on ``streams`` whose attention pre ``pre`` (= ``attn_pre(streams)``) is known.
 
         Returns (new streams, ``next_block.attn_pre(new streams)`` or None): with a next block the
         MoE's post is fused with that block's attention pre, as the attention's post is with the
-        MoE's pre."""
+        MoE's pre. ``draft_block``: the chunks are DSpark draft blocks (``Attention._attend_block``)."""
         c, ops = self.cfg, self.ops
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         x, post, comb = pre
-        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, tables)
+        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, tables, draft_block)
         streams, x, post, comb = ops.mhc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
         f = self.moe.forward(ops.rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
         if next_block is None:
@@ -70,6 +71,7 @@ class Block:
 class ForwardOutput:
     logits: torch.Tensor  # [T, vocab] fp32 (only rows asked for)
     streams: torch.Tensor  # pre-hc_head residual streams [T, n, H] (MTP input)
+    aux: torch.Tensor | None = None  # the aux_layers' stream means, concatenated [T, n_aux·H] (DSpark input)
 
 
 class ReferenceModel:
@@ -100,7 +102,8 @@ class ReferenceModel:
         cfg = self.cfg
         self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant, ops) for i in range(cfg.num_hidden_layers)]
         self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant, ops)
-                    for m in range(cfg.num_mtp_layers)]
+                    for m in range(cfg.num_mtp_layers + cfg.num_dspark_stages)]
+        self.dspark = DSparkDrafter(self.w, cfg, ops, self.mtp, act_quant) if cfg.is_dspark else None
         self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
         self.hc_head_w = (self.w["hc_head_fn"], self.w["hc_head_base"], self.w["hc_head_scale"])
         self.tp, self.ep = tp, ep
@@ -161,13 +164,26 @@ class ReferenceModel:
         return logits
 
     def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
-                hook=None, tables=None, advance: bool = True) -> ForwardOutput:
+                hook=None, tables=None, advance: bool = True, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """``aux_layers``: main layers whose outputs' stream means the output carries (``aux``, in
+        that order), the DSpark drafter's context input."""
+        taps: dict[int, torch.Tensor] = {}
+        if aux_layers:
+            want, inner = {f"layers.{i}": i for i in aux_layers}, hook
+
+            def hook(name, streams):
+                if name in want:
+                    taps[want[name]] = streams.mean(dim=1)
+                if inner is not None:
+                    inner(name, streams)
+
         with shared_tables():
             streams = self.hidden(token_ids, chunks, hook, tables, advance)
+            aux = torch.cat([taps[i] for i in aux_layers], dim=-1) if aux_layers else None
             rows = streams if logits_rows is None else streams[logits_rows]
             if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
-                return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams)
-            return ForwardOutput(self.logits_from_streams(rows), streams)
+                return ForwardOutput(torch.empty(0, self.cfg.vocab_size, device=self.device), streams, aux)
+            return ForwardOutput(self.logits_from_streams(rows), streams, aux)
 
     # ---- MTP -----------------------------------------------------------------------------
     def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0,
@@ -198,6 +214,19 @@ class ReferenceModel:
             if rows.shape[0] == 0:
                 return ForwardOutput(torch.empty(0, cfg.vocab_size, device=self.device), s)
             return ForwardOutput(self.logits_from_streams(rows, hc=hc, norm=self.w[f"{p}.norm.weight"]), s)
+
+    # ---- DSpark ---------------------------------------------------------------------------
+    def dspark_context(self, aux: torch.Tensor, chunks: list[SeqChunk]) -> None:
+        """Write the DSpark stages' context KV of the chunks' positions (``aux``: the target's aux
+        hidden states there, ``forward(..., aux_layers=cfg.dspark_target_layer_ids)``) into the
+        chunks' caches; nothing else is written and no view advances."""
+        self.dspark.context(aux, chunks)
+
+    def dspark_block(self, ids: torch.Tensor, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One DSpark pass over draft blocks (each chunk: one block ``[anchor, noise …]`` at the
+        positions after its context): (logits [T, V] fp32 without the Markov bias, hc_head outputs)."""
+        with shared_tables():
+            return self.dspark.block(ids, chunks, self._embed, lambda x: self.ops.linear(x, self.head).float())
 
     # ---- conveniences for tests and tools -------------------------------------------------
     @torch.no_grad()

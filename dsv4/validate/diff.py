@@ -232,7 +232,7 @@ class Diff:
         g = torch.Generator().manual_seed(self.o.seed + 7)
         pos = torch.arange(n, device=m.device)
         stage = f"cache round trip ({side.name})"
-        layers = list(range(cfg.num_hidden_layers + cfg.num_mtp_layers))
+        layers = list(range(cfg.num_hidden_layers + cfg.num_draft_layers))
         for layer in layers:
             x = (torch.randn(n, cfg.head_dim, generator=g) * 2).to(m.device)
             view.write_kv(layer, pos, x.to(m.dtype))
@@ -319,8 +319,8 @@ class Diff:
         for b in m.blocks:
             inner = b.attn.forward
 
-            def fwd(x, chunks, paged=None, _inner=inner, _layer=b.layer):
-                y = _inner(x, chunks, paged)
+            def fwd(x, chunks, *rest, _inner=inner, _layer=b.layer):
+                y = _inner(x, chunks, *rest)
                 name = f"layers.{_layer}.attn.out"
                 cap["decode"][name] = y.detach().float().cpu()
                 order.append(name)

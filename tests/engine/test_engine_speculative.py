@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
+from spec_helpers import assert_images_match_a_run_without_speculation, record_images, run, script
 
-from dsv4.engine.request import Drafts
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.speculative import SpecStats
 from dsv4.engine.structured import StructuredOutputsParams
@@ -29,43 +29,6 @@ def mtp(k: int) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-class ScriptedDrafts:
-    """Drafts = the known continuation with draft ``calls % (k + 1)`` wrong (k + 1: all right)."""
-
-    def __init__(self, inner, truth: dict[str, list[int]], vocab: int):
-        self.inner, self.truth, self.vocab = inner, truth, vocab
-        self.num_speculative_tokens = inner.num_speculative_tokens
-        self.calls: dict[str, int] = {}
-
-    def propose(self, rows, streams):
-        self.inner.propose(rows, streams)  # the MTP layer sees every row (its cache is checked too)
-        k = self.num_speculative_tokens
-        for r in rows:
-            req = r.req
-            if not r.num_drafts or req.request_id not in self.truth:  # (unscripted: the MTP layer's drafts)
-                continue
-            n = self.calls[req.request_id] = self.calls.get(req.request_id, -1) + 1
-            toks = list(self.truth[req.request_id][len(req.output_token_ids):][: r.num_drafts])
-            wrong = n % (k + 1)
-            if wrong < len(toks):
-                toks[wrong] = (toks[wrong] + 1 + n) % self.vocab
-            req.drafts = Drafts(toks, None)
-
-
-def _script(llm, truth):
-    eng = llm.engine
-    eng.proposer = ScriptedDrafts(eng.proposer, truth, eng.model_config.vocab_size)
-    return eng.proposer
-
-
-def _run(llm, prompts, params, ids=None):
-    eng = llm.engine
-    ids = ids or [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        eng.add_request(prompt_token_ids=p, params=params, request_id=rid)
-    return eng.run_to_completion(ids)
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return rand_prompts(37, LENGTHS)
@@ -77,7 +40,7 @@ def plain(tiny_ckpt, prompts):
     out = {}
     for attention in ("reference", "batched"):
         llm = make_llm(tiny_ckpt, "auto", max_model_len=512, attention=attention, backend="torch")
-        out[attention] = {rid: o for rid, o in _run(llm, prompts, greedy(NEW)).items()}
+        out[attention] = {rid: o for rid, o in run(llm, prompts, greedy(NEW)).items()}
     return out
 
 
@@ -86,8 +49,8 @@ def test_greedy_identical_with_rejections_at_every_position(tiny_ckpt, prompts, 
     llm = make_llm(tiny_ckpt, "auto", max_model_len=512, attention=attention, backend="torch",
                    speculative_config=mtp(k))
     truth = {rid: o.outputs[0].token_ids for rid, o in plain[attention].items()}
-    scripted = _script(llm, truth)
-    got = _run(llm, prompts, greedy(NEW))
+    scripted = script(llm, truth)
+    got = run(llm, prompts, greedy(NEW))
     for rid, o in got.items():
         assert signature(o) == signature(plain[attention][rid]), rid
     st = llm.engine.spec_stats
@@ -105,7 +68,7 @@ def test_greedy_identical_with_the_mtp_drafts_in_every_batch_composition(tiny_ck
     llm = make_llm(tiny_ckpt, "auto", max_model_len=512, speculative_config=mtp(2), async_scheduling=True)
     eng = llm.engine
     for rid, p in zip(want, prompts):  # alone
-        assert signature(_run(llm, [p], greedy(NEW), [rid])[rid]) == want[rid]
+        assert signature(run(llm, [p], greedy(NEW), [rid])[rid]) == want[rid]
     eng.add_request(prompt_token_ids=prompts[0], params=greedy(NEW), request_id="r0")
     for _ in range(3):
         eng.step()
@@ -118,47 +81,6 @@ def test_greedy_identical_with_the_mtp_drafts_in_every_batch_composition(tiny_ck
     assert_no_leaks(llm)
 
 
-def _cache_image(eng, req) -> dict:
-    """Everything of ``req`` a later query can read, by kind (and the MTP layer's window)."""
-    kvc, view, cfg = eng.kv_cache, eng.kv.view(req.alloc), eng.model_config
-    nc = req.alloc.num_computed
-    pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
-    out = {f"window {layer}": view.read_kv(layer, pos) for layer in range(cfg.num_hidden_layers)}
-    if cfg.num_mtp_layers:
-        out["mtp window"] = view.read_kv(cfg.num_hidden_layers, pos)
-    for key in kvc.comp:
-        n = nc // kvc.ratio[key]
-        out[f"compressed {key}"] = view.read_compressed(*key, torch.arange(n)) if n else None
-    for key, ring in kvc.ring.items():
-        r, size = kvc.ratio[key], ring.shape[1]
-        first = max(0, (nc // r) * r - (r if r == 4 else 0))
-        out[f"state {key}"] = ring[req.alloc.slot][torch.arange(first, nc) % size].clone()
-    for key, b in kvc.boundary.items():
-        out[f"boundary {key}"] = [b[blk].clone() for blk in req.alloc.blocks[: nc // 256]]
-    return out
-
-
-def _record_images(llm, images: dict, want: set | None = None):
-    eng = llm.engine
-    finish = eng._finish_step
-
-    def recording(schedule, touched):
-        for sc in schedule:
-            req = sc.req
-            key = (req.request_id, req.alloc.num_computed)
-            if not req.finished and (want is None or key in want):
-                images[key] = _cache_image(eng, req)
-        return finish(schedule, touched)
-
-    eng._finish_step = recording
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-
-
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_ds_mla"])
 def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prompts, kv_dtype):
     """At every token count the speculative run passes through, every cache kind of every request —
@@ -168,23 +90,15 @@ def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prom
     k = 3
     base = make_llm(tiny_ckpt, kv_dtype, max_model_len=512)
     spec = make_llm(tiny_ckpt, kv_dtype, max_model_len=512, speculative_config=mtp(k))
-    truth = {rid: o.outputs[0].token_ids for rid, o in _run(base, prompts, greedy(NEW)).items()}
-    _script(spec, truth)
+    truth = {rid: o.outputs[0].token_ids for rid, o in run(base, prompts, greedy(NEW)).items()}
+    script(spec, truth)
     seen: dict = {}
-    _record_images(spec, seen)
-    got = _run(spec, prompts, greedy(NEW))
+    record_images(spec, seen)
+    got = run(spec, prompts, greedy(NEW))
     assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == truth
     counts = sorted(n for r, n in seen if r == "r2")
     assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
-    again: dict = {}
-    base.engine.kv.reset_prefix_cache()
-    _record_images(base, again, set(seen))
-    _run(base, prompts, greedy(NEW))
-    assert set(again) == set(seen)
-    for key in seen:
-        a, b = seen[key], again[key]
-        bad = [kind for kind in a if kind != "mtp window" and not _equal(a[kind], b[kind])]
-        assert not bad, f"{key}: {bad} differ from the run without speculation"
+    assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW))
     # the MTP layer's window entries: those of the reference's MTP pass over the final sequence
     model, cfg = spec.engine.model, spec.engine.model_config
     for rid, p in zip(truth, prompts):
@@ -195,7 +109,8 @@ def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prom
         for (r, nc), image in seen.items():
             if r == rid:
                 pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
-                assert torch.equal(image["mtp window"], dense.read_kv(cfg.num_hidden_layers, pos)), (rid, nc)
+                layer = cfg.num_hidden_layers
+                assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc)
 
 
 def test_prefix_hits_chunked_prefill_and_n(tiny_ckpt):
@@ -245,20 +160,20 @@ def test_stops_and_max_tokens_inside_a_draft(tiny_ckpt, prompts, plain):
     truth = {rid: o.outputs[0].token_ids for rid, o in plain["reference"].items()}
     llm = make_llm(tiny_ckpt, "auto", max_model_len=512, speculative_config=mtp(3))
     base = make_llm(tiny_ckpt, "auto", max_model_len=512)
-    scripted = _script(llm, truth)
+    scripted = script(llm, truth)
     p = prompts[3]
     stop_id = truth["r3"][6]
     text = llm.engine.tokenizer.decode(truth["r3"][:9])
     cases = [greedy(NEW, stop_token_ids=[stop_id]), greedy(5), greedy(NEW, stop=[text[-3:]])]
     for params in cases:
-        a = _run(llm, [p], params, ["r3"])["r3"]
-        b = _run(base, [p], params, ["r3"])["r3"]
+        a = run(llm, [p], params, ["r3"])["r3"]
+        b = run(base, [p], params, ["r3"])["r3"]
         assert signature(a) == signature(b) and a.outputs[0].text == b.outputs[0].text
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     so = StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{1,12}){2,5}")
-    b = _run(base, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
+    b = run(base, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
     scripted.truth["g"] = b.outputs[0].token_ids  # drafts the grammar accepts, then one it must reject
-    a = _run(llm, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
+    a = run(llm, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
     assert signature(a) == signature(b) and len(b.outputs[0].token_ids) > 3
     assert_no_leaks(llm)
 
@@ -268,7 +183,6 @@ def test_settings_and_checkpoints_are_checked(tiny_ckpt, tmp_path):
     from dsv4.engine.settings import EngineConfig
 
     for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of mtp"),
-                       ({"method": "dspark", "num_speculative_tokens": 2}, "DSpark drafting is not implemented"),
                        ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
                        ({"method": "mtp", "num_speculative_tokens": 5}, "num_speculative_tokens must be"),
                        ({"method": "mtp", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
@@ -289,3 +203,19 @@ def test_spec_stats():
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 7, 3)
     assert st.accepted_per_position == [2, 1, 0]
     assert st.acceptance_length == 2.0
+
+
+def test_spec_stats_confidence_cuts():
+    """What cutting each draft before its first confidence below t would have drafted and kept."""
+    st = SpecStats()
+    st.record(3, 1, [0.9, 0.4, 0.8])  # cut at 0.5: 1 drafted, 1 kept; at 0.95: nothing
+    st.record(2, 2, [0.6, 0.7])  # cut at 0.65: nothing
+    st.record(2, 0)  # no confidences: not in the table
+    rows = {round(t, 2): (d, n) for t, d, n in st.confidence_cuts()}
+    assert st.num_confident_drafts == 2
+    assert rows[0.0] == (2.5, 2.5) and rows[0.4] == (2.5, 2.5)
+    assert rows[0.45] == (1.5, 2.5) and rows[0.65] == (0.5, 1.5) and rows[0.95] == (0.0, 1.0)
+    before = st.since(SpecStats())  # a copy
+    st.record(1, 1, [0.99])
+    new = st.since(before)
+    assert new.num_confident_drafts == 1 and new.confidence_cuts()[-1][1:] == (1.0, 2.0)

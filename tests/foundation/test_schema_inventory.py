@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from foundation_helpers import flash_0423_dict
 
-from dsv4.checkpoint.schema import expected_tensors, ignored_prefixes, layer_of
+from dsv4.checkpoint.schema import expected_tensors, layer_of, optional_tensors
 from dsv4.config import config_from_dict
 
 
@@ -160,15 +160,32 @@ def test_base_variant_inventory(base_dict):
 
 
 def test_dspark_inventory(flash_0731_dict):
+    """0731: three full DSpark stages under mtp.0-2 in place of the MTP block (1575 tensors: a block's
+    1565 and its 10 MTP extras), the context projection on stage 0, the heads on stage 2; the
+    confidence head is optional."""
     cfg = config_from_dict(flash_0731_dict)
     specs = expected_tensors(cfg)
-    assert len(specs) == 69187 - 1575  # the DSpark stages under mtp.* are not validated
-    assert not any(n.startswith("mtp.") for n in specs)
-    assert ignored_prefixes(cfg) == ("mtp.",)
+    assert len(specs) == 69187 - 1575 + 3 * 1565 + 3 + 6  # + main_proj (2), main_norm; norm, hc_head (3), markov (2)
+    for m in range(3):
+        assert specs[f"mtp.{m}.ffn.shared_experts.w1.weight"].shape == (2048, 4096)
+        assert specs[f"mtp.{m}.attn.wkv.weight"].shape == (512, 4096)
+        assert f"mtp.{m}.ffn.gate.bias" in specs and f"mtp.{m}.ffn.gate.tid2eid" not in specs  # never hash-routed
+        assert f"mtp.{m}.e_proj.weight" not in specs and f"mtp.{m}.enorm.weight" not in specs
+    mp, ms = specs["mtp.0.main_proj.weight"], specs["mtp.0.main_proj.scale"]
+    assert (mp.dtype, mp.shape, ms.dtype, ms.shape) == ("F8_E4M3", (4096, 3 * 4096), "F8_E8M0", (32, 96))
+    assert specs["mtp.0.main_norm.weight"].shape == (4096,)
+    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
+        s = specs[f"mtp.2.{name}"]
+        assert (s.dtype, s.shape) == ("BF16", (129280, 256))
+    assert specs["mtp.2.hc_head_fn"].shape == (4, 4 * 4096) and "mtp.2.norm.weight" in specs
+    assert "mtp.0.norm.weight" not in specs and "mtp.1.hc_head_fn" not in specs
+    opt = optional_tensors(cfg)
+    assert {n: s.shape for n, s in opt.items()} == {"mtp.2.confidence_head.proj.weight": (1, 4096 + 256),
+                                                     "mtp.2.confidence_head.proj.bias": (1,)}
 
 
-def test_no_ignored_prefixes_for_classic_mtp(flash_dict):
-    assert ignored_prefixes(config_from_dict(flash_dict)) == ()
+def test_no_optional_tensors_for_classic_mtp(flash_dict):
+    assert optional_tensors(config_from_dict(flash_dict)) == {}
 
 
 def test_layer_of():

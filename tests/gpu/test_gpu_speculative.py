@@ -1,4 +1,4 @@
-"""MTP speculative decoding on the GPU fast path (Triton kernels, bf16) against the same engine
+"""MTP and DSpark speculative decoding on the GPU fast path (Triton kernels, bf16) against the same engine
 without speculation: greedy tokens must agree wherever the non-speculative run's top-2 logprob
 margin exceeds the tolerance (``gpu_greedy.TOL``: the verify chunk and a one-token decode step take
 different kernels, so their bf16 sums differ in the last bits).
@@ -25,4 +25,21 @@ def test_mtp_greedy_matches_plain_decoding_on_the_gpu(tiny_ckpt, k):
     checked = assert_greedy_agrees(spec, ref, LENGTHS, "the speculative run (plain decoding: the second)")
     print(f"k={k}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
           f"acceptance length {stats.acceptance_length:.2f}")
+    assert checked >= len(LENGTHS) * NEW // 2
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_dspark_greedy_matches_plain_decoding_on_the_gpu(tiny_dspark_ckpt, k):
+    """The tiny DSpark checkpoint (8-token vocabulary): its own drafts, a block of k = 2 and of
+    k = dspark_block_size."""
+    spec_llm, spec = greedy_run(tiny_dspark_ckpt, LENGTHS, NEW, seed=7,
+                                speculative_config={"method": "dspark", "num_speculative_tokens": k})
+    assert spec_llm.engine.runner.paged_attention, "fast path must be batched"
+    stats = spec_llm.engine.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_draft_tokens <= k * stats.num_drafts
+    assert stats.num_confident_drafts == stats.num_drafts
+    _, ref = greedy_run(tiny_dspark_ckpt, LENGTHS, NEW, seed=7)
+    checked = assert_greedy_agrees(spec, ref, LENGTHS, "the DSpark run (plain decoding: the second)")
+    print(f"dspark k={k}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
+          f"acceptance length {stats.acceptance_length:.2f}; confidence cuts {stats.confidence_cuts()[::5]}")
     assert checked >= len(LENGTHS) * NEW // 2

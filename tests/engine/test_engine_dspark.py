@@ -1,0 +1,199 @@
+"""DSpark speculative decoding: greedy output identical to decoding without it, every cache rolled
+back exactly (the DSpark stages' window caches included), the engine's drafts equal to the model's
+own DSpark pass on dense caches, the confidence cut, and the settings' checks.
+
+The tiny DSpark checkpoint is random (8-token vocabulary), so its drafts are accepted by chance
+only; to reject at every draft position the rollback test replaces them by the known continuation
+with one wrong token at a rotating position (the DSpark proposer still runs and fills its caches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import assert_no_leaks, greedy, make_llm, signature
+from spec_helpers import assert_images_match_a_run_without_speculation, record_images, run, script
+
+from dsv4.engine.sampler import _first_argmax
+from dsv4.engine.speculative import DSparkProposer
+from dsv4.model.attention import SeqChunk
+from dsv4.model.cache import DenseSequenceCache
+
+# decoding from these lengths crosses the 64-token SWA page, the 128-token window / HCA ratio, the
+# 256-token block, and ratio-4 groups everywhere
+LENGTHS = (58, 122, 250, 9)
+NEW = 16
+VOCAB_LO = 2  # prompts avoid BOS/EOS (0/1); the tiny DSpark vocabulary has 8 tokens
+
+
+def dspark(k: int, **kw) -> dict:
+    return {"method": "dspark", "num_speculative_tokens": k, **kw}
+
+
+def prompts_for(seed: int, lengths, vocab: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(VOCAB_LO, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_context(model, tokens: list[int], n: int) -> DenseSequenceCache:
+    """A dense cache holding the DSpark stages' context KV of positions 0..n-1 (``tokens[:n]``
+    through the target in one forward)."""
+    cfg = model.cfg
+    ids = torch.tensor(tokens[:n])
+    out = model.forward(ids, [SeqChunk(model.new_cache(), 0, n)], aux_layers=cfg.dspark_target_layer_ids)
+    dense = DenseSequenceCache(cfg, model.numerics)
+    model.dspark_context(out.aux, [SeqChunk(dense, 0, n)])
+    return dense
+
+
+def reference_drafts(model, tokens: list[int], k: int, min_confidence: float) -> tuple[list[int], list[float]]:
+    """Greedy DSpark drafts after ``tokens`` (the last one is the anchor, not yet computed) from the
+    model's own passes on a dense cache: one block, the Markov bias of each previous token, the
+    confidence cut."""
+    cfg, n = model.cfg, len(tokens) - 1
+    dense = reference_context(model, tokens, n)
+    block = torch.tensor([tokens[-1]] + [cfg.dspark_noise_token_id] * (k - 1))
+    logits, h = model.dspark_block(block, [SeqChunk(dense, n, k)])
+    prev, toks, conf = tokens[-1], [], []
+    for i in range(k):
+        bias, e = model.dspark.markov(torch.tensor([prev]))
+        c = float(model.dspark.confidence(h[i : i + 1], e)[0])
+        if c < min_confidence:
+            break
+        prev = _first_argmax(logits[i] + bias[0])
+        toks.append(prev)
+        conf.append(c)
+    return toks, conf
+
+
+def record_drafts(eng) -> list:
+    """Wrap the engine's proposer: every proposal's (tokens so far, drafts wanted, drafts, confidences)."""
+    propose, records = eng.proposer.propose, []
+
+    def recording(rows, streams):
+        propose(rows, streams)
+        for r in rows:
+            if r.num_drafts:
+                d = r.req.drafts
+                records.append((r.req.all_token_ids, r.num_drafts, list(d.tokens), list(d.confidence or [])))
+
+    eng.proposer.propose = recording
+    return records
+
+
+def assert_drafts_match_the_models_pass(model, records, k: int, cut: float, every: int) -> None:
+    for tokens, wanted, toks, conf in records[::every]:
+        ref_toks, ref_conf = reference_drafts(model, tokens, k, cut)
+        assert (toks, conf) == (ref_toks[:wanted], ref_conf[:wanted]), len(tokens)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompts_for(37, LENGTHS)
+
+
+def test_greedy_identical_and_caches_rolled_back_with_rejections_at_every_position(tiny_dspark_ckpt, prompts):
+    """Scripted drafts (k=4) rejected at every position and accepted whole: the tokens and
+    logprobs are those without speculation; at every token count the run passes through, every
+    cache kind of every request equals the run without speculation byte for byte (fp8_ds_mla
+    records), and each DSpark stage's window holds the context KV of the reference's pass over the
+    final sequence."""
+    k = 4
+    base = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", max_model_len=512)
+    spec = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", max_model_len=512, speculative_config=dspark(k))
+    want = run(base, prompts, greedy(NEW))
+    truth = {rid: o.outputs[0].token_ids for rid, o in want.items()}
+    scripted = script(spec, truth)
+    seen: dict = {}
+    record_images(spec, seen)
+    got = run(spec, prompts, greedy(NEW))
+    assert {rid: signature(o) for rid, o in got.items()} == {rid: signature(o) for rid, o in want.items()}
+    st = spec.engine.spec_stats
+    assert st.accepted_per_position[k - 1] > 0 and st.num_accepted_tokens < st.num_draft_tokens
+    assert min(scripted.calls.values()) >= k  # every request went through every rejection position
+    counts = sorted(n for r, n in seen if r == "r2")
+    assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
+    assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW))
+    model, cfg = spec.engine.model, spec.engine.model_config
+    layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_draft_layers)
+    assert len(layers) == 3
+    for rid, p in zip(truth, prompts):
+        tokens = list(p) + truth[rid]
+        dense = reference_context(model, tokens, len(tokens) - 1)
+        for (r, nc), image in seen.items():
+            if r == rid:
+                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
+                for layer in layers:
+                    assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc, layer)
+    assert_no_leaks(spec)
+
+
+def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckpt):
+    """The DSpark stages' own drafts (k = dspark_block_size = 5, cut at confidence 0.5), several
+    requests drafting in one block pass: the tokens are those without speculation, and every
+    draft list equals the model's DSpark pass over the same tokens on a dense cache, its
+    confidences included."""
+    k, cut = 5, 0.5
+    ps = prompts_for(5, (40, 75, 9))
+    base = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256)
+    spec = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256,
+                    speculative_config=dspark(k, dspark_min_confidence=cut))
+    eng = spec.engine
+    records = record_drafts(eng)
+    want = run(base, ps, greedy(12))
+    got = run(spec, ps, greedy(12))
+    assert {rid: signature(o) for rid, o in got.items()} == {rid: signature(o) for rid, o in want.items()}
+    lens = [len(t) for _, _, t, _ in records]
+    assert 0 in lens and any(n > 0 for n in lens)  # the cut dropped whole drafts and kept others
+    st = eng.spec_stats
+    assert st.num_drafts > 0 and st.num_confident_drafts == st.num_drafts
+    cuts = st.confidence_cuts()  # no cut at t ≤ 0.5: the proposer's own cut came first
+    assert all(row[1:] == (st.num_draft_tokens / st.num_drafts, st.acceptance_length) for row in cuts if row[0] <= cut)
+    assert cuts[-1][1] < cuts[0][1]
+    assert all(cut <= c < 1 for _, _, _, conf in records for c in conf)
+    assert_drafts_match_the_models_pass(eng.model, records, k, cut, every=4)
+    assert_no_leaks(spec)
+
+
+def test_prefix_hits_and_chunked_prefill(tiny_dspark_ckpt):
+    """A prefix-cache hit (its last block recomputed, so the stages' windows before the anchor are
+    written again) and prefill in 100-token chunks: the tokens are those without speculation and the
+    drafts those of the model's pass over the whole sequence."""
+    k = 3
+    shared = prompts_for(41, [520])[0]
+    ps = [shared + q for q in prompts_for(42, [7, 20])]
+    kw = dict(max_model_len=1024, max_num_batched_tokens=100, max_num_seqs=4)
+    base = make_llm(tiny_dspark_ckpt, "auto", **kw)
+    spec = make_llm(tiny_dspark_ckpt, "auto", speculative_config=dspark(k), **kw)
+    records = record_drafts(spec.engine)
+    runs = {}
+    for name, llm in (("base", base), ("spec", spec)):  # the first prompt's two blocks cached, then hit
+        outs = llm.generate({"prompt_token_ids": ps[0]}, greedy(6))
+        outs += llm.generate({"prompt_token_ids": ps[1]}, greedy(6))
+        runs[name] = [signature(o) for o in outs]
+    assert runs["spec"] == runs["base"]
+    assert spec.engine.kv.hits == 256 and base.engine.kv.hits == 512  # one block fewer: recomputed
+    assert_drafts_match_the_models_pass(spec.engine.model, records, k, 0.0, every=3)
+    assert_no_leaks(spec)
+
+
+def test_settings_and_checkpoints_are_checked(tiny_dspark_ckpt, tiny_ckpt):
+    from dsv4.engine.settings import EngineConfig
+
+    for bad, match in [(dspark(0), "num_speculative_tokens must be"),
+                       (dspark(2, dspark_min_confidence=1.0), "dspark_min_confidence must be"),
+                       ({"method": "mtp", "num_speculative_tokens": 2, "dspark_min_confidence": 0.5}, "unknown key")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model=str(tiny_dspark_ckpt), speculative_config=bad)
+    kw = dict(max_model_len=256)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=6 exceeds the checkpoint's dspark_block_size \(5\)"):
+        make_llm(tiny_dspark_ckpt, "auto", speculative_config=dspark(6), **kw)
+    with pytest.raises(ValueError, match="DSpark drafter stages .* use method 'dspark'"):
+        make_llm(tiny_dspark_ckpt, "auto", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kw)
+    with pytest.raises(ValueError, match="has no DSpark stages"):
+        make_llm(tiny_ckpt, "auto", speculative_config=dspark(2), **kw)
+    llm = make_llm(tiny_dspark_ckpt, "auto", speculative_config=dspark(2), **kw)
+    eng = llm.engine
+    eng.model.dspark.confidence_w = None  # a checkpoint without the confidence head
+    with pytest.raises(ValueError, match="no confidence head .*mtp.2.confidence_head.proj.weight"):
+        DSparkProposer(eng.model, eng.kv, eng.sampler, 2, min_confidence=0.5)
