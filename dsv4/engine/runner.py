@@ -29,6 +29,18 @@ class ModelBackend(Protocol):
 
 
 @dataclass
+class HostInputs:
+    """A step's token ids and logits rows as built on the host, for an executor that ships the step
+    to other processes without reading the device tensors (which would wait for the step before).
+    ``token_ids`` holds ``overlap.PENDING`` where a placeholder is filled on the device."""
+    token_ids: array.array
+    logits_rows: array.array
+    # async scheduling: (token-id row, picks row) filled from the previous deferred step's greedy picks
+    fill: list[tuple[int, int]] = field(default_factory=list)
+    deferred: bool = False  # this step's greedy picks stay on the device for the next step
+
+
+@dataclass
 class StepBatch:
     token_ids: torch.Tensor  # [T]
     chunks: list[SeqChunk]
@@ -43,6 +55,7 @@ class StepBatch:
     # those chunks' caches advance only once verification says by how much (``commit``)
     draft_counts: dict[int, int] = field(default_factory=dict)
     streams: torch.Tensor | None = None  # the forward's pre-hc_head streams, when the runner keeps them
+    host: HostInputs | None = None  # the inputs as built on the host (``HostInputs``)
 
 
 class ModelRunner:
@@ -89,7 +102,7 @@ class ModelRunner:
                 rows.extend(range(off + n - 1 - d, off + n))
             off += n
         rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp,
-                   "draft_counts": draft_counts}
+                   "draft_counts": draft_counts, "host": HostInputs(ids, rows)}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if not self.paged_attention:
             token_ids, logits_rows = self.staging.upload(parts)
@@ -140,6 +153,8 @@ class ModelRunner:
         if self.graphs is not None and not self.keep_streams and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         extra = {} if batch.tables is None else {"tables": batch.tables}
+        if getattr(self.backend, "takes_host_inputs", False):  # a multi-process executor's model
+            extra["host"] = batch.host
         if batch.draft_counts:
             extra["advance"] = False
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
