@@ -6,7 +6,8 @@ The multi-GPU run, on a machine with ≥ 2 H200s:
 
 1. writes (or reuses) a ``flash-width`` checkpoint with ``--layers`` layers — small enough that
    TP=1 fits one GPU, so the parallel runs have a single-GPU reference;
-2. for every layout — TP=1, TP=N, TP=N + expert parallel, and data-parallel attention with expert
+2. for every layout — TP=1, TP=N (with and without async scheduling), TP=N + expert parallel, and
+   data-parallel attention with expert
    parallelism over ``--dp`` ranks (DP=M + EP, with decode graphs and eager; each in its own
    process): greedy tokens of fixed
    prompts with their top-2 logprobs; decode ms/step at batch 1 / 8 / 64 (steady-state decode
@@ -55,7 +56,8 @@ F32 = "_f32"  # suffix of the greedy-only float32 configurations
 
 
 def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str, dict]]:
-    """TP=1, TP=1 eager, TP=N, TP=N + expert parallel, DP=M + EP and DP=M + EP eager (decode
+    """TP=1, TP=1 eager, TP=N (async scheduling, the CUDA default; also on ``--cpu``), TP=N without
+    async scheduling, TP=N + expert parallel, DP=M + EP and DP=M + EP eager (decode
     replays CUDA graphs on every rank unless eager; under DP all ranks replay one agreed bucket,
     dsv4/parallel/dp_graphs.py); then each but the eager ones in float32 for greedy tokens only.
     bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds once; under EP
@@ -63,13 +65,14 @@ def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str,
     bf16 logits often tie exactly, bf16 greedy tokens may part at a near-tie; in float32 the
     layouts differ only in fp32 summation order."""
     layouts = [("tp1", {"tensor_parallel_size": 1}), ("tp1_eager", {"tensor_parallel_size": 1, "enforce_eager": True}),
-               (f"tp{tp}", {"tensor_parallel_size": tp}),
+               (f"tp{tp}", {"tensor_parallel_size": tp, "async_scheduling": True}),
+               (f"tp{tp}_sync", {"tensor_parallel_size": tp, "async_scheduling": False}),
                (f"tp{tp}_ep", {"tensor_parallel_size": tp, "enable_expert_parallel": True})]
     if dp > 1:
         dpx = {"data_parallel_size": dp, "enable_expert_parallel": True}
         layouts += [(f"dp{dp}_ep", dpx), (f"dp{dp}_ep_eager", {**dpx, "enforce_eager": True})]
     f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32", "backend": f32_backend})
-           for name, extra in layouts if not name.endswith("_eager")]
+           for name, extra in layouts if not name.endswith(("_eager", "_sync"))]
     return layouts + f32
 
 
@@ -362,8 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=None, help="default 32 (GPU), 6 (--cpu)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache budget (default: 256 on CPU, GPU share)")
-    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tp1_eager, tpN, tpN_ep, "
-                   "dpM_ep, dpM_ep_eager, and each not eager with _f32)")
+    p.add_argument("--only", default=None, help="comma-separated config names to run (tp1, tp1_eager, tpN, tpN_sync, "
+                   "tpN_ep, dpM_ep, dpM_ep_eager, and each not eager nor sync with _f32)")
     p.add_argument(
         "--f32-backend",
         default="auto",

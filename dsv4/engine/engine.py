@@ -48,18 +48,19 @@ def _graph_capturable(ops) -> bool:
 
 
 def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """``config.async_scheduling`` made definite. None (the default) turns it on where it pays: one
-    process on a CUDA device, whose kernels run asynchronously to the host, so the next step's
-    scheduling and the previous step's bookkeeping run under the current step (H200, 4-layer
-    flash-width checkpoint: 10-20 % per decode step). On the CPU the model runs on the host thread and
-    nothing overlaps. A multi-process engine does not support it (an explicit True there is an error):
-    its step plan carries the step's token ids, which a deferred step only has on the device."""
+    """``config.async_scheduling`` made definite. None (the default) turns it on where it pays, as
+    vLLM does for its multiprocessing executor: on a CUDA device, whose kernels run asynchronously to
+    the host, so the next step's scheduling and the previous step's bookkeeping run under the current
+    step (H200, 4-layer flash-width checkpoint, one process: 10-20 % per decode step) — in one process
+    and under tensor parallelism, where every rank keeps the greedy picks it needs on its device
+    (``dsv4.parallel.plan``). On the CPU the model runs on the host thread and nothing overlaps. The
+    data-parallel front end steps its ranks' engines synchronously (an explicit True there is an error)."""
+    if config.data_parallel_size > 1:
+        if config.async_scheduling:
+            config._check_data_parallel()  # (raises, naming the setting)
+        return False
     if config.async_scheduling is None:
-        return device.type == "cuda" and not config.parallel
-    if config.async_scheduling and config.parallel:
-        raise ValueError("async_scheduling is not supported with more than one process "
-                         f"(tensor_parallel_size={config.tensor_parallel_size}, "
-                         f"data_parallel_size={config.data_parallel_size}, nnodes={config.nnodes})")
+        return device.type == "cuda"
     return bool(config.async_scheduling)
 
 

@@ -14,10 +14,15 @@ plain greedy leaves its picks on the device (``InFlight``); the next ``step()`` 
    far: that token is dropped, its pages were freed after the launch, in stream order.
 
 A step that cannot be launched this way (a request that samples otherwise, prompt logprobs, a
-placeholder in a prefill chunk, tensor parallelism) waits for the in-flight step first, exactly as
+placeholder in a prefill chunk) waits for the in-flight step first, exactly as
 without async scheduling. The tokens are the same either way: the same greedy picks of the same
 logits, a step later on the host; only when each step's outputs are reported changes (one
 ``step()`` call later).
+
+Under tensor parallelism every rank gets the full logits (the vocab-parallel head is all-gathered),
+so each rank picks the same greedy tokens itself and keeps them on its device: a deferred step's
+plan names the rows to fill (``HostInputs.fill``) instead of carrying token ids that only exist on
+the device (``dsv4.parallel.plan``).
 """
 
 from __future__ import annotations
@@ -99,12 +104,8 @@ def launch(runner: ModelRunner, schedule: list, prev: InFlight | None, pick=None
     if plan is None:
         return None
     batch = runner.build(schedule)
-    if plan and all(d == i and s == i for i, (d, s) in enumerate(plan)):  # steady decode: same order
-        batch.token_ids[:len(plan)].copy_(prev.picks[:len(plan)])
-    elif plan:
-        dst = _to_device([d for d, _ in plan], batch.token_ids.device)
-        src = _to_device([s for _, s in plan], prev.picks.device)
-        batch.token_ids.index_copy_(0, dst, prev.picks.index_select(0, src))
+    batch.host.fill, batch.host.deferred = plan, True  # (a multi-process executor repeats both on every rank)
+    fill_tokens(batch.token_ids, prev.picks if plan else None, plan)
     logits = runner.execute(batch)
     if [row for row, _ in batch.sample_rows] != list(range(logits.shape[0])):
         raise RuntimeError("a deferred step's logits rows must be its sampled rows, in order")
@@ -119,6 +120,18 @@ def launch(runner: ModelRunner, schedule: list, prev: InFlight | None, pick=None
     else:
         host = both.cpu()
     return InFlight(schedule, batch, picks, host, event)
+
+
+def fill_tokens(token_ids: torch.Tensor, picks: torch.Tensor | None, plan: list[tuple[int, int]]) -> None:
+    """``token_ids[d] = picks[s]`` for each (d, s) of ``plan``, on the device (no host wait)."""
+    if not plan:
+        return
+    if all(d == i and s == i for i, (d, s) in enumerate(plan)):  # steady decode: same order
+        token_ids[:len(plan)].copy_(picks[:len(plan)])
+        return
+    dst = _to_device([d for d, _ in plan], token_ids.device)
+    src = _to_device([s for _, s in plan], picks.device)
+    token_ids.index_copy_(0, dst, picks.index_select(0, src))
 
 
 def read_picks(step: InFlight) -> tuple[list[int], list[int]]:

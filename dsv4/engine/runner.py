@@ -29,6 +29,18 @@ class ModelBackend(Protocol):
 
 
 @dataclass
+class HostInputs:
+    """A step's token ids and logits rows as built on the host, for an executor that ships the step
+    to other processes without reading the device tensors (which would wait for the step before).
+    ``token_ids`` holds ``overlap.PENDING`` where a placeholder is filled on the device."""
+    token_ids: array.array
+    logits_rows: array.array
+    # async scheduling: (token-id row, picks row) filled from the previous deferred step's greedy picks
+    fill: list[tuple[int, int]] = field(default_factory=list)
+    deferred: bool = False  # this step's greedy picks stay on the device for the next step
+
+
+@dataclass
 class StepBatch:
     token_ids: torch.Tensor  # [T]
     chunks: list[SeqChunk]
@@ -45,6 +57,7 @@ class StepBatch:
     # the proposer's input, when the runner keeps it: the forward's pre-hc_head streams [T, hc, H], or
     # with ``aux_layers`` those layers' stream means, concatenated [T, n·H]
     streams: torch.Tensor | None = None
+    host: HostInputs | None = None  # the inputs as built on the host (``HostInputs``)
 
 
 class ModelRunner:
@@ -93,7 +106,7 @@ class ModelRunner:
                 rows.extend(range(off + n - 1 - d, off + n))
             off += n
         rowmaps = {"sample_rows": sample_rows, "prompt_rows": prompt_rows, "prompt_logprob_seqs": plp,
-                   "draft_counts": draft_counts}
+                   "draft_counts": draft_counts, "host": HostInputs(ids, rows)}
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if not self.paged_attention:
             token_ids, logits_rows = self.staging.upload(parts)
@@ -146,6 +159,8 @@ class ModelRunner:
         extra = {} if batch.tables is None else {"tables": batch.tables}
         if self.aux_layers:
             extra["aux_layers"] = self.aux_layers
+        if getattr(self.backend, "takes_host_inputs", False):  # a multi-process executor's model
+            extra["host"] = batch.host
         if batch.draft_counts:
             extra["advance"] = False
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)

@@ -155,7 +155,7 @@ class EngineConfig:
         None,
         "schedule and launch the next step while this one runs, when its "
         "samples are plain greedy (outputs are reported one step later); "
-        "default: on for a single-process CUDA engine",
+        "default: on for a CUDA engine, one process or tensor-parallel (not with data parallelism)",
     )
 
     def __post_init__(self):
@@ -201,6 +201,10 @@ class EngineConfig:
                              "tensor parallelism inside a data-parallel rank is not implemented; use one of them")
         if self.nnodes > 1:
             raise ValueError(f"data_parallel_size={dp} with nnodes={self.nnodes}: data parallelism runs on one node")
+        if self.async_scheduling:  # (the data-parallel front end steps its ranks synchronously)
+            raise ValueError(f"async_scheduling is not supported with data parallelism (data_parallel_size={dp}): "
+                             "each step's outputs are gathered from every rank in the step; use tensor "
+                             "parallelism (-tp) for async scheduling")
         if self.speculative_config is not None:  # (refused here, before any rank is spawned)
             raise ValueError(f"data_parallel_size={dp} with speculative_config={self.speculative_config!r}: "
                              "speculative decoding runs in a single process only")

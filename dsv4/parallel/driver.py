@@ -121,19 +121,27 @@ class TPDriver:
     def lockstep(self, plan: StepPlan, run, what: str):
         """Send ``plan``, then ``run()`` rank 0's share of the same step while the workers run theirs;
         returns its result. The prefix-cache restores the plan carries are then done with. A failure
-        makes the engine dead: the workers are mid-step and nothing can be re-matched."""
+        makes the engine dead: the workers are mid-step and nothing can be re-matched.
+
+        On CUDA a step waits for its device work here, where a dead peer is watched for
+        (``RankProcesses.watch_cuda``), except a deferred step of async scheduling (``keep_picks``):
+        its work stays queued, and the watchdog keeps watching it through an event."""
         self.send(plan)
         del self.restores[:len(plan.restores)]
-        self.ranks.in_step = True
+        ranks = self.ranks
+        ranks.in_step = True
         try:
             out = run()
-            if self.device.type == "cuda":  # wait here, where a dead peer is watched for (RankProcesses.watch_cuda)
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                if plan.keep_picks:
+                    ranks.queued(torch.cuda.Event())
+                else:
+                    torch.cuda.synchronize(self.device)
             return out
         except Exception as e:  # noqa: BLE001
             raise self.fatal(e, what) from e
         finally:
-            self.ranks.in_step = False
+            ranks.in_step = False
 
     def send(self, plan: StepPlan) -> None:
         import torch.distributed as dist
@@ -180,12 +188,14 @@ class TPModel:
             )
         return getattr(self.inner, name)
 
-    def forward(self, token_ids, chunks, logits_rows=None, tables=None, **kw):
+    takes_host_inputs = True  # the runner hands over the step's host-side inputs (``HostInputs``)
+
+    def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, **kw):
         if kw:
             raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
         d = self.driver
         d.ensure_alive()
-        plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None)
+        plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None, host=host)
         return d.lockstep(
             plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables), "forward"
         )
@@ -214,5 +224,6 @@ class TPDecodeGraphs:
     def run(self, batch) -> torch.Tensor:
         d = self.driver
         d.ensure_alive()
-        plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True)
+        plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True,
+                         host=getattr(batch, "host", None))
         return d.lockstep(plan, lambda: self.graphs.run(batch), "decode graph replay")

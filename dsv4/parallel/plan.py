@@ -9,6 +9,13 @@ are a prefix-cache hit restoring boundary compressor rows into the request's sta
 rank copies its own cache's blocks to and from its own host slots, the slots rank 0 chose); those
 are recorded on rank 0 and replayed first, in the order rank 0 made them.
 
+Async scheduling: a deferred step's token ids include placeholders whose tokens are the previous
+step's greedy picks, still on rank 0's device. Every rank holds the same full logits (the head is
+all-gathered), so a deferred step's plan (``keep_picks``) makes each worker pick the same greedy
+tokens with the same op and keep them on its device; the next plan's ``fill`` names the token rows
+to take from them. The plan is built from the host's copy of the inputs (``HostInputs``): reading
+the device's token ids would wait for the step before.
+
 Decode CUDA graphs: every rank captures its own at once (a "graphs" plan; the all-reduces inside
 are matched bucket by bucket), and a step flagged ``graph`` makes each worker load the same static
 inputs from the plan and replay its graph while rank 0 replays its own.
@@ -58,10 +65,16 @@ class StepPlan:
     numerics: object = None  # "cache": the engine's CacheNumerics
     graph_sizes: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_model_len)
     host_slots: int = 0  # "cache": slots of the host tier (0: none)
+    # async scheduling: (token-id row, picks row) taken from the previous step's greedy picks, and
+    # whether this step's picks are kept for the next step
+    fill: list[tuple[int, int]] = field(default_factory=list)
+    keep_picks: bool = False
 
 
 def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool,
-              graph: bool = False) -> StepPlan:
+              graph: bool = False, host=None) -> StepPlan:
+    """``host``: the runner's ``HostInputs`` of the step (its token ids and rows as lists, no device
+    read; and async scheduling's fill and deferral), else the tensors are read."""
     out = []
     for c in chunks:
         a = getattr(c.cache, "alloc", None)
@@ -72,6 +85,9 @@ def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, rest
         # list is mostly released, and the plan is pickled and broadcast every step)
         r = a.swa_released
         out.append(ChunkPlan(c.start, c.length, list(a.blocks), a.swa[r:], a.slot, a.num_computed, r))
+    if host is not None:
+        return StepPlan("step", host.token_ids.tolist(), out, host.logits_rows.tolist(), list(restores), paged,
+                        graph, fill=list(host.fill), keep_picks=host.deferred)
     rows = None if logits_rows is None else [int(r) for r in logits_rows.tolist()]
     return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph)
 
@@ -100,10 +116,16 @@ def replay_restores(kvc, restores, host: HostKVStore | None = None) -> None:
 
 
 @torch.no_grad()
-def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore | None = None) -> None:
-    """A worker's forward of one step (its logits are rank 0's business); ``graphs``: this
-    worker's captured decode graphs (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``;
-    ``host``: this worker's host-tier store."""
+def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore | None = None,
+             picks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A worker's forward of one step (its logits are rank 0's business, except for the greedy
+    picks async scheduling keeps); ``graphs``: this worker's captured decode graphs
+    (``engine.cuda_graphs.DecodeGraphs``), for ``plan.graph``; ``host``: this worker's host-tier
+    store; ``picks``: the previous step's kept picks. Returns this step's picks when the plan
+    keeps them, else None."""
+    from ..engine.overlap import fill_tokens
+    from ..engine.sampler import device_picks
+
     replay_restores(kvc, plan.restores, host)
     chunks, allocs, off = [], [], 0
     for c in plan.chunks:
@@ -112,6 +134,11 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
         chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
         off += c.length
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    if plan.fill:
+        if picks is None:
+            raise RuntimeError("rank 0 filled token ids from the previous step's greedy picks, but that step "
+                               "kept none on this worker")
+        fill_tokens(ids, picks, plan.fill)
     rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
     tables = None
     if plan.paged:
@@ -121,6 +148,8 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
     if plan.graph:
         if graphs is None or tables is None:
             raise RuntimeError("rank 0 replayed a decode CUDA graph but this worker captured none")
-        graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables))  # advances the views
-        return
-    model.forward(ids, chunks, logits_rows=rows, tables=tables)
+        logits = graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables))  # advances the views
+    else:
+        logits = model.forward(ids, chunks, logits_rows=rows, tables=tables).logits
+    # rank 0's picks of the same all-gathered logits with the same op (overlap.launch)
+    return device_picks(logits, model.ops.greedy_pick)[0] if plan.keep_picks else None

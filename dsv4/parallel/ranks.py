@@ -82,6 +82,7 @@ class RankProcesses:
         self.dead: str | None = None
         self.closed = False
         self.in_step = False  # rank 0 is inside a step's collectives (the CUDA watchdog acts only then)
+        self._queued: list = []  # CUDA events after deferred steps' work (async scheduling), not yet seen done
         self._finalizer = weakref.finalize(self, _finalize, self.procs)
 
     @property
@@ -114,6 +115,17 @@ class RankProcesses:
         if "error" in box:
             raise box["error"]
         return box["out"]
+
+    def queued(self, event) -> None:
+        """A deferred step's collectives stay queued on the device after rank 0 returns from it:
+        ``event`` (recorded here, after them) marks them for the watchdog until it completes."""
+        event.record()
+        self._queued = [e for e in self._queued if not e.query()] + [event]
+
+    def busy(self) -> bool:
+        """Rank 0 is inside a step, or a deferred step's device work is not done: a collective may
+        wait for a dead peer."""
+        return self.in_step or any(not e.query() for e in self._queued)
 
     # ---- liveness ----------------------------------------------------------------------------
     def check(self, when: str) -> None:
@@ -157,6 +169,7 @@ class RankProcesses:
                         f"on another node is gone; distributed_timeout={self.timeout_s:g} s): {type(e).__name__}: {e}")
 
     def die(self, message: str) -> EngineDeadError:
+        self._queued = []  # (nothing queued is waited for any more)
         if self.dead is None:
             self.dead = message
             log.critical("dsv4 parallel: the engine is dead: %s", message)
@@ -178,7 +191,7 @@ class RankProcesses:
             if self.closed:
                 return
             time.sleep(5.0)
-            if not self.in_step or self.closed:
+            if not self.busy() or self.closed:
                 return  # the next step's liveness check reports it
             log.critical("dsv4 parallel: a rank died while rank 0 waits in a collective; aborting the NCCL "
                          "communicator")
@@ -187,7 +200,7 @@ class RankProcesses:
             except Exception as e:  # noqa: BLE001 - best effort; the exit below bounds the wait
                 log.critical("dsv4 parallel: NCCL abort failed: %s", e)
             time.sleep(10.0)
-            if self.in_step:
+            if self.busy() and self.dead is None:
                 log.critical("dsv4 parallel: rank 0 is still blocked after a rank died; exiting")
                 os._exit(1)
 

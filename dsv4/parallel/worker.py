@@ -91,7 +91,7 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
              stats["host_peak_mib"], "" if stats["device_peak_mib"] is None else
              f", peak device memory {stats['device_peak_mib']:.0f} MiB")
     dist.gather_object(stats, None, dst=0, group=tp.startup)
-    kvc = graphs = host = None
+    kvc = graphs = host = picks = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=tp.ctrl)
@@ -108,7 +108,7 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             graphs = DecodeGraphs(model, kvc, *plan.graph_sizes)
             graphs.capture()
         elif plan.kind == "step":
-            run_step(plan, model, kvc, device, graphs, host)
+            picks = run_step(plan, model, kvc, device, graphs, host, picks)
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
     if graphs is not None:  # the captured NCCL launches go before the communicator they use

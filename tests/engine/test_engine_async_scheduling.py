@@ -178,14 +178,15 @@ def test_async_non_finite_logits_name_the_request(tiny_ckpt):
         assert_no_leaks(llm)
 
 
-def test_async_refuses_tensor_parallel(tiny_ckpt):
-    with pytest.raises(ValueError, match="async_scheduling is not supported with more than one process"):
-        make_llm(tiny_ckpt, "auto", async_scheduling=True, tensor_parallel_size=2)
+def test_async_refuses_data_parallel(tiny_ckpt):
+    with pytest.raises(ValueError, match=r"async_scheduling is not supported with data parallelism"):
+        make_llm(tiny_ckpt, "auto", async_scheduling=True, data_parallel_size=2, enable_expert_parallel=True)
 
 
-def test_async_default_is_on_for_one_cuda_process_only():
-    """None (the default) resolves to on for a single-process CUDA engine, off on the CPU and with
-    more than one process; an explicit choice stands (True with more than one process is refused)."""
+def test_async_default_is_on_for_cuda_engines_without_data_parallelism():
+    """None (the default) resolves to on for a CUDA engine, one process or tensor-parallel (vLLM's
+    default for its multiprocessing executor), off on the CPU and with data parallelism; an explicit
+    choice stands (True with data parallelism is refused)."""
     from dsv4.cli import build_parser
     from dsv4.engine.engine import EngineConfig, resolve_async_scheduling
 
@@ -193,15 +194,16 @@ def test_async_default_is_on_for_one_cuda_process_only():
     assert EngineConfig(model="m").async_scheduling is None
     assert resolve_async_scheduling(EngineConfig(model="m"), cuda) is True
     assert resolve_async_scheduling(EngineConfig(model="m"), cpu) is False
-    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2), cuda) is False
-    assert resolve_async_scheduling(EngineConfig(model="m", nnodes=2), cuda) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2), cuda) is True
+    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2), cpu) is False
+    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2, nnodes=2), cuda) is True
+    assert resolve_async_scheduling(EngineConfig(model="m", tensor_parallel_size=2, async_scheduling=True),
+                                    cpu) is True
     dp = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True)
     assert resolve_async_scheduling(dp, cuda) is False
     assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=False), cuda) is False
     assert resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True), cpu) is True
-    with pytest.raises(ValueError, match=r"not supported with more than one process \(tensor_parallel_size=2"):
-        resolve_async_scheduling(EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2), cuda)
-    with pytest.raises(ValueError, match="data_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"not supported with data parallelism \(data_parallel_size=2"):
         resolve_async_scheduling(dp.replace(async_scheduling=True), cuda)
     parse = build_parser().parse_args
     assert parse(["generate", "--prompt", "x"]).async_scheduling is None

@@ -77,23 +77,65 @@ def test_tp2_expert_parallel_over_two_nodes_matches_tp1(tiny_ckpt, reference, tm
     assert got == reference
 
 
-def test_tp2_with_the_batched_paged_attention_matches_tp1(tiny_ckpt, reference):
-    """The GPU's attention path (one batched attention over the pages, rebuilt from the step plan on
-    every worker), here with its torch ops: TP=2 gives the TP=1 greedy tokens."""
-    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
+def _preempting_prompts() -> list[list[int]]:
+    """Two 254-token prompts: with a KV cache of 2 blocks both start, and their 3rd output token
+    (position 256) needs a block neither can get: the newer one is preempted and recomputed."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, 129280, (254,), generator=g).tolist() for _ in range(2)]
+
+
+def test_tp2_async_scheduling_with_the_batched_paged_attention_matches_tp1_then_a_killed_worker_kills_it(
+        tiny_ckpt, reference):
+    """The GPU's paths at TP=2: one batched attention over the pages (rebuilt from the step plan on
+    every worker, here with its torch ops) and async scheduling — each step launched before the
+    previous one's greedy picks are read, every rank filling the placeholder tokens from the picks
+    it made itself. The greedy tokens are one synchronous process's, through a prefix-cache hit and
+    a preemption; then a SIGKILLed worker makes the next request fail with EngineDeadError."""
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    one = LLM(str(tiny_ckpt), **ENGINE)
+    want = [o.outputs[0].token_ids for o in one.generate(_preempting_prompts(), sp)]
+    del one
+    # 2 blocks of KV cache (greedy_llm's batch admits as the blocks allow; _preempting_prompts preempts)
+    small = {**ENGINE, "max_model_len": 512, "kv_cache_memory": 46 << 20}
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", async_scheduling=True,
+              distributed_timeout=60, **small)
+    eng = llm.engine
+    pids = eng.executor.worker_pids
     try:
-        assert llm.engine.runner.paged_attention
+        assert eng.runner.paged_attention and eng.config.async_scheduling
+        assert eng.kv_cache.budget.capacity_tokens == 512
         got = greedy_llm(llm)
+        hits = eng.kv.hits
+        preempted = [o.outputs[0].token_ids for o in llm.generate(_preempting_prompts(), sp)]
+        overlapped = eng.num_overlapped_steps
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker rank 1 \(pid {pids[1]}\) exited with "
+                                                  r"code -9"):
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(EngineDeadError):  # dead for good
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
     finally:
         llm.shutdown()
     assert got == reference
+    assert hits >= 256  # the prefix prompt reused a cached block: its boundary rows were restored on the worker
+    assert preempted == want
+    assert eng.scheduler.num_preemptions > 0
+    assert overlapped > 5  # the decode steps were launched before the previous step was read
+    assert all(gone(pid) for pid in pids.values())
 
 
 def test_tp2_decode_graph_replay_matches_tp1(tiny_ckpt, reference):
     """The decode CUDA-graph path at TP=2, emulated on CPU: every rank captures its graphs at
     once, each replay on rank 0 is announced to the worker, which loads the same static inputs
-    (spare lanes padded to the bucket) and replays its own; the greedy tokens are TP=1's."""
-    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", **ENGINE)
+    (spare lanes padded to the bucket) and replays its own; the greedy tokens are TP=1's. With async
+    scheduling (the CUDA default): each replay's placeholder tokens are filled into the graphs'
+    static inputs from the picks every rank kept of the step before."""
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, attention="batched", backend="torch", async_scheduling=True,
+              **ENGINE)
     try:
         llm.engine.capture_decode_graphs()
         graphs = llm.engine.runner.graphs
@@ -106,6 +148,7 @@ def test_tp2_decode_graph_replay_matches_tp1(tiny_ckpt, reference):
         llm.shutdown()
     assert 4 in used, f"no padded decode step replayed the graphs (buckets used: {used})"
     assert got == reference
+    assert llm.engine.num_overlapped_steps > 5
     # shutdown resets the graphs before the group goes (NCCL: a live graph hangs its teardown)
     assert llm.engine.runner.graphs is None and graphs.graphs.graphs == {} and graphs.buckets == []
 
