@@ -114,28 +114,29 @@ FLASH_WIDTH_OVERRIDES: dict[str, Any] = {
     "compress_ratios": [4, 128, 4, 128, 0],
 }
 
+# the 0731 release's DSpark fields (DeepSeek-V4-Flash-0731's config.json)
+DSPARK_0731_FIELDS: dict[str, Any] = {
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+
 # tiny-dspark: the 0731 layout on the tiny model — three DSpark stages (three more compress_ratios
 # entries, num_nextn_predict_layers 1 as in the release), target layers inside its depth, a small
 # Markov rank; the release's block size and noise token.
-DSPARK_TINY_FIELDS: dict[str, Any] = {
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [1, 2, 3],
-    "dspark_markov_rank": 32,
-}
 TINY_DSPARK_OVERRIDES: dict[str, Any] = {
     **TINY_OVERRIDES,
     "compress_ratios": [0, 4, 128, 4, 0, 0, 0],
-    **DSPARK_TINY_FIELDS,
+    **DSPARK_0731_FIELDS,
+    "dspark_target_layer_ids": [1, 2, 3],
+    "dspark_markov_rank": 32,
 }
 
 # flash-0731: the 0731 release's config (DeepSeek-V4-Flash-0731: the 0423 one plus DSpark)
 FLASH_0731_OVERRIDES: dict[str, Any] = {
     "compress_ratios": REFERENCE_CONFIG["compress_ratios"] + [0, 0],
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [40, 41, 42],
-    "dspark_markov_rank": 256,
+    **DSPARK_0731_FIELDS,
 }
 
 PRESETS = {"tiny": TINY_OVERRIDES, "tiny-dspark": TINY_DSPARK_OVERRIDES, "flash-width": FLASH_WIDTH_OVERRIDES,

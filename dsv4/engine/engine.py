@@ -55,9 +55,7 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool
     and under tensor parallelism, where every rank keeps the greedy picks it needs on its device
     (``dsv4.parallel.plan``). On the CPU the model runs on the host thread and nothing overlaps. The
     data-parallel front end steps its ranks' engines synchronously (an explicit True there is an error)."""
-    if config.data_parallel_size > 1:
-        if config.async_scheduling:
-            config._check_data_parallel()  # (raises, naming the setting)
+    if config.data_parallel_size > 1:  # (an explicit True was refused by the settings)
         return False
     if config.async_scheduling is None:
         return device.type == "cuda"
