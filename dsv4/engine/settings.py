@@ -117,10 +117,10 @@ class EngineConfig:
     enable_expert_parallel: bool = setting(False, "split routed experts by expert across the ranks (default: "
                                            "each expert's intermediate dimension); with --data-parallel-size "
                                            "the routed experts run expert-parallel over the data-parallel ranks")
-    data_parallel_size: int = setting(1, "data-parallel ranks (one process and GPU each): each owns its requests "
-                                      "and their KV cache, attention and the dense layers run on its own tokens, "
-                                      "the routed experts are split over the ranks (needs "
-                                      "--enable-expert-parallel; docs/distributed.md)", aliases=("-dp",))
+    data_parallel_size: int = setting(1, "data-parallel ranks, each of --tensor-parallel-size processes and GPUs: "
+                                      "each owns its requests and their KV cache, attention and the dense layers "
+                                      "run on its own tokens, the routed experts are split over all the processes "
+                                      "(needs --enable-expert-parallel; docs/distributed.md)", aliases=("-dp",))
     nnodes: int = setting(1, "nodes of a multi-node tensor-parallel run")
     node_rank: int = setting(0, "this node's index; node 0 serves, nodes > 0 only run worker ranks (headless)")
     master_addr: str = setting("127.0.0.1", "node 0's address for the torch.distributed rendezvous")
@@ -196,9 +196,6 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size={dp} needs enable_expert_parallel=True (--enable-expert-parallel): "
                              "the routed experts are split over the data-parallel ranks; splitting each expert's "
                              "intermediate dimension over them (vLLM's default without EP) is not implemented")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={dp} with tensor_parallel_size={self.tensor_parallel_size}: "
-                             "tensor parallelism inside a data-parallel rank is not implemented; use one of them")
         if self.nnodes > 1:
             raise ValueError(f"data_parallel_size={dp} with nnodes={self.nnodes}: data parallelism runs on one node")
         if self.async_scheduling:  # (the data-parallel front end steps its ranks synchronously)

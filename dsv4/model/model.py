@@ -87,15 +87,18 @@ class ReferenceModel:
         parallelism (a ``dsv4.parallel.group.TPGroup``): this rank loads only its shard and the sharded
         layers call its collectives; None is the single-process model. ``ep``: data-parallel attention
         with expert parallelism (a ``dsv4.parallel.expert.EPGroup``): this rank loads every weight but
-        the other ranks' routed experts, and its MoE layers exchange tokens with the other ranks."""
-        if tp is not None and ep is not None:
-            raise ValueError("a model is either tensor-parallel (tp) or expert-parallel over data-parallel ranks (ep)")
+        the other ranks' routed experts, and its MoE layers exchange tokens with the other ranks. Both:
+        tensor parallelism inside a data-parallel rank (``ep.tp`` is ``tp``): the experts split over
+        every process, the rest over the rank's tensor-parallel group."""
+        if tp is not None and ep is not None and getattr(ep, "tp", None) is not tp:
+            raise ValueError("a model both tensor- and expert-parallel (tensor parallelism inside a data-parallel "
+                             "rank) needs the expert group made for its tensor-parallel group (ep.tp is tp)")
         self.ops = ops = ops or reference_ops()
         if isinstance(model_dir, ModelWeights):
             self.w = model_dir
         else:
             self.w = ModelWeights(model_dir, dtype, device, progress, keep_quantized=ops.quantized_weights,
-                                  fp8_linear=ops.fp8_linear, shard=tp or ep)
+                                  fp8_linear=ops.fp8_linear, shard=ep or tp)
         self.cfg: ModelConfig = self.w.config
         self.dtype, self.device = self.w.dtype, self.w.device
         self.numerics = numerics or CacheNumerics()

@@ -130,6 +130,8 @@ class MoE:
         brings the outputs back, and they are summed here in the order the single-process layer
         sums them (``combine_pairs``), then the shared expert is added as there. A rank with no
         tokens (``x`` of 0 rows) still joins the exchange: the other ranks' tokens reach its experts."""
+        if self.tp is not None:
+            return self._forward_tp_ep(x, token_ids)
         cfg, ops = self.cfg, self.ops
         k = cfg.num_experts_per_tok
         if x.shape[0] == 0:
@@ -146,6 +148,38 @@ class MoE:
         if self.grouped:  # as _forward_ops: the experts' sum rounded to x.dtype, then the shared expert added
             return out.to(x.dtype) + shared
         return (out + shared.float()).to(x.dtype)
+
+    def _route_any(self, x: torch.Tensor, token_ids: torch.Tensor):
+        """(ids [T, k], weights [T, k] fp32) on either path; empty for no tokens."""
+        k = self.cfg.num_experts_per_tok
+        if x.shape[0] == 0:
+            return (torch.zeros(0, k, dtype=torch.long, device=x.device),
+                    torch.zeros(0, k, dtype=torch.float32, device=x.device))
+        if self.grouped:
+            return self._route_ops(x, token_ids)
+        return route(self.ops, x, self.gate, self.cfg, self.bias, self.tid2eid, token_ids)
+
+    def _forward_tp_ep(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism inside a data-parallel rank: every rank of the tensor-parallel group
+        holds the same tokens ``x`` (the attention's all-reduce) and routes them alike; rank t sends
+        only its share of them (rows [t·⌈T/N⌉, …)) through the exchange over every process, so each
+        (token, expert) pair is computed once. Its share's routed sum, placed in a zero [T, H], plus
+        its partial shared expert (intermediate-split), all-reduced in fp32 over the group: every
+        rank ends with the whole layer output."""
+        cfg, tp = self.cfg, self.tp
+        ids, w = self._route_any(x, token_ids)
+        n = x.shape[0]
+        per = -(-n // tp.world_size)
+        lo, hi = min(n, tp.rank * per), min(n, (tp.rank + 1) * per)
+        mine = combine_pairs(self.ep.exchange(x[lo:hi].contiguous(), ids[lo:hi].contiguous(), self._pair_outputs,
+                                              self._slot_outputs), ids[lo:hi], w[lo:hi])
+        if n == 0:  # (every rank of the group has no tokens: nothing to add up)
+            return x.new_zeros(0, x.shape[1])
+        out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        out[lo:hi] = mine
+        if self.shared is not None:
+            out += self.ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+        return tp.all_reduce(out).to(x.dtype)
 
     def _pair_outputs(self, xr: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Expert ``experts[p]`` (one of this rank's) of token row ``xr[rows[p]]`` for every pair p:

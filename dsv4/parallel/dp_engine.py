@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .balance import RankBalancer
-from .dp_rank import Command, agreement_group, build_rank_engine, handle, rank_state, worker_main
-from .group import DistSpec, init_distributed
+from .dp_rank import Command, Layout, build_rank_engine, handle, make_groups, rank_state, worker_main
+from .group import DistSpec, TPGroup, init_distributed
 from .ranks import RankProcesses, free_port
 
 log = logging.getLogger("dsv4.parallel")
@@ -78,24 +78,31 @@ class DPEngine:
         from .expert import EPGroup
 
         n = config.data_parallel_size
+        self.layout = layout = Layout(n, config.tensor_parallel_size)
         self.config = config
         dev = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(f"data_parallel_size={n} needs {n} GPUs, {torch.cuda.device_count()} visible")
+        w = layout.world
+        if dev.type == "cuda" and torch.cuda.device_count() < w:
+            raise ValueError(f"data_parallel_size={n} × tensor_parallel_size={layout.tp} needs {w} GPUs, "
+                             f"{torch.cuda.device_count()} visible")
         self.device = torch.device("cuda", 0) if dev.type == "cuda" else dev
-        EPGroup(0, n, load_config(config.model).n_routed_experts, self.device)  # a layout error before any spawn
-        self.spec = spec = DistSpec(n, True, 1, 0, config.master_addr or "127.0.0.1", config.master_port,
+        cfg = load_config(config.model)  # a layout error before any spawn
+        EPGroup(0, w, cfg.n_routed_experts, self.device)
+        if layout.tp > 1:
+            TPGroup(DistSpec(layout.tp, True), 0, self.device).shard_plan(cfg)
+        self.spec = spec = DistSpec(w, True, 1, 0, config.master_addr or "127.0.0.1", config.master_port,
                                     float(config.distributed_timeout))
         self.port = spec.master_port or free_port(spec.master_addr)
-        self.ranks = RankProcesses("data-parallel", "rank", spec.timeout_s)
+        # (with tensor parallelism inside the ranks, messages name processes by global rank)
+        self.ranks = RankProcesses("data-parallel", "rank" if layout.tp == 1 else "process", spec.timeout_s)
         self.balancer = RankBalancer(n)
         self.requests: dict[str, int] = {}  # request id → the rank that holds it
         self._aborts: dict[int, list[str]] = {}  # rank → aborted requests not yet told to it
         self._held: set[str] = set()  # requests added after the engine died (the next step raises)
         self._ids = itertools.count()
         try:
-            for r in range(1, n):
-                self.ranks.spawn(r, worker_main, (config, spec, r, self.port, os.getpid()))
+            for g in range(1, w):
+                self.ranks.spawn(g, worker_main, (config, spec, layout, g, self.port, os.getpid()))
             self._start(config, tokenizer)
         except BaseException:
             self.ranks.abandon()
@@ -108,32 +115,38 @@ class DPEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.ctrl, self.startup = self.ranks.rendezvous(lambda: init_distributed(self.spec, 0, self.device, self.port))
-        agree = agreement_group(self.spec.timeout_s)
-        n = self.spec.world_size
-        log.info("dsv4 parallel: %d data-parallel ranks, routed experts split by expert, %s backend, rendezvous at "
-                 "%s:%d", n, dist.get_backend(), self.spec.master_addr, self.port)
+        layout = self.layout
+        groups = make_groups(layout, 0, self.spec.timeout_s)
+        self.commands = groups.commands or self.ctrl
+        n, w = layout.dp, layout.world
+        log.info("dsv4 parallel: %d data-parallel ranks%s, routed experts split by expert over %d processes, %s "
+                 "backend, rendezvous at %s:%d", n, f" of {layout.tp} tensor-parallel ranks" if layout.tp > 1 else "",
+                 w, dist.get_backend(), self.spec.master_addr, self.port)
         self.ranks.rendezvous(lambda: dist.broadcast_object_list([config], src=0, group=self.startup))
         if self.device.type == "cuda":
             self.ranks.watch_cuda(self.device)
         self.ranks.in_step = True  # a warm-up (on a GPU) runs forwards, whose exchanges need every rank
         try:
-            self.engine0, mine = build_rank_engine(config, 0, n, self.device, agree, tokenizer)
+            self.engine0, mine = build_rank_engine(config, layout, 0, self.device, groups, tokenizer, self.ranks)
         finally:
             self.ranks.in_step = False
         # rank 0's decode graphs are reset before the group goes (a live graph hangs its teardown),
         # also when this engine is dropped without shutdown(): this runs before the ranks' finalizer
         self._release = weakref.finalize(self, self.engine0.shutdown)
         mine["load_s"] = round(time.monotonic() - t0, 2)  # rank 0's includes waiting for the rendezvous
-        reports = [None] * n
+        reports = [None] * w  # every process's: the leaders' carry their rank's engine
         self.ranks.rendezvous(lambda: dist.gather_object(mine, reports, dst=0, group=self.startup))
         self.startup_reports = reports
-        self.rank_stats = [{**s, "requests": 0} for s in reports]  # then updated by every reply
+        self.rank_stats = [{**s, "requests": 0} for s in reports[::layout.tp]]  # then updated by every reply
         for s in reports:
             dev = "" if s["device_peak_mib"] is None else f", peak device memory {s['device_peak_mib']:.0f} MiB"
-            log.info("dsv4 parallel: data-parallel rank %d (pid %d, %s, experts [%d, %d)) started in %.1f s: weights "
-                     "%.0f MiB, KV cache %d tokens (%.0f MiB), peak host RSS %.0f MiB%s", s["rank"], s["pid"],
-                     s["device"], *s["experts"], s["load_s"], s["weights_mib"], s["kv_tokens"], s["kv_cache_mib"],
-                     s["host_peak_mib"], dev)
+            who = (f"data-parallel rank {s['rank']}" if layout.tp == 1 else
+                   f"data-parallel rank {s['rank']} tensor-parallel rank {s['process'] % layout.tp}")
+            kv = (f", KV cache {s['kv_tokens']} tokens ({s['kv_cache_mib']:.0f} MiB)" if "kv_tokens" in s else
+                  " (its KV cache mirrors its leader's)")
+            log.info("dsv4 parallel: %s (pid %d, %s, experts [%d, %d)) started in %.1f s: weights %.0f MiB%s, peak "
+                     "host RSS %.0f MiB%s", who, s["pid"], s["device"], *s["experts"], s["load_s"], s["weights_mib"],
+                     kv, s["host_peak_mib"], dev)
         e = self.engine0
         self.config, self.model_config, self.max_model_len, self.tokenizer = (e.config, e.model_config,
                                                                             e.max_model_len, e.tokenizer)
@@ -258,7 +271,7 @@ class DPEngine:
         ranks = self.ranks
         ranks.ensure_alive()
         what = "step" if cmd.kind == "step" else f"'{cmd.kind}' command"
-        ranks.collective(lambda: dist.broadcast_object_list([cmd], src=0, group=self.ctrl), what)
+        ranks.collective(lambda: dist.broadcast_object_list([cmd], src=0, group=self.commands), what)
         ranks.in_step = True
         try:
             mine = handle(self.engine0, 0, cmd)
@@ -268,8 +281,8 @@ class DPEngine:
             raise ranks.fatal(e, what) from e
         finally:
             ranks.in_step = False
-        replies = [None] * self.spec.world_size
-        ranks.collective(lambda: dist.gather_object(mine, replies, dst=0, group=self.ctrl), f"{what} replies")
+        replies = [None] * self.layout.dp
+        ranks.collective(lambda: dist.gather_object(mine, replies, dst=0, group=self.commands), f"{what} replies")
         for r, reply in enumerate(replies):
             self.rank_stats[r].update(reply["state"])
         return replies
@@ -304,7 +317,8 @@ class DPEngine:
         if clean:
             try:
                 self.ranks.collective(
-                    lambda: dist.broadcast_object_list([Command("shutdown")], src=0, group=self.ctrl), "shutdown")
+                    lambda: dist.broadcast_object_list([Command("shutdown")], src=0, group=self.commands),
+                    "shutdown")
             except EngineDeadError:
                 clean = False
         self._release()

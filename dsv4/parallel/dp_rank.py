@@ -46,9 +46,10 @@ class EPModel:
     matched — one that raises between exchanges joins the remaining ones empty (then its requests
     fail alone); one that breaks an exchange makes the engine dead."""
 
-    def __init__(self, inner, ep):
+    def __init__(self, inner, ep, driver=None):
         self.inner, self.ep = inner, ep
         self.cfg, self.device, self.dtype, self.ops = inner.cfg, inner.device, inner.dtype, inner.ops
+        self._forward = inner.forward if driver is None else driver.model.forward  # (TP: the plan goes first)
 
     def __getattr__(self, name):  # read-only attributes (w, numerics, blocks, …) of the rank's model
         if name in ("prefill", "greedy", "hidden", "mtp_forward", "new_cache"):
@@ -63,7 +64,7 @@ class EPModel:
             raise TypeError(f"the data-parallel forward does not take {sorted(kw)}")
         self.ep.begin_forward()
         try:
-            return self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables)
+            return self._forward(token_ids, chunks, logits_rows=logits_rows, tables=tables)
         except EngineDeadError:
             raise
         except Exception:
@@ -73,58 +74,148 @@ class EPModel:
 
 class EPExecutor:
     """What a data-parallel rank's LLMEngine runs through (its ``executor``): the rank's model, and
-    its decode graphs. The cache is the rank's own (nothing to mirror); the front end starts and
-    stops the processes. ``agree``: the gloo group the ranks agree on each step's graph in."""
+    its decode graphs. The front end starts and stops the processes. ``agree``: the gloo group the
+    ranks agree on each step's graph in. ``driver``: with tensor parallelism inside the rank, rank
+    0 of its group (``TPDriver.for_group``): every forward (the dummy one too) is first sent to the
+    group's other ranks as a step plan, and their caches mirror this one's; else the cache is the
+    rank's own and nothing is mirrored."""
 
-    def __init__(self, model, ep, agree):
-        self.model, self.ep, self.agree = EPModel(model, ep), ep, agree
+    def __init__(self, model, ep, agree, driver=None):
+        self.model, self.ep, self.agree, self.driver = EPModel(model, ep, driver), ep, agree, driver
         self.device = model.device
 
     def start_caches(self, budget, numerics, kv) -> None:
-        pass
+        if self.driver is not None:
+            self.driver.start_caches(budget, numerics, kv)
 
     def capture_graphs(self, kvc, max_num_seqs: int, max_model_len: int):
         from .dp_graphs import DPDecodeGraphs
 
+        if self.driver is not None:  # not implemented: decode steps run eagerly
+            log.warning("dsv4 parallel: decode CUDA graphs are not captured with tensor parallelism inside a "
+                        "data-parallel rank; decode steps run eagerly")
+            return None
         return DPDecodeGraphs.capture(self.model.inner, kvc, max_num_seqs, max_model_len, self.ep, self.agree)
 
+    def idle_forward(self) -> None:
+        """This rank's dummy forward (on every rank of its tensor-parallel group)."""
+        from .expert import idle_forward
+
+        if self.driver is not None:
+            self.driver.idle_forward()
+        else:
+            idle_forward(self.model.inner)
+
     def shutdown(self) -> None:
-        pass
+        if self.driver is not None:  # the group's other ranks leave their plan loop
+            self.driver.shutdown()
 
 
-def agreement_group(timeout_s: float):
-    """The gloo group data-parallel ranks agree on each step's decode graph in (every rank makes it
-    right after joining the process group, so the groups line up)."""
+@dataclass(frozen=True)
+class Layout:
+    """``dp`` data-parallel ranks of ``tp`` processes each: process ``g`` is rank ``g % tp`` of
+    data-parallel rank ``g // tp``'s tensor-parallel group, whose rank 0 (its *leader*) runs the
+    rank's engine core; the routed experts are split over all ``tp × dp`` processes (vLLM's
+    ``EP_SIZE = TP_SIZE × DP_SIZE``)."""
+
+    dp: int
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    def leader(self, g: int) -> bool:
+        return g % self.tp == 0
+
+
+@dataclass
+class Groups:
+    """The process groups beyond ``init_distributed``'s: ``agree`` (graph agreement), ``commands``
+    (the front end's commands to the leaders; None: the control group of every process) and this
+    process's tensor-parallel ``tp_compute`` / ``tp_ctrl`` (None without tensor parallelism)."""
+
+    agree: object
+    commands: object = None
+    tp_compute: object = None
+    tp_ctrl: object = None
+
+
+def make_groups(layout: Layout, g: int, timeout_s: float) -> Groups:
+    """Every process makes every group, in the same order, right after joining the process group
+    (``new_group`` is collective over all of them). A control group's timeout is local: its
+    sender waits at most ``timeout_s``, its receivers as long as the engine stays idle."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    from .group import IDLE_TIMEOUT
+
+    timeout = timedelta(seconds=timeout_s)
+    out = Groups(dist.new_group(backend="gloo", timeout=timeout))
+    if layout.tp == 1:
+        return out
+    for d in range(layout.dp):
+        ranks = list(range(d * layout.tp, (d + 1) * layout.tp))
+        compute = dist.new_group(ranks)
+        ctrl = dist.new_group(ranks, backend="gloo", timeout=timeout if g == ranks[0] else IDLE_TIMEOUT)
+        if g in ranks:
+            out.tp_compute, out.tp_ctrl = compute, ctrl
+    out.commands = dist.new_group(list(range(0, layout.world, layout.tp)), backend="gloo",
+                                  timeout=timeout if g == 0 else IDLE_TIMEOUT)
+    return out
 
 
-def build_rank_engine(config, rank: int, world_size: int, device, agree, tokenizer=None):
-    """This rank's engine over its share of the model; returns (engine, its startup report)."""
-    import torch
-
+def rank_model(config, layout: Layout, g: int, device, groups: Groups, timeout_s: float):
+    """Process ``g``'s share of the model: every weight but the other processes' routed experts, and
+    with tensor parallelism only its tensor-parallel shard of those; returns (model, its EPGroup)."""
     from ..checkpoint.reader import Checkpoint
-    from ..engine.engine import LLMEngine
     from ..model.model import ReferenceModel
     from ..ops.selection import resolve_op_set
     from .expert import EPGroup
+    from .group import DistSpec, TPGroup
+
+    tp = None
+    if layout.tp > 1:
+        spec = DistSpec(layout.tp, True, timeout_s=timeout_s)
+        tp = TPGroup(spec, g % layout.tp, device, (groups.tp_ctrl, None), group=groups.tp_compute,
+                     leader=g - g % layout.tp)
+    ep = EPGroup(g, layout.world, Checkpoint(config.model).config.n_routed_experts, device, tp=tp)
+    model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device, act_quant=config.act_quant,
+                           ops=resolve_op_set(config.backend, config.attention, device), tp=tp, ep=ep)
+    return model, ep
+
+
+def build_rank_engine(config, layout: Layout, g: int, device, groups: Groups, tokenizer=None, ranks=None):
+    """The engine of the data-parallel rank whose leader is process ``g`` (this one), over its share
+    of the model; returns (engine, its startup report). ``ranks``: the ``RankProcesses`` that watch
+    the group's other processes (rank 0's front end), else none are watched here."""
+    import torch
+
+    from ..engine.engine import LLMEngine
+    from .driver import TPDriver
     from .group import peak_memory
+    from .plan import StepPlan
+    from .ranks import RankProcesses
 
     t0 = time.monotonic()
-    ckpt = Checkpoint(config.model)
-    ep = EPGroup(rank, world_size, ckpt.config.n_routed_experts, device)
-    model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device, act_quant=config.act_quant,
-                           ops=resolve_op_set(config.backend, config.attention, device), ep=ep)
-    engine = LLMEngine(config, tokenizer=tokenizer, executor=EPExecutor(model, ep, agree))
+    model, ep = rank_model(config, layout, g, device, groups, float(config.distributed_timeout))
+    driver = None
+    if ep.tp is not None:
+        if ranks is None:  # (the front end watches this rank's processes; its messages name this process)
+            ranks = RankProcesses("data-parallel", "process", float(config.distributed_timeout))
+            ranks._finalizer.detach()
+        driver = TPDriver.for_group(config, ep.tp, model, ranks)
+    engine = LLMEngine(config, tokenizer=tokenizer, executor=EPExecutor(model, ep, groups.agree, driver))
+    if driver is not None:  # the group's other ranks join the startup report now (worker.serve_plans)
+        driver.send(StepPlan("report"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     budget = engine.kv_cache.budget
-    report = {"rank": rank, "pid": os.getpid(), "device": str(device), "load_s": round(time.monotonic() - t0, 2),
-              "experts": list(ep.expert_range(ckpt.config.n_routed_experts)),
-              "weights_mib": round(ep.checkpoint_bytes(ckpt) / 2**20, 1), "kv_tokens": budget.capacity_tokens,
+    n_experts = model.cfg.n_routed_experts
+    report = {"rank": g // layout.tp, "process": g, "pid": os.getpid(), "device": str(device),
+              "load_s": round(time.monotonic() - t0, 2), "experts": list(ep.expert_range(n_experts)),
+              "weights_mib": round(ep.read_bytes / 2**20, 1), "kv_tokens": budget.capacity_tokens,
               "kv_blocks": budget.num_blocks, "kv_cache_mib": round(budget.total_bytes / 2**20, 1),
               **peak_memory(device), **rank_state(engine)}
     return engine, report
@@ -132,15 +223,13 @@ def build_rank_engine(config, rank: int, world_size: int, device, agree, tokeniz
 
 def rank_step(engine) -> list:
     """One lockstep step of this rank: its engine's step, or a dummy forward if that ran none."""
-    from .expert import idle_forward
-
     ep = engine.executor.ep
     ep.forwards = 0
     outs = engine.step()
     if ep.forwards == 0:
         graphs = engine.runner.graphs
         if graphs is None or not graphs.idle():
-            idle_forward(engine.executor.model.inner)
+            engine.executor.idle_forward()
     return outs
 
 
@@ -185,45 +274,65 @@ def handle(engine, rank: int, cmd: Command):
     return {"state": rank_state(engine)}
 
 
-def worker_main(config, spec, rank: int, port: int, parent_pid: int) -> None:
-    """Entry point of a spawned data-parallel rank."""
+def worker_main(config, spec, layout: Layout, g: int, port: int, parent_pid: int) -> None:
+    """Entry point of spawned process ``g``: a data-parallel rank's leader (its engine core), or
+    another rank of its tensor-parallel group (step plans from the leader)."""
     from .worker import watch_parent
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[dp rank {rank}]: %(message)s")
+    d, t = divmod(g, layout.tp)
+    name = f"dp rank {d}" + (f" tp rank {t}" if layout.tp > 1 else "")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole process group: rank 0 decides
     watch_parent(parent_pid)
     try:
-        _serve(config, spec, rank, port)
-    except BaseException:  # noqa: BLE001 - any failure ends this rank; rank 0 reports it
-        log.exception("data-parallel rank %d failed", rank)
+        _serve(config, spec, layout, g, port)
+    except BaseException:  # noqa: BLE001 - any failure ends this process; rank 0 reports it
+        log.exception("data-parallel process %d (%s) failed", g, name)
         sys.stderr.flush()
         os._exit(1)
 
 
-def _serve(config, spec, rank: int, port: int) -> None:
+def _serve(config, spec, layout: Layout, g: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from .group import init_distributed
-    from .worker import rank_device
+    from .group import init_distributed, peak_memory
+    from .worker import rank_device, serve_plans
 
-    device = rank_device(config, rank)
-    ctrl, startup = init_distributed(spec, rank, device, port)
-    agree = agreement_group(spec.timeout_s)
+    t0 = time.monotonic()
+    device = rank_device(config, g)
+    ctrl, startup = init_distributed(spec, g, device, port)
+    groups = make_groups(layout, g, spec.timeout_s)
     box = [None]
     dist.broadcast_object_list(box, src=0, group=startup)  # rank 0's resolved EngineConfig
-    engine, report = build_rank_engine(box[0], rank, spec.world_size, device, agree)
-    log.info("data-parallel rank %d started in %.1f s", rank, report["load_s"])
-    dist.gather_object(report, None, dst=0, group=startup)
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=ctrl)
-        cmd = box[0]
-        if cmd.kind == "shutdown":
-            break
-        dist.gather_object(handle(engine, rank, cmd), None, dst=0, group=ctrl)
-    engine.shutdown()  # its graphs' NCCL launches go before the communicator they use
-    del engine
+    config = box[0]
+    if not layout.leader(g):  # a tensor-parallel rank of a data-parallel rank: its leader's plans
+        model, ep = rank_model(config, layout, g, device, groups, spec.timeout_s)
+        load_s = round(time.monotonic() - t0, 2)
+
+        def report():  # once the leader's engine is built (its cache plan came first)
+            mine = {"rank": g // layout.tp, "process": g, "pid": os.getpid(), "device": str(device), "load_s": load_s,
+                    "experts": list(ep.expert_range(ep.n_experts)), "weights_mib": round(ep.read_bytes / 2**20, 1),
+                    **peak_memory(device)}
+            dist.gather_object(mine, None, dst=0, group=startup)
+
+        serve_plans(model, ep.tp, device, on_report=report)
+        del model, ep
+    else:
+        rank = g // layout.tp
+        engine, report = build_rank_engine(config, layout, g, device, groups)
+        log.info("data-parallel rank %d started in %.1f s", rank, report["load_s"])
+        dist.gather_object(report, None, dst=0, group=startup)
+        commands = groups.commands or ctrl
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=commands)
+            cmd = box[0]
+            if cmd.kind == "shutdown":
+                break
+            dist.gather_object(handle(engine, rank, cmd), None, dst=0, group=commands)
+        engine.shutdown()  # its graphs' NCCL launches go before the communicator they use; its group's ranks stop
+        del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -51,6 +51,19 @@ class TPDriver:
             self.ranks.abandon()
             raise
 
+    @classmethod
+    def for_group(cls, config, tp: TPGroup, inner, ranks: RankProcesses) -> "TPDriver":
+        """Rank 0 of a tensor-parallel group inside a data-parallel rank (``dsv4.parallel.hybrid``):
+        its processes were started, and are watched and stopped, by the data-parallel front end
+        (``ranks``); this driver only sends its group's step plans."""
+        self = cls.__new__(cls)
+        self.spec, self.config, self.device, self.tp, self.ranks = tp.spec, config, inner.device, tp, ranks
+        self.restores, self.owns_processes = [], False
+        self.model = TPModel(self, inner)
+        return self
+
+    owns_processes = True  # (False: a group inside a data-parallel rank, see for_group)
+
     @property
     def worker_pids(self) -> dict[int, int]:
         return self.ranks.pids
@@ -146,7 +159,8 @@ class TPDriver:
     def send(self, plan: StepPlan) -> None:
         import torch.distributed as dist
 
-        self._collective(lambda: dist.broadcast_object_list([plan], src=0, group=self.tp.ctrl), "step plan")
+        self._collective(lambda: dist.broadcast_object_list([plan], src=self.tp.leader, group=self.tp.ctrl),
+                         "step plan")
 
     def shutdown(self) -> None:
         """Stop the workers (a 'shutdown' plan, then terminate stragglers) and leave the group."""
@@ -160,7 +174,16 @@ class TPDriver:
                 self.send(StepPlan("shutdown"))
             except EngineDeadError:
                 clean = False
-        self.ranks.stop(clean)
+        if self.owns_processes:
+            self.ranks.stop(clean)
+
+    def idle_forward(self) -> None:
+        """A data-parallel rank's dummy forward, on every rank of its group (their MoE exchanges
+        span every process)."""
+        from .expert import idle_forward
+
+        self.ensure_alive()
+        self.lockstep(StepPlan("idle"), lambda: idle_forward(self.model.inner), "dummy forward")
 
     # ---- liveness (dsv4/parallel/ranks.py) ------------------------------------------------------
     def ensure_alive(self) -> None:

@@ -55,8 +55,14 @@ class EPGroup(CommTimer):
     ``group``: the compute process group (None: the default group). Without a process group
     (``world_size`` 1, or a test that only reads shards) nothing is exchanged."""
 
-    def __init__(self, rank: int, world_size: int, n_experts: int, device, group=None):
+    def __init__(self, rank: int, world_size: int, n_experts: int, device, group=None, tp=None):
+        """``tp``: tensor parallelism inside the data-parallel rank (a ``TPGroup`` of its processes;
+        ``rank`` / ``world_size`` then count every process): the experts are split over all of
+        them, every other weight is the tensor-parallel shard, and each MoE layer's tokens are
+        shared out over the group's ranks for the exchange (``MoE._forward_ep``)."""
         super().__init__()
+        self.tp = tp
+        self.read_bytes = 0  # what this rank has read of the checkpoint (its startup report)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a data-parallel group of {world_size}")
         if n_experts % world_size:
@@ -82,9 +88,11 @@ class EPGroup(CommTimer):
         if m is not None:
             lo, hi = self.expert_range(ckpt.config.n_routed_experts)
             if not lo <= int(m.group(1)) < hi:
-                raise ValueError(f"data-parallel rank {self.rank} holds experts [{lo}, {hi}) under expert "
-                                 f"parallelism; '{name}' belongs to another rank")
-        return ckpt.get(name)
+                raise ValueError(f"expert-parallel rank {self.rank} holds experts [{lo}, {hi}); '{name}' belongs "
+                                 "to another rank")
+        t = ckpt.get(name) if m is not None or self.tp is None else self.tp.read(ckpt, name)
+        self.read_bytes += t.numel() * t.element_size()
+        return t
 
     def checkpoint_bytes(self, ckpt) -> int:
         """Bytes of the checkpoint tensors this rank holds: all but the other ranks' routed experts."""
@@ -99,6 +107,8 @@ class EPGroup(CommTimer):
     def install(self, model) -> None:
         """Hand this group to every MoE layer of a ReferenceModel (called from its constructor)."""
         self.expert_range(model.cfg.n_routed_experts)
+        if self.tp is not None:
+            self.tp.shard_plan(model.cfg)
         for b in model.blocks + model.mtp:
             b.moe.ep = self
 

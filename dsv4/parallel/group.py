@@ -112,13 +112,20 @@ class CommTimer:
 
 class TPGroup(CommTimer):
     """One rank of a tensor(-and-expert)-parallel model: what the sharded layers call (collectives
-    timed as ``CommTimer`` says)."""
+    timed as ``CommTimer`` says).
 
-    def __init__(self, spec: DistSpec, rank: int, device: torch.device, groups=(None, None)):
+    ``rank`` and ``spec.world_size`` are within the tensor-parallel group. Inside a data-parallel
+    rank (``dsv4.parallel.hybrid``) that group is a sub-group of the processes: ``group`` its compute
+    group, ``groups[0]`` its control group and ``leader`` the global rank of its rank 0 (the one
+    that sends the step plans); None / 0 when the group is all the processes."""
+
+    def __init__(self, spec: DistSpec, rank: int, device: torch.device, groups=(None, None), group=None,
+                 leader: int = 0):
         super().__init__()
         self.spec, self.rank, self.world_size, self.ep = spec, rank, spec.world_size, spec.ep
         self.device = torch.device(device)
         self.ctrl, self.startup = groups  # gloo groups of init_distributed (None: no process group yet)
+        self.group, self.leader = group, leader
         self._plan = None
 
     # ---- ranges --------------------------------------------------------------------------
@@ -159,7 +166,7 @@ class TPGroup(CommTimer):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it."""
         t0 = self._tick()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         self._tock(t0)
         return t
 
@@ -177,7 +184,7 @@ class TPGroup(CommTimer):
             logits = torch.cat([logits, logits.new_zeros(logits.shape[0], per - logits.shape[1])], dim=1)
         parts = [torch.empty_like(logits) for _ in range(self.world_size)]
         t0 = self._tick()
-        dist.all_gather(parts, logits.contiguous())
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
         self._tock(t0)
         return torch.cat(parts, dim=1)[:, :vocab]
 

@@ -52,7 +52,10 @@ class ChunkPlan:
 
 @dataclass
 class StepPlan:
-    kind: str  # "step" | "cache" (allocate the paged cache of ``budget``) | "graphs" (capture) | "shutdown"
+    # "step" | "cache" (allocate the paged cache of ``budget``) | "graphs" (capture) | "idle" (a
+    # data-parallel rank's dummy forward: its MoE exchanges only) | "report" (join the startup
+    # report) | "shutdown"
+    kind: str
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
     logits_rows: list[int] | None = None

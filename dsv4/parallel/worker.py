@@ -72,14 +72,9 @@ def worker_main(config, spec, local_rank: int, port: int, parent_pid: int) -> No
 
 
 def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
-    import torch
     import torch.distributed as dist
 
-    from ..cache.copies import make_copy_engine
-    from ..cache.host_tier import HostKVStore
-    from ..cache.paged import PagedKVCache
     from .group import TPGroup, init_distributed
-    from .plan import run_step
 
     device = rank_device(config, local_rank)
     tp = TPGroup(spec, rank, device, init_distributed(spec, rank, device, port))
@@ -91,10 +86,27 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
              stats["host_peak_mib"], "" if stats["device_peak_mib"] is None else
              f", peak device memory {stats['device_peak_mib']:.0f} MiB")
     dist.gather_object(stats, None, dst=0, group=tp.startup)
+    serve_plans(model, tp, device)
+    dist.destroy_process_group()
+
+
+def serve_plans(model, tp, device, on_report=None) -> None:
+    """Run the step plans of this rank's tensor-parallel group until a "shutdown" plan: rank 0 of
+    the group (``tp.leader``) sends them on the group's control group. An "idle" plan is a
+    data-parallel rank's dummy forward (its MoE exchanges, which span every process); a "report"
+    plan calls ``on_report()`` (its startup report: the leader's engine is built by then)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..cache.copies import make_copy_engine
+    from ..cache.host_tier import HostKVStore
+    from ..cache.paged import PagedKVCache
+    from .plan import run_step
+
     kvc = graphs = host = picks = None
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=tp.ctrl)
+        dist.broadcast_object_list(box, src=tp.leader, group=tp.ctrl)
         plan = box[0]
         if plan.kind == "shutdown":
             break
@@ -109,6 +121,12 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
             graphs.capture()
         elif plan.kind == "step":
             picks = run_step(plan, model, kvc, device, graphs, host, picks)
+        elif plan.kind == "idle":
+            from .expert import idle_forward
+
+            idle_forward(model)
+        elif plan.kind == "report" and on_report is not None:
+            on_report()
         else:
             raise RuntimeError(f"unknown step plan kind {plan.kind!r}")
     if graphs is not None:  # the captured NCCL launches go before the communicator they use
@@ -117,7 +135,6 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.destroy_process_group()
 
 
 def run_worker_node(config) -> int:

@@ -35,8 +35,6 @@ def test_a_bad_value_names_the_setting(field, value, needle):
 
 @pytest.mark.parametrize("extra,needle", [
     ({}, r"data_parallel_size=2 needs enable_expert_parallel=True \(--enable-expert-parallel\)"),
-    ({"enable_expert_parallel": True, "tensor_parallel_size": 2},
-     "data_parallel_size=2 with tensor_parallel_size=2: tensor parallelism inside a data-parallel rank"),
     ({"enable_expert_parallel": True, "nnodes": 2}, "data_parallel_size=2 with nnodes=2"),
     ({"enable_expert_parallel": True, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
      "data_parallel_size=2 with speculative_config=.*single process only"),
@@ -45,6 +43,7 @@ def test_data_parallel_layouts_that_are_not_implemented_are_refused_by_name(extr
     with pytest.raises(ValueError, match=needle):
         EngineConfig(model="m", data_parallel_size=2, **extra)
     ok = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True)
+    EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)  # TP in DP
     assert ok.parallel and not EngineConfig(model="m", enable_expert_parallel=True).parallel
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         EngineConfig(model="m", data_parallel_size=0)

@@ -97,7 +97,7 @@ class ServeProcess:
         raise TimeoutError(f"dsv4 serve did not become ready in {timeout} s:\n{self.log()[-4000:]}")
 
     def worker_pids(self) -> dict[int, int]:
-        started = r"started (?:tensor-parallel worker|data-parallel) rank (\d+), pid (\d+)"
+        started = r"started (?:tensor-parallel worker rank|data-parallel rank|data-parallel process) (\d+), pid (\d+)"
         return {int(r): int(p) for r, p in re.findall(started, self.log())}
 
     def complete(self, ids: list[int], timeout: float = 120.0):

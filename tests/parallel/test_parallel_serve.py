@@ -1,7 +1,7 @@
-"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``) and ``dsv4 serve
---data-parallel-size 2 --enable-expert-parallel`` as real subprocesses: the same greedy tokens as
-one process, and a killed rank makes the server answer with an error and exit non-zero instead of
-hanging."""
+"""``dsv4 serve --tensor-parallel-size 2`` (± ``--enable-expert-parallel``), ``dsv4 serve
+--data-parallel-size 2 --enable-expert-parallel`` and both (``-tp 2 -dp 2``) as real subprocesses:
+the same greedy tokens as one process, a clean SIGTERM shutdown, and a killed rank makes the server
+answer with an error and exit non-zero instead of hanging."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from parallel_helpers import ServeProcess, prompts, served_tokens
+from parallel_helpers import ServeProcess, gone, prompts, served_tokens
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -115,3 +115,31 @@ def test_serve_dp2_expert_parallel_then_a_killed_rank_stops_the_server(tiny_ckpt
         assert "exiting because the engine died" in srv.log()
     finally:
         srv.close()
+
+
+def test_serve_tp2_inside_dp2_then_a_clean_shutdown(tiny_ckpt, tp1_reference, tmp_path):
+    """Four processes: the two prompts land on both data-parallel ranks, /metrics reports each rank,
+    and SIGTERM stops every process without an error (each leader stops its group's plan loop
+    before the process group goes)."""
+    import concurrent.futures
+
+    srv = ServeProcess(tiny_ckpt, tmp_path / "serve.log", "-tp", "2", "-dp", "2", "--enable-expert-parallel")
+    try:
+        srv.wait_ready()
+        log = srv.log()
+        assert "data-parallel rank 1 tensor-parallel rank 1 (pid" in log and "mirrors its leader's" in log, log[-3000:]
+        pids = srv.worker_pids()
+        assert sorted(pids) == [1, 2, 3], log[-3000:]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            resps = list(pool.map(srv.complete, prompts()[:2]))
+        assert [served_tokens(r) for r in resps] == tp1_reference[1][:2]
+        _check_rank_metrics(srv)
+    finally:
+        code = srv.close()
+    assert code in (0, -signal.SIGTERM), srv.log()[-3000:]
+    assert "failed" not in srv.log() and "Traceback" not in srv.log(), srv.log()[-3000:]
+    for pid in pids.values():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not gone(pid):
+            time.sleep(0.2)
+        assert gone(pid), f"process {pid} outlived the server"
