@@ -55,9 +55,10 @@ N_PROMPTS, PROMPT_LENS = 4, (16, 200, 700, 1500)
 F32 = "_f32"  # suffix of the greedy-only float32 configurations
 
 
-def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str, dict]]:
+def _configs(tp: int, f32_backend: str = "auto", dp: int = 2, tp_dp: bool = False) -> list[tuple[str, dict]]:
     """TP=1, TP=1 eager, TP=N (async scheduling, the CUDA default; also on ``--cpu``), TP=N without
-    async scheduling, TP=N + expert parallel, DP=M + EP and DP=M + EP eager (decode
+    async scheduling, TP=N + expert parallel, DP=M + EP and DP=M + EP eager, with ``tp_dp`` TP=N
+    inside DP=M ranks + EP over all N×M processes (decode steps eager there; decode
     replays CUDA graphs on every rank unless eager; under DP all ranks replay one agreed bucket,
     dsv4/parallel/dp_graphs.py); then each but the eager ones in float32 for greedy tokens only.
     bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds once; under EP
@@ -71,9 +72,24 @@ def _configs(tp: int, f32_backend: str = "auto", dp: int = 2) -> list[tuple[str,
     if dp > 1:
         dpx = {"data_parallel_size": dp, "enable_expert_parallel": True}
         layouts += [(f"dp{dp}_ep", dpx), (f"dp{dp}_ep_eager", {**dpx, "enforce_eager": True})]
+        if tp_dp and tp > 1:
+            layouts.append((f"tp{tp}_dp{dp}_ep", {**dpx, "tensor_parallel_size": tp}))
     f32 = [(name + F32, {**extra, "enforce_eager": True, "dtype": "float32", "backend": f32_backend})
            for name, extra in layouts if not name.endswith(("_eager", "_sync"))]
     return layouts + f32
+
+
+def _process(s: dict) -> str:
+    """A startup report's process, where it is not the rank (TP inside DP: several per rank)."""
+    return "" if s.get("process", s["rank"]) == s["rank"] else f" (process {s['process']})"
+
+
+def _tp_dp(a) -> bool:
+    if a.tp_dp != "auto":
+        return a.tp_dp == "on"
+    import torch
+
+    return a.cpu or torch.cuda.device_count() >= a.tp * a.dp
 
 
 def _engine_kwargs(a, extra: dict) -> dict:
@@ -344,7 +360,7 @@ def table(results: list[dict], checks: dict, batches: list[int], ref_name: str) 
             dev = "" if s["device_peak_mib"] is None else f", device peak {s['device_peak_mib']:.0f} MiB"
             dp = "" if "kv_tokens" not in s else f", weights {s['weights_mib']:.0f} MiB, KV {s['kv_tokens']} tokens"
             lines.append(
-                f"{r['config']} rank {s['rank']}: loaded in {s['load_s']} s{dp}, "
+                f"{r['config']} rank {s['rank']}{_process(s)}: loaded in {s['load_s']} s{dp}, "
                 f"host peak {s['host_peak_mib']:.0f} MiB{dev}"
             )
     return "\n".join(lines)
@@ -356,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the parallel runs")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size of the DP + EP run (1: none)")
+    p.add_argument("--tp-dp", choices=("auto", "on", "off"), default="auto",
+                   help="also run TP=--tp inside DP=--dp ranks (tp×dp GPUs; auto: when that many are visible or --cpu)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (GPU), float32 (--cpu)")
     p.add_argument("--kv-cache-dtype", default=None, help="default: fp8_ds_mla (GPU), auto (--cpu)")
     p.add_argument("--batches", default=None, help="decode batch sizes, default 1,8,64 (GPU), 1,4 (--cpu)")
@@ -396,7 +414,7 @@ def main(argv=None) -> int:
     a.kv_cache_mib = a.kv_cache_mib or (256 if cpu else 0)
 
     if a.run_one:
-        extra = dict(_configs(a.tp, a.f32_backend, a.dp))[a.run_one]
+        extra = dict(_configs(a.tp, a.f32_backend, a.dp, _tp_dp(a)))[a.run_one]
         run_one(a, a.run_one, extra, lambda res: Path(a.one_out).write_text(json.dumps(res)))
         return 0
 
@@ -447,7 +465,7 @@ def main(argv=None) -> int:
         return refs[False] or refs[True], checks
 
     wanted = a.only.split(",") if a.only else None  # "none": probes only
-    for name, _ in _configs(a.tp, a.f32_backend, a.dp):
+    for name, _ in _configs(a.tp, a.f32_backend, a.dp, _tp_dp(a)):
         if wanted and name not in wanted:
             continue
         one = out_dir / f"tp_gpu_{name}.json"
