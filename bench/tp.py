@@ -58,7 +58,7 @@ F32 = "_f32"  # suffix of the greedy-only float32 configurations
 def _configs(tp: int, f32_backend: str = "auto", dp: int = 2, tp_dp: bool = False) -> list[tuple[str, dict]]:
     """TP=1, TP=1 eager, TP=N (async scheduling, the CUDA default; also on ``--cpu``), TP=N without
     async scheduling, TP=N + expert parallel, DP=M + EP and DP=M + EP eager, with ``tp_dp`` TP=N
-    inside DP=M ranks + EP over all N×M processes (decode steps eager there; decode
+    inside DP=M ranks + EP over all N×M processes (decode
     replays CUDA graphs on every rank unless eager; under DP all ranks replay one agreed bucket,
     dsv4/parallel/dp_graphs.py); then each but the eager ones in float32 for greedy tokens only.
     bf16 rounds each rank's partial sum before the all-reduce adds it (TP=1 rounds once; under EP

@@ -165,14 +165,19 @@ class MoE:
         only its share of them (rows [t·⌈T/N⌉, …)) through the exchange over every process, so each
         (token, expert) pair is computed once. Its share's routed sum, placed in a zero [T, H], plus
         its partial shared expert (intermediate-split), all-reduced in fp32 over the group: every
-        rank ends with the whole layer output."""
+        rank ends with the whole layer output. In a decode graph (the dense exchange) every share
+        is padded to ⌈T/N⌉ rows, so that every process sends one shape."""
         cfg, tp = self.cfg, self.tp
         ids, w = self._route_any(x, token_ids)
-        n = x.shape[0]
+        n, k = x.shape[0], cfg.num_experts_per_tok
         per = -(-n // tp.world_size)
         lo, hi = min(n, tp.rank * per), min(n, (tp.rank + 1) * per)
-        mine = combine_pairs(self.ep.exchange(x[lo:hi].contiguous(), ids[lo:hi].contiguous(), self._pair_outputs,
-                                              self._slot_outputs), ids[lo:hi], w[lo:hi])
+        xs, ids_s = x[lo:hi], ids[lo:hi]
+        if self.ep.dense and hi - lo < per:  # a decode graph's exchange: every process sends ⌈n/T⌉ rows
+            xs = torch.cat([xs, x.new_zeros(per - (hi - lo), x.shape[1])])
+            ids_s = torch.cat([ids_s, ids.new_full((per - (hi - lo), k), -1)])  # (-1: no expert computes it)
+        y = self.ep.exchange(xs.contiguous(), ids_s.contiguous(), self._pair_outputs, self._slot_outputs)
+        mine = combine_pairs(y[: hi - lo], ids[lo:hi], w[lo:hi])
         if n == 0:  # (every rank of the group has no tokens: nothing to add up)
             return x.new_zeros(0, x.shape[1])
         out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)

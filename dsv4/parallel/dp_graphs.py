@@ -14,6 +14,10 @@ the ranks agree (a two-number all-reduce on a gloo group, :meth:`DPDecodeGraphs.
   run eagerly (the sparse all-to-all; a rank without requests runs the dummy forward);
 - no rank with requests → nobody runs a forward.
 
+With tensor parallelism inside the ranks the agreement is the leaders' (one process per rank),
+and ``graphs`` is the leader's ``TPDecodeGraphs``: each replay (spare ones too) is announced to the
+rank's group as a step plan with the agreed bucket, and every process replays its own graph.
+
 On the CPU the graphs are emulated (the same static inputs and dense exchange, run eagerly): that
 is how the tests reach this path.
 """

@@ -13,6 +13,12 @@ to compute, a dummy forward with no tokens (:func:`~dsv4.parallel.expert.idle_fo
 decode CUDA graphs the ranks first agree whether the step replays one bucket's graph everywhere
 (a rank without requests then replays it with spare lanes) or runs eagerly everywhere
 (``dsv4.parallel.dp_graphs``).
+
+With tensor parallelism inside the ranks (``-tp T -dp D``, :class:`Layout`) a rank is a group of
+``T`` processes: its leader runs the engine core above and drives the group as a tensor-parallel
+rank 0 does (``TPDriver.for_group``: a step plan before every forward, dummy and graph ones
+included); the others run ``worker.serve_plans``. The routed experts are split over all ``T × D``
+processes.
 """
 
 from __future__ import annotations
@@ -91,10 +97,10 @@ class EPExecutor:
     def capture_graphs(self, kvc, max_num_seqs: int, max_model_len: int):
         from .dp_graphs import DPDecodeGraphs
 
-        if self.driver is not None:  # not implemented: decode steps run eagerly
-            log.warning("dsv4 parallel: decode CUDA graphs are not captured with tensor parallelism inside a "
-                        "data-parallel rank; decode steps run eagerly")
-            return None
+        if self.driver is not None:  # every rank of the group captures at once, with the dense exchange
+            with self.ep.dense_mode():
+                return DPDecodeGraphs(self.driver.capture_graphs(kvc, max_num_seqs, max_model_len), self.ep,
+                                      self.agree)
         return DPDecodeGraphs.capture(self.model.inner, kvc, max_num_seqs, max_model_len, self.ep, self.agree)
 
     def idle_forward(self) -> None:
@@ -152,17 +158,17 @@ def make_groups(layout: Layout, g: int, timeout_s: float) -> Groups:
     from .group import IDLE_TIMEOUT
 
     timeout = timedelta(seconds=timeout_s)
-    out = Groups(dist.new_group(backend="gloo", timeout=timeout))
     if layout.tp == 1:
-        return out
+        return Groups(dist.new_group(backend="gloo", timeout=timeout))
+    leaders = list(range(0, layout.world, layout.tp))
+    out = Groups(dist.new_group(leaders, backend="gloo", timeout=timeout))  # (the leaders agree on graphs)
     for d in range(layout.dp):
         ranks = list(range(d * layout.tp, (d + 1) * layout.tp))
         compute = dist.new_group(ranks)
         ctrl = dist.new_group(ranks, backend="gloo", timeout=timeout if g == ranks[0] else IDLE_TIMEOUT)
         if g in ranks:
             out.tp_compute, out.tp_ctrl = compute, ctrl
-    out.commands = dist.new_group(list(range(0, layout.world, layout.tp)), backend="gloo",
-                                  timeout=timeout if g == 0 else IDLE_TIMEOUT)
+    out.commands = dist.new_group(leaders, backend="gloo", timeout=timeout if g == 0 else IDLE_TIMEOUT)
     return out
 
 

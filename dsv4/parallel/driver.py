@@ -244,9 +244,20 @@ class TPDecodeGraphs:
     def can_run(self, batch) -> bool:
         return not self.driver.tp.timed and self.graphs.can_run(batch)
 
-    def run(self, batch) -> torch.Tensor:
+    def staging_target(self, n: int, max_end: int):
+        return self.graphs.staging_target(n, max_end)
+
+    def run(self, batch, bucket: int | None = None) -> torch.Tensor:
+        """``bucket``: the one the data-parallel ranks agreed on (TP inside DP), else the batch's."""
         d = self.driver
         d.ensure_alive()
         plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True,
-                         host=getattr(batch, "host", None))
-        return d.lockstep(plan, lambda: self.graphs.run(batch), "decode graph replay")
+                         host=getattr(batch, "host", None), bucket=bucket)
+        return d.lockstep(plan, lambda: self.graphs.run(batch, bucket=bucket), "decode graph replay")
+
+    def replay_spare(self, b: int) -> None:
+        """Bucket ``b`` with every lane spare, on every rank of the group (TP inside DP: a rank
+        without requests while the others replay ``b``)."""
+        d = self.driver
+        d.ensure_alive()
+        d.lockstep(StepPlan("spare", bucket=b), lambda: self.graphs.replay_spare(b), "spare decode graph replay")

@@ -53,8 +53,8 @@ class ChunkPlan:
 @dataclass
 class StepPlan:
     # "step" | "cache" (allocate the paged cache of ``budget``) | "graphs" (capture) | "idle" (a
-    # data-parallel rank's dummy forward: its MoE exchanges only) | "report" (join the startup
-    # report) | "shutdown"
+    # data-parallel rank's dummy forward: its MoE exchanges only) | "spare" (replay ``bucket``'s
+    # decode graph with every lane spare) | "report" (join the startup report) | "shutdown"
     kind: str
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
@@ -72,10 +72,13 @@ class StepPlan:
     # whether this step's picks are kept for the next step
     fill: list[tuple[int, int]] = field(default_factory=list)
     keep_picks: bool = False
+    # tensor parallelism inside a data-parallel rank: the decode graph bucket all ranks agreed on
+    # (a "step" flagged ``graph``, or a "spare" replay: every lane spare)
+    bucket: int | None = None
 
 
 def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool,
-              graph: bool = False, host=None) -> StepPlan:
+              graph: bool = False, host=None, bucket: int | None = None) -> StepPlan:
     """``host``: the runner's ``HostInputs`` of the step (its token ids and rows as lists, no device
     read; and async scheduling's fill and deferral), else the tensors are read."""
     out = []
@@ -90,9 +93,9 @@ def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, rest
         out.append(ChunkPlan(c.start, c.length, list(a.blocks), a.swa[r:], a.slot, a.num_computed, r))
     if host is not None:
         return StepPlan("step", host.token_ids.tolist(), out, host.logits_rows.tolist(), list(restores), paged,
-                        graph, fill=list(host.fill), keep_picks=host.deferred)
+                        graph, fill=list(host.fill), keep_picks=host.deferred, bucket=bucket)
     rows = None if logits_rows is None else [int(r) for r in logits_rows.tolist()]
-    return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph)
+    return StepPlan("step", token_ids.tolist(), out, rows, list(restores), paged, graph, bucket=bucket)
 
 
 def replay_restores(kvc, restores, host: HostKVStore | None = None) -> None:
@@ -151,7 +154,8 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
     if plan.graph:
         if graphs is None or tables is None:
             raise RuntimeError("rank 0 replayed a decode CUDA graph but this worker captured none")
-        logits = graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables))  # advances the views
+        logits = graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables),  # advances the views
+                            bucket=plan.bucket)
     else:
         logits = model.forward(ids, chunks, logits_rows=rows, tables=tables).logits
     # rank 0's picks of the same all-gathered logits with the same op (overlap.launch)

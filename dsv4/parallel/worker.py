@@ -90,6 +90,15 @@ def _serve_steps(config, spec, rank: int, local_rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _graph_exchange(model, graph: bool = True):
+    """Inside a data-parallel rank a decode graph's MoE layers use the dense exchange
+    (``EPGroup.dense_mode``), as on the leader; elsewhere nothing changes."""
+    import contextlib
+
+    ep = getattr(model, "ep", None)
+    return ep.dense_mode() if graph and ep is not None else contextlib.nullcontext()
+
+
 def serve_plans(model, tp, device, on_report=None) -> None:
     """Run the step plans of this rank's tensor-parallel group until a "shutdown" plan: rank 0 of
     the group (``tp.leader``) sends them on the group's control group. An "idle" plan is a
@@ -118,9 +127,14 @@ def serve_plans(model, tp, device, on_report=None) -> None:
             from ..engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, kvc, *plan.graph_sizes)
-            graphs.capture()
+            with _graph_exchange(model):
+                graphs.capture()
         elif plan.kind == "step":
-            picks = run_step(plan, model, kvc, device, graphs, host, picks)
+            with _graph_exchange(model, plan.graph):
+                picks = run_step(plan, model, kvc, device, graphs, host, picks)
+        elif plan.kind == "spare":
+            with _graph_exchange(model):
+                graphs.replay_spare(plan.bucket)
         elif plan.kind == "idle":
             from .expert import idle_forward
 

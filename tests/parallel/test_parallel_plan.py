@@ -59,7 +59,8 @@ def test_a_worker_rebuilds_every_step_and_decode_graph_input_from_the_plan(tiny_
         seen["logits"] = out.logits
         return out
 
-    def worker_replay(batch):
+    def worker_replay(batch, bucket=None):
+        assert bucket is None  # (TP alone: the batch's own bucket; inside DP ranks the agreed one)
         seen["logits"] = replay(batch)  # (an emulated replay's forward is recorded first, then this)
         return seen["logits"]
 

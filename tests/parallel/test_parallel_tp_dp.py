@@ -2,10 +2,12 @@
 ``LLM`` on CPU (gloo): four processes, each data-parallel rank a tensor-parallel group of two, the
 16 routed experts split over all four. The greedy tokens are the single process's with requests
 spread over both ranks, a prefix-cache hit on the rank that cached the block, a rank left idle
-(its group's dummy forwards serve the other's tokens), preemption on both ranks; the batched paged
-attention's torch ops run (the GPU's path); a killed tensor-parallel process ends in
-``EngineDeadError`` naming it. Tokens only: tensor parallelism sums partial results in another
-order, so the logits differ from one process's in the last bits (docs/distributed.md).
+(its group's dummy forwards serve the other's tokens), preemption on both ranks. The GPU's paths
+run: the batched paged attention's torch ops, and the decode graphs (emulated on CPU: both groups
+replay one agreed bucket with the dense exchange, each rank sending its padded share; the idle
+group replays it with spare lanes). A killed tensor-parallel process ends in ``EngineDeadError``
+naming it. Tokens only: tensor parallelism sums partial results in another order, so the logits
+differ from one process's in the last bits (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def test_tp2_inside_dp2_matches_one_process_then_a_killed_tp_rank_kills_the_engi
         assert sorted(pids) == [1, 2, 3]
         assert eng.kv_cache.budget.capacity_tokens == 2 * 768  # two ranks' caches (each mirrored in its group)
         assert [s["experts"] for s in eng.startup_reports] == [[0, 4], [4, 8], [8, 12], [12, 16]]
+        eng.capture_decode_graphs()  # (emulated on CPU: every process runs the graphs' static inputs eagerly)
+        assert eng.engine0.runner.graphs.buckets == [1, 2, 4, 8]
         got = greedy_llm(llm)  # (7, 150, 300) spread 0, 1, 0; then the prefix prompt alone on rank 0
         stats = [dict(s) for s in eng.rank_stats]
         preempted = [o.outputs[0].token_ids for o in llm.generate(_preempting_prompts(), sp)]  # two per rank
@@ -54,6 +58,9 @@ def test_tp2_inside_dp2_matches_one_process_then_a_killed_tp_rank_kills_the_engi
     assert got == tp1_reference[0]
     assert stats[0]["prefix_cache_hits"] >= 256 and stats[1]["prefix_cache_hits"] == 0
     assert stats[1]["prefix_cache_queries"] == 150  # rank 1 computed only its own prompt
+    # decode steps replayed graphs in both groups; rank 1's, idle while the prefix prompt decoded, with spare lanes
+    assert stats[0]["graph_replays"] > 0 and stats[0]["spare_replays"] == 0
+    assert stats[1]["spare_replays"] > 0 and stats[1]["graph_replays"] > stats[1]["spare_replays"]
     assert preempted == want
     assert all(after[r]["preemptions"] - stats[r]["preemptions"] > 0 for r in range(2)), after
     report = [r.getMessage() for r in caplog.records if "started in" in r.getMessage() and "weights" in r.getMessage()]
