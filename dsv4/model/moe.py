@@ -133,14 +133,7 @@ class MoE:
         if self.tp is not None:
             return self._forward_tp_ep(x, token_ids)
         cfg, ops = self.cfg, self.ops
-        k = cfg.num_experts_per_tok
-        if x.shape[0] == 0:
-            ids = torch.zeros(0, k, dtype=torch.long, device=x.device)
-            w = torch.zeros(0, k, dtype=torch.float32, device=x.device)
-        elif self.grouped:
-            ids, w = self._route_ops(x, token_ids)
-        else:
-            ids, w = route(ops, x, self.gate, cfg, self.bias, self.tid2eid, token_ids)
+        ids, w = self._route_any(x, token_ids)
         out = combine_pairs(self.ep.exchange(x, ids, self._pair_outputs, self._slot_outputs), ids, w)
         if self.shared is None or x.shape[0] == 0:
             return out.to(x.dtype)

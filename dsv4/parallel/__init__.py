@@ -5,8 +5,8 @@ Tensor parallelism: ``driver`` (rank 0: the engine's executor), ``worker`` (the 
 (the collectives the sharded layers call). Data-parallel attention with expert parallelism:
 ``dp_engine`` (the front end: one engine over N ranks), ``dp_rank`` (one rank's engine core),
 ``balance`` (which rank takes a request), ``expert`` (the MoE all-to-all); tensor parallelism
-inside the data-parallel ranks reuses ``driver`` / ``worker`` per rank (``dp_rank.Layout``). ``ranks``: rank 0's
-view of the other processes, for both. The engine never imports this package: its caller starts
+inside the data-parallel ranks reuses ``driver`` / ``worker`` per rank (``dp_rank.Layout``).
+``ranks``: rank 0's view of the other processes, for both. The engine never imports this package: its caller starts
 the executor (``start_executor``) or the data-parallel engine (``start_data_parallel``)
 (``dsv4.llm.build_engine``).
 """

@@ -131,8 +131,9 @@ class Layout:
     def world(self) -> int:
         return self.dp * self.tp
 
-    def leader(self, g: int) -> bool:
-        return g % self.tp == 0
+    def leader_of(self, g: int) -> int:
+        """The global rank of process ``g``'s leader."""
+        return g - g % self.tp
 
 
 @dataclass
@@ -185,7 +186,7 @@ def rank_model(config, layout: Layout, g: int, device, groups: Groups, timeout_s
     if layout.tp > 1:
         spec = DistSpec(layout.tp, True, timeout_s=timeout_s)
         tp = TPGroup(spec, g % layout.tp, device, (groups.tp_ctrl, None), group=groups.tp_compute,
-                     leader=g - g % layout.tp)
+                     leader=layout.leader_of(g))
     ep = EPGroup(g, layout.world, Checkpoint(config.model).config.n_routed_experts, device, tp=tp)
     model = ReferenceModel(config.model, dtype=config.torch_dtype(device), device=device, act_quant=config.act_quant,
                            ops=resolve_op_set(config.backend, config.attention, device), tp=tp, ep=ep)
@@ -200,7 +201,6 @@ def build_rank_engine(config, layout: Layout, g: int, device, groups: Groups, to
 
     from ..engine.engine import LLMEngine
     from .driver import TPDriver
-    from .group import peak_memory
     from .plan import StepPlan
     from .ranks import RankProcesses
 
@@ -209,8 +209,7 @@ def build_rank_engine(config, layout: Layout, g: int, device, groups: Groups, to
     driver = None
     if ep.tp is not None:
         if ranks is None:  # (the front end watches this rank's processes; its messages name this process)
-            ranks = RankProcesses("data-parallel", "process", float(config.distributed_timeout))
-            ranks._finalizer.detach()
+            ranks = RankProcesses("data-parallel", "process", float(config.distributed_timeout)).detach()
         driver = TPDriver.for_group(config, ep.tp, model, ranks)
     engine = LLMEngine(config, tokenizer=tokenizer, executor=EPExecutor(model, ep, groups.agree, driver))
     if driver is not None:  # the group's other ranks join the startup report now (worker.serve_plans)
@@ -218,13 +217,20 @@ def build_rank_engine(config, layout: Layout, g: int, device, groups: Groups, to
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     budget = engine.kv_cache.budget
-    n_experts = model.cfg.n_routed_experts
-    report = {"rank": g // layout.tp, "process": g, "pid": os.getpid(), "device": str(device),
-              "load_s": round(time.monotonic() - t0, 2), "experts": list(ep.expert_range(n_experts)),
-              "weights_mib": round(ep.read_bytes / 2**20, 1), "kv_tokens": budget.capacity_tokens,
-              "kv_blocks": budget.num_blocks, "kv_cache_mib": round(budget.total_bytes / 2**20, 1),
-              **peak_memory(device), **rank_state(engine)}
+    report = {**process_report(layout, g, device, ep, round(time.monotonic() - t0, 2)),
+              "kv_tokens": budget.capacity_tokens, "kv_blocks": budget.num_blocks,
+              "kv_cache_mib": round(budget.total_bytes / 2**20, 1), **rank_state(engine)}
     return engine, report
+
+
+def process_report(layout: Layout, g: int, device, ep, load_s: float) -> dict:
+    """What every process reports at start: where it runs, its experts, the weights it read, its
+    load time and peak memory (a leader adds its engine's KV cache)."""
+    from .group import peak_memory
+
+    return {"rank": g // layout.tp, "process": g, "pid": os.getpid(), "device": str(device), "load_s": load_s,
+            "experts": list(ep.expert_range(ep.n_experts)), "weights_mib": round(ep.read_bytes / 2**20, 1),
+            **peak_memory(device)}
 
 
 def rank_step(engine) -> list:
@@ -302,7 +308,7 @@ def _serve(config, spec, layout: Layout, g: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from .group import init_distributed, peak_memory
+    from .group import init_distributed
     from .worker import rank_device, serve_plans
 
     t0 = time.monotonic()
@@ -312,15 +318,12 @@ def _serve(config, spec, layout: Layout, g: int, port: int) -> None:
     box = [None]
     dist.broadcast_object_list(box, src=0, group=startup)  # rank 0's resolved EngineConfig
     config = box[0]
-    if not layout.leader(g):  # a tensor-parallel rank of a data-parallel rank: its leader's plans
+    if layout.leader_of(g) != g:  # a tensor-parallel rank of a data-parallel rank: its leader's plans
         model, ep = rank_model(config, layout, g, device, groups, spec.timeout_s)
         load_s = round(time.monotonic() - t0, 2)
 
         def report():  # once the leader's engine is built (its cache plan came first)
-            mine = {"rank": g // layout.tp, "process": g, "pid": os.getpid(), "device": str(device), "load_s": load_s,
-                    "experts": list(ep.expert_range(ep.n_experts)), "weights_mib": round(ep.read_bytes / 2**20, 1),
-                    **peak_memory(device)}
-            dist.gather_object(mine, None, dst=0, group=startup)
+            dist.gather_object(process_report(layout, g, device, ep, load_s), None, dst=0, group=startup)
 
         serve_plans(model, ep.tp, device, on_report=report)
         del model, ep

@@ -53,7 +53,7 @@ class TPDriver:
 
     @classmethod
     def for_group(cls, config, tp: TPGroup, inner, ranks: RankProcesses) -> "TPDriver":
-        """Rank 0 of a tensor-parallel group inside a data-parallel rank (``dsv4.parallel.hybrid``):
+        """Rank 0 of a tensor-parallel group inside a data-parallel rank (``dsv4.parallel.dp_rank``):
         its processes were started, and are watched and stopped, by the data-parallel front end
         (``ranks``); this driver only sends its group's step plans."""
         self = cls.__new__(cls)

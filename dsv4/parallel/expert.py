@@ -59,7 +59,7 @@ class EPGroup(CommTimer):
         """``tp``: tensor parallelism inside the data-parallel rank (a ``TPGroup`` of its processes;
         ``rank`` / ``world_size`` then count every process): the experts are split over all of
         them, every other weight is the tensor-parallel shard, and each MoE layer's tokens are
-        shared out over the group's ranks for the exchange (``MoE._forward_ep``)."""
+        shared out over the group's ranks for the exchange (``MoE._forward_tp_ep``)."""
         super().__init__()
         self.tp = tp
         self.read_bytes = 0  # what this rank has read of the checkpoint (its startup report)
@@ -93,16 +93,6 @@ class EPGroup(CommTimer):
         t = ckpt.get(name) if m is not None or self.tp is None else self.tp.read(ckpt, name)
         self.read_bytes += t.numel() * t.element_size()
         return t
-
-    def checkpoint_bytes(self, ckpt) -> int:
-        """Bytes of the checkpoint tensors this rank holds: all but the other ranks' routed experts."""
-        lo, hi = self.expert_range(ckpt.config.n_routed_experts)
-        total = 0
-        for name, e in ckpt.entries.items():
-            m = _EXPERT.match(name)
-            if name in ckpt.specs and (m is None or lo <= int(m.group(1)) < hi):
-                total += e.nbytes
-        return total
 
     def install(self, model) -> None:
         """Hand this group to every MoE layer of a ReferenceModel (called from its constructor)."""

@@ -115,7 +115,7 @@ class TPGroup(CommTimer):
     timed as ``CommTimer`` says).
 
     ``rank`` and ``spec.world_size`` are within the tensor-parallel group. Inside a data-parallel
-    rank (``dsv4.parallel.hybrid``) that group is a sub-group of the processes: ``group`` its compute
+    rank (``dsv4.parallel.dp_rank``) that group is a sub-group of the processes: ``group`` its compute
     group, ``groups[0]`` its control group and ``leader`` the global rank of its rank 0 (the one
     that sends the step plans); None / 0 when the group is all the processes."""
 

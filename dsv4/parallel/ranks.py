@@ -85,6 +85,12 @@ class RankProcesses:
         self._queued: list = []  # CUDA events after deferred steps' work (async scheduling), not yet seen done
         self._finalizer = weakref.finalize(self, _finalize, self.procs)
 
+    def detach(self) -> "RankProcesses":
+        """For a process that spawned none of the ranks it names (a data-parallel rank's leader:
+        the front end watches its group): nothing of its own to clean up when it goes."""
+        self._finalizer.detach()
+        return self
+
     @property
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}

@@ -20,6 +20,10 @@ import torch
 ENGINE = dict(dtype="float32", kv_cache_dtype="auto", max_model_len=1024, max_num_seqs=8,
               kv_cache_memory=256 << 20)
 MAX_TOKENS = 6
+# data-parallel runs: a KV cache of 3 blocks (768 tokens) per rank with max_model_len 512: the batch of
+# greedy_llm fits (7 + 300 tokens on rank 0), two 254-token prompts decoding past 256 tokens on one rank do not
+SMALL = {**ENGINE, "max_model_len": 512, "kv_cache_memory": int(46.5 * 2**20)}
+GPU_PATHS = {"attention": "batched", "backend": "torch"}  # the batched paged attention with its torch ops
 
 
 def gone(pid: int) -> bool:
@@ -30,6 +34,23 @@ def gone(pid: int) -> bool:
         return True
     with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
         return f.read().split()[2] == "Z"
+
+
+def preempting_prompts() -> list[list[int]]:
+    """Four 254-token prompts: two per data-parallel rank preempt each other within SMALL's cache."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, 129280, (254,), generator=g).tolist() for _ in range(4)]
+
+
+def check_spread_over_two_ranks(stats: list[dict]) -> None:
+    """The data-parallel ranks' state after ``greedy_llm`` with decode graphs: the prefix prompt went to
+    rank 0, which had cached the 300-token prompt's first block; rank 1 computed only its own prompt;
+    decode steps replayed graphs on both ranks, rank 1 (idle while the prefix prompt decoded) with
+    spare lanes."""
+    assert stats[0]["prefix_cache_hits"] >= 256 and stats[1]["prefix_cache_hits"] == 0
+    assert stats[1]["prefix_cache_queries"] == 150
+    assert stats[0]["graph_replays"] > 0 and stats[0]["spare_replays"] == 0
+    assert stats[1]["spare_replays"] > 0 and stats[1]["graph_replays"] > stats[1]["spare_replays"]
 
 
 def prompts() -> list[list[int]]:
