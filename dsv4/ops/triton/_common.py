@@ -267,7 +267,7 @@ def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.cons
     return v * scale[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _sum_in_order_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN

@@ -56,7 +56,7 @@ def bf16_bits(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (t.view(torch.int16), True) if t.dtype == torch.bfloat16 else (t, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _swiglu_act_kernel(g_ptr, u_ptr, h_ptr, N, limit, BLOCK: tl.constexpr, G_BITS: tl.constexpr,
                        U_BITS: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -75,7 +75,8 @@ def _load_row(rrow, grow, from_rows, from_ring, ch, chm):
     return tl.where(from_rows, a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "slots_ptr", "bt_ptr", "cl_ptr", "stride_bt", "stride_cl",
+                                "n_blocks"])
 def _compressor_kernel(pages_ptr, ring_ptr, rows_ptr, pos_ptr, seq_ptr, slots_ptr, bt_ptr, cl_ptr, norm_ptr, invf_ptr,
                        stride_page, stride_pb, stride_pd, stride_rs, stride_rr, stride_row, stride_bt, stride_cl,
                        n_blocks, ring_size, BLOCK_SIZE, eps,

@@ -116,7 +116,7 @@ def _chunk_dot(x_ptr, w_ptr, c, CHUNK, K, offs_m, offs_n, m_mask, n_mask,
     return part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_yc"])
 def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
                   stride_xm, stride_xk, stride_wn, stride_wk, stride_yc, stride_ym, stride_yn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -150,7 +150,7 @@ def _chunk(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROGRAM", "stride_ys"])
 def _fp8_linear_kernel(
     x_ptr,
     w_ptr,

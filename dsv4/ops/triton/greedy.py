@@ -58,7 +58,7 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, fin_ptr, V, stride_x, S,
     tl.store(fin_ptr + r * S + c, tl.min(fin, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _row_kernel(val_ptr, idx_ptr, fin_ptr, out_ptr, S, n, SP: tl.constexpr):
     r = tl.program_id(0)
     c = tl.arange(0, SP)

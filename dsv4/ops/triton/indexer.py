@@ -40,13 +40,14 @@ BLOCK_E = 64  # entries per tile: fixed, so results never depend on the configur
 NUM_WARPS = 4  # fixed: the head-sum reduction order follows the layout
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_ptr", "nvis_ptr", "bt_ptr", "n_cols", "n_blocks", "stride_bs", "stride_ot",
+                                "TILES"])
 def _indexer_logits_kernel(q_ptr, w_ptr, seq_ptr, nvis_ptr, k_ptr, s_ptr, bt_ptr, out_ptr,
                            H, n_cols, n_blocks,
                            stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                            stride_bs, stride_bb, stride_kp, stride_ke, stride_kd, stride_sp, scale_base,
                            stride_ot,
-                           HP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+                           HP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES,
                            EPB: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                            DOT_BF16: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0)
@@ -200,7 +201,7 @@ def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
 SELECT_MAX_COLS = 16384  # a row in registers (16 warps: 32 values a thread); wider rows sort in torch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "k", "stride_x", "stride_o"])
 def _select_kernel(x_ptr, out_ptr, n, k, stride_x, stride_o, BLOCK: tl.constexpr, KB: tl.constexpr):
     """One row: the columns of its k largest logits (ties to the lowest column, NaN above +inf as in
     torch.sort, −0 = +0), minus −inf picks, in ascending column order, then −1."""

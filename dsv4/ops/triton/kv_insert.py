@@ -143,7 +143,7 @@ def store_kv_record(base, off, ok, x, BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: t
     _store_bf16_bytes(rbase, x, tl.where(ok, rope, False))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["page_ids_ptr", "offsets_ptr"])
 def _kv_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, stride_page, stride_xt, stride_xd,
                       BLOCK_SIZE, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, FMT_MAX: tl.constexpr,
                       BIAS: tl.constexpr, FNUZ: tl.constexpr, ROUND_BF16: tl.constexpr):
@@ -164,7 +164,7 @@ def _normed(xrow, w_ptr, d, mask, r, KV_DT: tl.constexpr, INTERP: tl.constexpr):
     return cast(y, KV_DT, INTERP).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["page_ids_ptr", "offsets_ptr"])
 def _kv_norm_rope_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr,
                                 D, d_f, eps, stride_xt, stride_ct, stride_cd, stride_st, stride_sd,
                                 BLOCK_SIZE, stride_p, stride_b, stride_d,
@@ -210,7 +210,7 @@ def _kv_norm_rope_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, w_p
         _store_bf16_bytes(rope + 2, ro, rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["page_ids_ptr", "offsets_ptr"])
 def _dense_insert_kernel(pages_ptr, page_ids_ptr, offsets_ptr, x_ptr, D, BLOCK_SIZE,
                          stride_p, stride_b, stride_d, stride_xt, stride_xd,
                          BLOCK_D: tl.constexpr, INTERP: tl.constexpr):

@@ -120,7 +120,7 @@ def _mix_dot(x, f, acc, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_ps, stride_pt,
                 NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
@@ -156,7 +156,7 @@ def _sigmoid64(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
                  T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
@@ -312,7 +312,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _post_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, T, H,
                  stride_st, stride_sn, stride_ot, stride_pt, stride_ct, stride_ci, stride_yt, stride_yn,
                  N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -379,7 +379,7 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, H, K,
                      stride_st, stride_sn, stride_ot, stride_pot, stride_ct, stride_ci, stride_yt,
                      stride_fn, stride_ps, stride_pt,

@@ -86,7 +86,7 @@ def _sqrt_softplus(lg):
     return tl.sqrt(sp).to(tl.float32)  # fp64 sqrt is IEEE (sqrt.rn.f64); only fp32 has an approximate form
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, E,
                   stride_lt, stride_le, stride_ht, stride_hk, scale,
                   TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -237,7 +237,7 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
     return slot_ids[:-1], bexp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """Program p places slots p·CHUNK.. and fills blocks p·CHUNK.. of ``group_slots``' layout.

@@ -212,7 +212,7 @@ def _window_block(swa_tab_ptr, sid, j0, p_abs, s_st, s_stj, SWA_B, BLOCK_N: tl.c
     return page, (wp % SWA_B).to(tl.int64), inw & (page >= 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_ptr", "NCOLS", "s_t", "s_tj"])
 def _decode_pages_kernel(pages_ptr, table_ptr, out_ptr, tab_out_ptr, NCOLS, TOKENS, s_page, s_t, s_tj,
                          BLOCK_N: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
     """Table entry e = (s, j) of an [S, NCOLS] page table: its page's records as bf16 at out[e] (the values
@@ -234,7 +234,8 @@ def _decode_pages_kernel(pages_ptr, table_ptr, out_ptr, tab_out_ptr, NCOLS, TOKE
                  mask=valid[:, None] & (d < 512)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "swa_tab_ptr", "btab_ptr", "cidx_ptr", "sink_ptr", "Lc", "s_st",
+                                "s_stj", "s_bt", "s_btj", "s_ct", "s_ctj"])
 def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr, cidx_ptr, sink_ptr,
                         ones_ptr, out_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
                         s_qt, s_qh, s_qd, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj,
