@@ -64,15 +64,26 @@ class DecodeGraphs:
         then ``cache.tables.decode_tables``' parts."""
         return [(b,)] * 6 + [(b, self.n_swa), (b, self.n_blk)]
 
-    def _capture(self, b: int, pool):
+    def _static(self, b: int):
+        """Bucket ``b``'s static inputs, every lane spare: (flat buffer, token ids, tables, logits rows, chunks)."""
         kvc, dev = self.kvc, self.kvc.device
         shapes = self.shapes(b)
         flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.long, device=dev)
         ids, *tables = split(flat, [(range(math.prod(s)), s) for s in shapes])
         static = StepTables.spare(kvc, tables, self.max_model_len)
+        return flat, ids, static, torch.arange(b, device=dev), [SeqChunk(None, 0, 1) for _ in range(b)]
+
+    def forward_once(self) -> None:
+        """Every bucket's forward, eagerly, nothing captured: the launches a capture makes (what
+        ``engine.precompile`` lists before building them in parallel)."""
+        for b in reversed(self.buckets):
+            _, ids, static, rows, chunks = self._static(b)
+            self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
+
+    def _capture(self, b: int, pool):
+        dev = self.kvc.device
+        flat, ids, static, rows, chunks = self._static(b)
         self.inputs[b] = flat
-        rows = torch.arange(b, device=dev)
-        chunks = [SeqChunk(None, 0, 1) for _ in range(b)]
         if dev.type != "cuda":  # emulation (tests on CPU): the same static inputs, run eagerly at replay
             self.graphs[b] = (None, static, ids, (chunks, rows))
             return pool

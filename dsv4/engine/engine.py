@@ -192,11 +192,8 @@ class LLMEngine:
                                   aux_layers=cfg.dspark_target_layer_ids if dspark else ())
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
-        if (device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
-                and spec is None):  # (verify steps are chunks, and the proposer needs the streams: eager)
-            t = time.perf_counter()
-            self.capture_decode_graphs()
-            phases["decode_graphs"] = time.perf_counter() - t
+        capture = (device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
+                   and spec is None)  # (verify steps are chunks, and the proposer needs the streams: eager)
         self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
@@ -218,13 +215,30 @@ class LLMEngine:
                  config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
                  budget.num_swa_pages, budget.total_bytes / 2**20)
         log.info("dsv4 engine: prefix cache %s", self._tiers_line())
-        self.warm_up_report = None
+        self.warm_up_report = self.precompile_report = None
+        digest = None
+        if config.warm_up and device.type == "cuda" and executor is None and config.compile_workers != 0 \
+                and compiles.install():
+            from . import precompile
+
+            t = time.perf_counter()
+            digest = precompile.plan_digest(self)
+            graphs = self._decode_graphs() if capture else None
+            self.precompile_report = precompile.precompile(self, graphs, config.compile_workers
+                                                           or precompile.default_workers())
+            phases["precompile"] = time.perf_counter() - t
+        if capture:
+            t = time.perf_counter()
+            self.capture_decode_graphs()
+            phases["decode_graphs"] = time.perf_counter() - t
         if config.warm_up:
             from .warmup import run_warm_up
 
             t = time.perf_counter()
             self.warm_up_report = run_warm_up(self)
             phases["warm_up"] = time.perf_counter() - t
+            if digest is not None:
+                precompile.record_built(digest)
         self.startup = {**{k: round(v, 2) for k, v in phases.items()}, "total": round(time.perf_counter() - t0, 2),
                         "kernels_built": compiles.count()}
         log.info("dsv4 engine started in %.1f s (%s); %d kernel specializations built (kernel cache %s)",
@@ -266,16 +280,19 @@ class LLMEngine:
         """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank
         captures its own and each replay is announced to the workers. On the CPU the graphs are
         emulated (the same static inputs, run eagerly): how tests reach the path."""
-        from .cuda_graphs import DecodeGraphs
-
         if not self.runner.paged_attention:
             raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
-        args = (self.kv_cache, self.config.max_num_seqs, self.max_model_len)
         if self.executor is not None:
-            self.runner.graphs = self.executor.capture_graphs(*args)
+            self.runner.graphs = self.executor.capture_graphs(self.kv_cache, self.config.max_num_seqs,
+                                                              self.max_model_len)
         else:
-            self.runner.graphs = DecodeGraphs(self.model, *args)
+            self.runner.graphs = self._decode_graphs()
             self.runner.graphs.capture()
+
+    def _decode_graphs(self):
+        from .cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop a multi-process engine's workers and leave the process group (nothing to do otherwise)."""

@@ -151,6 +151,9 @@ class EngineConfig:
                                               cli_type=json.loads)
     warm_up: bool | None = setting(None, "run every step shape once at start, so that no kernel is built in a "
                                    "request's path (default: on a GPU)")
+    compile_workers: int | None = setting(None, "processes that build the start-up's kernel specializations in "
+                                          "parallel before the warm-up runs them (default: one per CPU core "
+                                          "but one, at most 16; 0: the warm-up builds them one after another)")
     async_scheduling: bool | None = setting(
         None,
         "schedule and launch the next step while this one runs, when its "

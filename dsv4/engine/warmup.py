@@ -1,12 +1,13 @@
 """Start-up warm-up: the step shapes a request can hit, run once before the first real request.
 
-Triton builds a kernel per specialization (a constexpr tile picked from the step's size, an
-integer's divisibility by 16, a width that grows with the context); one built in a request's path
-stalls every stream for the seconds it takes. The warm-up runs dummy requests through the real
-scheduler and model so that those are built (or loaded from the on-disk cache) at start:
+Triton builds a kernel per specialization (a constexpr tile picked from the step's size, a width
+that grows with the context; integers and table addresses that vary per step are not specialized on:
+``tests/ops/test_ops_specialization_keys.py``); one built in a request's path stalls every stream for
+the seconds it takes. The warm-up runs dummy requests through the real scheduler and model so that
+those are built (or loaded from the on-disk cache, which ``precompile`` fills in parallel first) at start:
 
-- prefill steps of every length around the tile thresholds and the divisibility classes, up to the
-  step budget (``prefill_lengths``);
+- prefill steps of every length around the tile thresholds (powers of two, ±1), up to the step budget
+  (``prefill_lengths``);
 - one prompt of ``max_model_len`` − 1 tokens, chunked by the budget: every context the caches reach;
 - decodes beside a prefill chunk (a mixed step).
 
@@ -35,8 +36,9 @@ def prefill_lengths(budget: int) -> list[int]:
     return sorted(out)
 
 
-def run_warm_up(engine) -> dict:
-    """Run the plan on ``engine`` (no request of its own may be in flight); returns what ran."""
+def run_warm_up(engine, dry: bool = False) -> dict:
+    """Run the plan on ``engine`` (no request of its own may be in flight); returns what ran. ``dry``: the
+    listing pass of ``precompile`` (no kernel runs), where a request's failure is no error."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up() needs an idle engine")
     t0 = time.perf_counter()
@@ -49,7 +51,7 @@ def run_warm_up(engine) -> dict:
         nonlocal steps
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.error is not None:
+                if out.error is not None and not dry:
                     raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error}")
             steps += 1
 
