@@ -31,7 +31,7 @@ from .sampler import Sampler, greedy_picks, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .settings import EngineConfig
-from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify
+from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify, verify_picks
 from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
@@ -540,11 +540,13 @@ class LLMEngine:
         tokens that stay. A row whose sampling fails fails its request."""
         drafted = batch.draft_counts
         rows = [(row, schedule[si].req, si) for row, si in batch.sample_rows]
+        span = {row: range(row, row + 1 + drafted.get(si, 0)) for row, _, si in rows}  # a verify chunk's rows
         picked = {}
         if getattr(self.sampler, "batched_greedy", False):
-            picked = greedy_picks(logits, [row for row, req, si in rows if si not in drafted and plain_greedy(req)],
+            picked = greedy_picks(logits, [r for row, req, si in rows if plain_greedy(req) for r in span[row]],
                                   self.ops.greedy_pick)
-        if len(picked) == len(rows):  # all picked on the device (a greedy decode step): no host rows
+        on_device = {row for row, _, _ in rows if all(r in picked for r in span[row])}
+        if len(on_device) == len(rows) and not drafted:  # a greedy decode step: no host rows
             for row, req, _ in rows:
                 req.append_token(picked[row], None, None)
                 touched[req.request_id] = None
@@ -553,21 +555,23 @@ class LLMEngine:
                   if req.guide is not None and not req.finished and si not in drafted]
         masks = dict(zip((row for row, _ in guided), bitmask_rows([req.guide for _, req in guided],
                                                                    self.model_config.vocab_size)))
-        rest = [r for row, _, si in rows if row not in picked for r in range(row, row + 1 + drafted.get(si, 0))]
-        host = dict(zip(rest, logits[rest].float().cpu()))
+        rest = [r for row, _, _ in rows if row not in on_device for r in span[row]]
+        host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
         for row, req, si in rows:
             touched[req.request_id] = None
             if req.finished:  # failed earlier this step (its prompt logprobs)
                 continue
             try:
                 if si in drafted:
-                    d = drafted[si]
                     drafts, req.drafts = req.drafts, Drafts()
-                    drafts.truncate(d)
-                    rows_j = torch.stack([host[r] for r in range(row, row + 1 + d)])
-                    n_ok = verify(self.sampler, req, rows_j, drafts, self.model_config.vocab_size, self.spec_stats)
+                    drafts.truncate(drafted[si])
+                    if row in on_device:
+                        n_ok = verify_picks(req, [picked[r] for r in span[row]], drafts, self.spec_stats)
+                    else:
+                        n_ok = verify(self.sampler, req, torch.stack([host[r] for r in span[row]]), drafts,
+                                      self.model_config.vocab_size, self.spec_stats)
                     self.runner.commit(batch, si, n_ok)
-                elif row in picked:
+                elif row in on_device:
                     req.append_token(picked[row], None, None)
                 else:
                     req.append_token(*self.sampler.sample(req, host[row], mask=masks.get(row)))

@@ -155,6 +155,26 @@ def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, v
             stats.record(d, accepted, drafts.confidence)
 
 
+def verify_picks(req: Request, picks: list[int], drafts: Drafts, stats: SpecStats | None = None) -> int:
+    """``verify`` for a plain-greedy request (``sampler.plain_greedy``: its token is the first argmax of
+    the raw row) from its 1 + d rows' picks made on the device (``greedy_picks``): the same tokens and
+    count, with no logits row copied to the host."""
+    d = len(drafts)
+    accepted = 0
+    try:
+        for j in range(d + 1):
+            token = picks[j]
+            if j < d:
+                accepted += token == drafts.tokens[j]
+            req.append_token(token, None, None)
+            if req.finished or j == d or token != drafts.tokens[j]:
+                return j + 1
+        raise AssertionError("unreachable")
+    finally:
+        if stats is not None:
+            stats.record(d, accepted, drafts.confidence)
+
+
 def _judge(sampler: Sampler, req: Request, x: torch.Tensor, draft: int, q: torch.Tensor | None) -> int:
     """The token at a draft's place: the draft if accepted, else the target's replacement."""
     if req.params.greedy:

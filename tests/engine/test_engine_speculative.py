@@ -61,6 +61,30 @@ def test_greedy_identical_with_rejections_at_every_position(tiny_ckpt, prompts, 
     assert_no_leaks(llm)
 
 
+def test_plain_greedy_is_verified_from_device_picks(tiny_ckpt, prompts, plain, monkeypatch):
+    """Requests whose token is the raw argmax (no logprobs, penalties, grammar) are verified from their rows'
+    picks made on the device (``verify_picks``: no logits row copied to the host): the tokens of a run
+    without speculation and the acceptance counts the host rows give, rejections at every position."""
+    import dsv4.engine.engine as engine_mod
+
+    truth = {rid: o.outputs[0].token_ids for rid, o in plain["batched"].items()}
+    stats, host_rows = {}, {}
+    for lp in (None, 0):
+        calls = []
+        monkeypatch.setattr(engine_mod, "verify", lambda *a, _v=engine_mod.verify, **k: calls.append(1) or _v(*a, **k))
+        llm = make_llm(tiny_ckpt, "auto", max_model_len=512, attention="batched", backend="torch",
+                       speculative_config=mtp(3))
+        script(llm, truth)
+        got = run(llm, prompts, greedy(NEW, logprobs=lp))
+        monkeypatch.undo()
+        assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == truth
+        st = llm.engine.spec_stats
+        stats[lp] = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_position))
+        host_rows[lp] = len(calls)
+    assert host_rows[None] == 0 and host_rows[0] > 0
+    assert stats[None] == stats[0] and stats[None][2] < stats[None][1]
+
+
 def test_greedy_identical_with_the_mtp_drafts_in_every_batch_composition(tiny_ckpt, prompts, plain):
     """The MTP layer's own drafts (nearly always rejected here): the same tokens alone, together,
     staggered, and with async scheduling on."""
