@@ -7,12 +7,15 @@ the seconds it takes. The warm-up runs dummy requests through the real scheduler
 those are built (or loaded from the on-disk cache, which ``precompile`` fills in parallel first) at start:
 
 - prefill steps of every length around the tile thresholds (powers of two, ±1), up to the step budget
-  (``prefill_lengths``);
+  (``prefill_lengths``): one prompt, or several when the step is longer than a prompt may be;
 - one prompt of ``max_model_len`` − 1 tokens, chunked by the budget: every context the caches reach;
 - decodes beside a prefill chunk (a mixed step).
 
-Decode batches themselves are covered by the decode graphs' capture. The caches are left as they
-were: the warm-up's prefix-cache blocks are dropped and its counters (speculation's too) reset.
+Every request's prompt is its own (``prompt``): a prefix-cache hit on an earlier warm-up prompt would cut
+the step short of the size it is there to run (the steps of 512+ tokens, whose attention decodes the
+keys once, were never run that way). Decode batches themselves are covered by the decode graphs'
+capture. The caches are left as they were: the warm-up's prefix-cache blocks are dropped and its
+counters (speculation's too) reset.
 """
 
 from __future__ import annotations
@@ -22,7 +25,19 @@ import time
 from .sampling_params import SamplingParams
 from .speculative import SpecStats
 
-TOKEN = 3  # a plain token id (0 and 1 are BOS and EOS)
+TOKEN = 3  # the first plain token id (0 and 1 are BOS and EOS)
+
+
+def prompt(i: int, n: int, vocab: int) -> list[int]:
+    """Request ``i``'s n-token prompt: its number written at the start in the plain ids, so no two share a
+    first block and none is a prefix-cache hit of another (a hit would shorten the step it is there to run)."""
+    base, head = max(2, vocab - TOKEN), []
+    while True:
+        i, d = divmod(i, base)
+        head.append(TOKEN + d)
+        if not i:
+            break
+    return (head + [TOKEN] * n)[:n]
 
 
 def prefill_lengths(budget: int) -> list[int]:
@@ -46,6 +61,11 @@ def run_warm_up(engine, dry: bool = False) -> dict:
     budget = cfg.max_num_batched_tokens
     greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     steps = 0
+    ids = iter(range(1 << 30))
+    vocab = engine.model_config.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return prompt(next(ids), n, vocab)
 
     def drain():
         nonlocal steps
@@ -55,21 +75,25 @@ def run_warm_up(engine, dry: bool = False) -> dict:
                     raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error}")
             steps += 1
 
-    lengths = prefill_lengths(min(budget, engine.max_model_len - 1))
-    for n in lengths:
-        engine.add_request(prompt_token_ids=[TOKEN] * n, params=greedy, request_id=f"warm-up-prefill-{n}")
-        drain()
     longest = engine.max_model_len - 1
+    # a step longer than one prompt can be is several prompts of at most the contention cap each
+    part = min(longest, engine.scheduler.long_prefill or budget)
+    lengths = prefill_lengths(budget)
+    for n in lengths:
+        sizes = [n] if n <= longest else [part] * (n // part) + ([n % part] if n % part else [])
+        for j, size in enumerate(sizes[:cfg.max_num_seqs]):
+            engine.add_request(prompt_token_ids=tokens(size), params=greedy, request_id=f"warm-up-prefill-{n}-{j}")
+        drain()
     if longest > budget:  # every context the caches reach, a budget-sized chunk at a time
-        engine.add_request(prompt_token_ids=[TOKEN] * longest, params=greedy, request_id="warm-up-context")
+        engine.add_request(prompt_token_ids=tokens(longest), params=greedy, request_id="warm-up-context")
         drain()
     # decodes with a prefill chunk beside them
     for i in range(2):
-        engine.add_request(prompt_token_ids=[TOKEN] * 4, request_id=f"warm-up-decode-{i}",
+        engine.add_request(prompt_token_ids=tokens(4), request_id=f"warm-up-decode-{i}",
                            params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()
     steps += 1
-    engine.add_request(prompt_token_ids=[TOKEN] * min(budget - 2, 64), params=greedy, request_id="warm-up-mixed")
+    engine.add_request(prompt_token_ids=tokens(min(budget - 2, 64)), params=greedy, request_id="warm-up-mixed")
     drain()
     engine.kv.reset_prefix_cache()
     engine.kv.reset_stats()

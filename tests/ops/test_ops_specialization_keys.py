@@ -20,7 +20,7 @@ from dsv4.llm import LLM
 from dsv4.ops import compiles
 from dsv4.ops.triton import greedy
 
-MAX_LEN, SEQS, BUDGET = 512, 8, 128
+MAX_LEN, SEQS, BUDGET = 512, 8, 1024  # a step may be longer than a prompt: several prompts
 GREEDY = (greedy._chunk_kernel, greedy._row_kernel)
 
 
@@ -75,7 +75,8 @@ def test_the_warm_up_lists_the_attention_path_kernels(warm):
 def test_step_shapes_that_used_to_build_in_the_request_path_bring_no_new_key(engine, warm):
     """Shapes the H200 saw building: one-block tables (n_blocks = stride = 1), tables and token ids staged at
     offsets that are not 16-byte aligned (odd totals before them), odd counts of closing tokens, a prefix hit,
-    ragged mixes of decodes and prefill chunks."""
+    ragged mixes of decodes and prefill chunks, and steps of the whole budget made of several prompts (the
+    attention's keys decoded once from 512 tokens, the dense GEMMs' prefill tile from 1,024)."""
     rng = random.Random(5)
     shared = [rng.randrange(3, 1000) for _ in range(300)]
     batches = [
@@ -84,6 +85,8 @@ def test_step_shapes_that_used_to_build_in_the_request_path_bring_no_new_key(eng
         [(shared + [9, 10, 11], 3), ([4] * 33, 2)],
         [(shared + [12], 2), ([5] * 257, 1)],  # prefix hit beside a chunked prefill
         [([6] * (MAX_LEN - 20), 3), ([8] * 2, 4), ([9] * 129, 1)],
+        [([rng.randrange(3, 1000) for _ in range(BUDGET // SEQS)], 2) for _ in range(SEQS)],
+        [([rng.randrange(3, 1000) for _ in range(300)], 1) for _ in range(2)],
     ]
     new = _new(_keys_of(engine, batches), warm)
     assert not new, "specializations the warm-up did not list:\n" + "\n".join(new)
