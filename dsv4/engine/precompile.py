@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from multiprocessing import get_context
 
@@ -114,16 +115,19 @@ def build_parallel(recipes: list, workers: int) -> tuple[dict, list]:
     failed, built = [], []
     t = time.perf_counter()
     if recipes:
-        with ProcessPoolExecutor(max_workers=min(workers, len(recipes)), mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(compiles.build, r): r for r in recipes}
-            for f in as_completed(futures):
-                if f.exception() is not None:
-                    failed.append(f"{futures[f][1]}: {f.exception()}")
-                else:
-                    built.append(f.result())
+        try:
+            with ProcessPoolExecutor(max_workers=min(workers, len(recipes)), mp_context=get_context("spawn")) as pool:
+                futures = {pool.submit(compiles.build, r): r for r in recipes}
+                for f in as_completed(futures):
+                    if f.exception() is not None:
+                        failed.append(f"{futures[f][1]}: {f.exception()}")
+                    else:
+                        built.append(f.result())
+        except (BrokenProcessPool, OSError) as e:  # the pool itself: what was not built is the warm-up's
+            failed.append(f"the build processes stopped ({e}); {len(recipes) - len(built)} specializations left")
     for line in failed:
         log.warning("precompile: %s (left to the warm-up)", line)
-    counts = {"built": len(built), "failed": len(failed), "seconds": round(time.perf_counter() - t, 2)}
+    counts = {"built": len(built), "failed": len(recipes) - len(built), "seconds": round(time.perf_counter() - t, 2)}
     return counts, built
 
 
@@ -134,7 +138,11 @@ def precompile(engine, graphs, workers: int) -> dict | None:
     if _manifest_has(digest):
         return None
     t = time.perf_counter()
-    rec = list_launches(engine, graphs)
+    try:
+        rec = list_launches(engine, graphs)
+    except Exception as e:
+        raise RuntimeError(f"precompile: the listing pass failed ({type(e).__name__}: {e}); "
+                           "--compile-workers 0 starts without it") from e
     listed = time.perf_counter() - t
     report = {"digest": digest, "specializations": len(rec.recipes), "list_seconds": round(listed, 2)}
     counts, _ = build_parallel(list(rec.recipes.values()), workers)
