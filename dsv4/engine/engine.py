@@ -217,7 +217,8 @@ class LLMEngine:
         log.info("dsv4 engine: prefix cache %s", self._tiers_line())
         self.warm_up_report = self.precompile_report = None
         digest = None
-        if config.warm_up and device.type == "cuda" and executor is None and config.compile_workers != 0 \
+        # (one process: data-parallel ranks and TP groups build in their warm-ups, each rank its own)
+        if config.warm_up and device.type == "cuda" and not config.parallel and config.compile_workers != 0 \
                 and compiles.install():
             from . import precompile
 

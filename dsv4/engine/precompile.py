@@ -106,9 +106,16 @@ def list_launches(engine, graphs) -> "compiles.Launches":  # noqa: F821 - (impor
     return rec
 
 
-def build_parallel(recipes: list, workers: int) -> tuple[dict, list]:
-    """Step 2: compile ``recipes`` (``compiles.recipe``) in ``workers`` processes; returns (counts, the
-    launch keys the workers built)."""
+def _on_device(index: int | None) -> None:
+    """A build process's initializer: Triton compiles for the current CUDA device (each process holds a
+    context there while it builds)."""
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
+def build_parallel(recipes: list, workers: int, device_index: int | None = None) -> tuple[dict, list]:
+    """Step 2: compile ``recipes`` (``compiles.recipe``) in ``workers`` processes on CUDA device
+    ``device_index`` (None: the default); returns (counts, the launch keys the workers built)."""
     from ..ops import compiles
 
     env.use_kernel_cache_dir()  # (the workers inherit it)
@@ -116,7 +123,8 @@ def build_parallel(recipes: list, workers: int) -> tuple[dict, list]:
     t = time.perf_counter()
     if recipes:
         try:
-            with ProcessPoolExecutor(max_workers=min(workers, len(recipes)), mp_context=get_context("spawn")) as pool:
+            with ProcessPoolExecutor(max_workers=min(workers, len(recipes)), mp_context=get_context("spawn"),
+                                     initializer=_on_device, initargs=(device_index,)) as pool:
                 futures = {pool.submit(compiles.build, r): r for r in recipes}
                 for f in as_completed(futures):
                     if f.exception() is not None:
@@ -145,7 +153,7 @@ def precompile(engine, graphs, workers: int) -> dict | None:
                            "--compile-workers 0 starts without it") from e
     listed = time.perf_counter() - t
     report = {"digest": digest, "specializations": len(rec.recipes), "list_seconds": round(listed, 2)}
-    counts, _ = build_parallel(list(rec.recipes.values()), workers)
+    counts, _ = build_parallel(list(rec.recipes.values()), workers, engine.kv_cache.device.index)
     report.update(counts)
     log.info("precompile: %d specializations listed in %.1f s, built by %d processes in %.1f s (%d failed)",
              report["specializations"], listed, workers, report["seconds"], report["failed"])
