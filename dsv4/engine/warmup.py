@@ -20,6 +20,7 @@ counters (speculation's too) reset.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from .sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def run_warm_up(engine, dry: bool = False) -> dict:
     budget = cfg.max_num_batched_tokens
     greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     steps = 0
-    ids = iter(range(1 << 30))
+    ids = itertools.count()
     vocab = engine.model_config.vocab_size
 
     def tokens(n: int) -> list[int]:

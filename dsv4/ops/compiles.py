@@ -108,14 +108,19 @@ def _params(kernel):
     return out
 
 
+def _named(kernel, args, kwargs) -> dict:
+    """A launch's arguments by parameter name (positional ones named), launch options included."""
+    named = dict(zip((p[0] for p in _params(kernel)), args))
+    named.update(kwargs)
+    return named
+
+
 def launch_key(kernel, args, kwargs) -> tuple:
     """(kernel name, per-argument specialization, options) of one launch: what selects its binary."""
     impl = _spec_impl()
-    params = _params(kernel)
-    values = dict(zip((p[0] for p in params), args))
-    values.update((k, v) for k, v in kwargs.items() if k not in _OPTIONS)
+    values = _named(kernel, args, kwargs)
     spec = []
-    for name, const, specialize, align, default in params:
+    for name, const, specialize, align, default in _params(kernel):
         v = values.get(name, default)
         if const:
             spec.append((name, "constexpr", repr(v)))
@@ -129,12 +134,8 @@ def recipe(kernel, args, kwargs) -> tuple:
     """A picklable description of a launch from which ``build`` compiles the same specialization in another
     process: (module, kernel name, arguments by name — a tensor as (dtype, 16-byte aligned), anything else
     as it was — and the launch options)."""
-    named = {}
-    for (name, *_), v in zip(_params(kernel), args):
-        named[name] = v
-    named.update(kwargs)
     out = {}
-    for name, v in named.items():
+    for name, v in _named(kernel, args, kwargs).items():
         if hasattr(v, "data_ptr") and hasattr(v, "dtype"):
             out[name] = ("tensor", str(v.dtype).replace("torch.", ""), v.data_ptr() % 16 == 0)
         else:

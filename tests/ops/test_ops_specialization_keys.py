@@ -159,4 +159,4 @@ def test_a_plan_built_before_is_not_listed_again(engine, tmp_path, monkeypatch):
     assert precompile.plan_digest(engine) == digest  # (a function of the settings, not of the object)
     assert not precompile._manifest_has(digest)
     precompile.record_built(digest)
-    assert precompile.precompile(engine, None, workers=2) is None
+    assert precompile.precompile(engine, None, workers=2, digest=digest) is None
