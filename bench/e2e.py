@@ -506,10 +506,14 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
                             model=model, tokenizer=tok)
         for B in batches:
             built = compiles.count()
+            replays = eng.spec_graphs.replays if eng.spec_graphs is not None else 0
             res[f"step_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps, profile=profile and k > 0)
             res[f"kernels_built_b{B}_k{k}"] = compiles.count() - built  # in the timed steps' path: must be 0
+            if eng.spec_graphs is not None:  # steps run as one graph replay (the others eagerly)
+                res[f"graph_steps_b{B}_k{k}"] = eng.spec_graphs.replays - replays
             print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step "
-                  f"({res[f'kernels_built_b{B}_k{k}']} kernels built)", flush=True)
+                  f"({res[f'kernels_built_b{B}_k{k}']} kernels built, "
+                  f"{res.get(f'graph_steps_b{B}_k{k}', 0)} graph steps)", flush=True)
     for k in ks:
         tokens = sum(acceptance ** i for i in range(k + 1))
         for B in batches:

@@ -6,9 +6,9 @@ Units (one id space each, shared by all layers, as in vLLM):
   (64 keys), per HCA layer a compressed page (2 entries), and per CSA layer the compressor rows
   of the block's last 4 tokens (the overlap state a prefix-cache hit at the block end needs).
 The running compressor state lives in per-request *slots* (rings of 8 rows for ratio 4 and
-128 rows for ratio 128). With ``fp8_ds_mla`` the KV pages hold the real 584-byte records in the
-block-packed layout and every read uses the writer's address formula (``dsv4.formats``);
-with ``auto`` they hold model-dtype rows.
+128 rows for ratio 128, a few more with speculative decoding: ``ring_rows``). With ``fp8_ds_mla``
+the KV pages hold the real 584-byte records in the block-packed layout and every read uses the
+writer's address formula (``dsv4.formats``); with ``auto`` they hold model-dtype rows.
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ def _kinds(cfg: ModelConfig, layer: int) -> list[tuple[str, int, int]]:
     return []
 
 
+def ring_rows(ratio: int, lookahead: int = 0) -> int:
+    """Rows of a compressor's state ring. An entry closing at position c pools rows c − 2r + 1 .. c
+    (ratio 4, with the overlap) or c − r + 1 .. c, so after a step whose last kept token is at a the
+    rows from a − 2r + 2 (a − r + 2) on must survive. A speculative step run as a CUDA graph stores
+    the rows of all its ``lookahead`` drafts, rejected ones too (the graph cannot know how many
+    are accepted): a draft's row at a + j overwrites a + j − rows, so the ring keeps lookahead − 1
+    more rows than the pooling reads."""
+    base = 2 * ratio if ratio == 4 else ratio
+    return base + max(0, lookahead - 1)
+
+
 @dataclass
 class CacheBudget:
     num_blocks: int
@@ -54,6 +65,7 @@ class CacheBudget:
     bytes_per_block: int
     bytes_per_swa_page: int
     bytes_per_slot: int
+    lookahead: int = 0  # draft tokens a speculative step stores in the state rings (``ring_rows``)
 
     @property
     def total_bytes(self) -> int:
@@ -65,7 +77,8 @@ class CacheBudget:
         return self.num_blocks * BLOCK
 
 
-def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype) -> tuple[int, int, int]:
+def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype,
+               lookahead: int = 0) -> tuple[int, int, int]:
     """Bytes of one block, one SWA page and one state slot over all layers."""
     elt = torch.tensor([], dtype=dtype).element_size()
     q = numerics.quantized
@@ -81,18 +94,18 @@ def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype) ->
                 blk += indexer_page_stride(per) if q else per * cfg.index_head_dim * elt
             if ratio == 4:
                 blk += BOUNDARY_ROWS * width * 4
-            slot += (8 if ratio == 4 else ratio) * width * 4
+            slot += ring_rows(ratio, lookahead) * width * 4
     return blk, swa, slot
 
 
 def plan_budget(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype, memory_bytes: int,
-                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> CacheBudget:
+                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, lookahead: int = 0) -> CacheBudget:
     """Split a memory budget into blocks, SWA pages and state slots.
 
     SWA pages: enough for every running request's window (3 pages) plus one prefill budget's
     worth, plus two per block so that each cached block can keep the window its end needs.
     """
-    blk, swa, slot = unit_bytes(cfg, numerics, dtype)
+    blk, swa, slot = unit_bytes(cfg, numerics, dtype, lookahead)
     extra_swa = max_num_seqs * 3 + -(-max_num_batched_tokens // SWA_PAGE) + 2
     fixed = max_num_seqs * slot + extra_swa * swa
     nb = (memory_bytes - fixed) // (blk + 2 * swa) if memory_bytes > fixed else 0
@@ -104,7 +117,7 @@ def plan_budget(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype, m
             f"{BLOCK} tokens, the budget of {memory_bytes / 2**20:.1f} MiB gives {max(nb, 0)}; "
             f"raise --kv-cache-memory to at least {min_bytes / 2**20:.1f} MiB or lower --max-model-len"
         )
-    return CacheBudget(int(nb), int(2 * nb + extra_swa), max_num_seqs, blk, swa, slot)
+    return CacheBudget(int(nb), int(2 * nb + extra_swa), max_num_seqs, blk, swa, slot, lookahead)
 
 
 class PagedKVCache:
@@ -148,7 +161,8 @@ class PagedKVCache:
                     )
                 if ratio == 4:
                     self.boundary[key] = torch.zeros(B, BOUNDARY_ROWS, width, device=device)
-                self.ring[key] = torch.zeros(S + 1, 8 if ratio == 4 else ratio, width, device=device)  # + spare slot
+                self.ring[key] = torch.zeros(S + 1, ring_rows(ratio, budget.lookahead), width,
+                                             device=device)  # + spare slot
 
     @property
     def spare_swa_page(self) -> int:

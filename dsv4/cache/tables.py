@@ -138,6 +138,40 @@ def decode_tables(chunks, allocs, lanes: int, n_swa: int, n_blocks: int, kvc: Pa
             (slots, (lanes,)), (swa, (lanes, n_swa)), (blocks, (lanes, n_blocks))]
 
 
+def verify_tables(starts: list[int], allocs, lanes: int, per: int, n_swa: int, n_blocks: int, kvc: PagedKVCache):
+    """A speculative verify step's tables as a CUDA graph's static inputs: ``per`` tokens per request
+    at positions start .. start + per − 1 (its last token and its drafts, padded), ``lanes``
+    requests (those past the step spare: positions 0 .. per − 1, the spare page, block and slot),
+    tables of the graph's widths, then the [4, lanes·per] closing table listing every token (token,
+    its chunk's start, the chunk's offset, request row). The requests' window pages must cover
+    their chunks. None if a page list is wider than the graph's tables."""
+    n = len(starts)
+    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
+    blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
+    if max(map(len, swa_rows), default=0) > n_swa or max(map(len, blk_rows), default=0) > n_blocks:
+        return None
+    spare = lanes - n
+    pos, page, off = array.array("q"), array.array("q"), array.array("q")
+    for s, row in zip(starts, swa_rows):
+        pos.extend(range(s, s + per))
+        for p in range(s, s + per):
+            page.append(row[p // SWA_PAGE])
+        off.extend(p % SWA_PAGE for p in range(s, s + per))
+    pos.extend(array.array("q", range(per)) * spare)
+    off.extend(array.array("q", range(per)) * spare)
+    page.extend(array.array("q", [kvc.spare_swa_page]) * (per * spare))
+    t = lanes * per
+    seq = array.array("q", (i for i in range(lanes) for _ in range(per)))
+    first = array.array("q", (s for s in starts for _ in range(per))) + array.array("q", [0]) * (per * spare)
+    offsets = array.array("q", (i * per for i in range(lanes) for _ in range(per)))
+    slots = array.array("q", [a.slot for a in allocs]) + array.array("q", [kvc.spare_slot]) * spare
+    swa, _ = _pad_rows(swa_rows, n_swa, lanes, kvc.spare_swa_page)
+    blocks, _ = _pad_rows(blk_rows, n_blocks, lanes, kvc.spare_block)
+    closing = array.array("q", range(t)) + first + offsets + seq
+    return [(pos, (t,)), (seq, (t,)), (page, (t,)), (off, (t,)), (slots, (lanes,)), (swa, (lanes, n_swa)),
+            (blocks, (lanes, n_blocks)), (closing, (4, t))]
+
+
 @dataclass
 class StepTables:
     """One step's tables on the device, and the paged cache they index (``kvc``)."""
@@ -153,6 +187,9 @@ class StepTables:
     swa_off: torch.Tensor  # [T]
     decode_only: bool  # every chunk is one token (the batched compressor applies)
     max_end: int  # largest (start + length) of the step: bounds the compressed entries
+    # a verify graph's fixed [4, T] closing table listing every token (the op skips those that close
+    # nothing); its steps store their state rows into the rings themselves (``paged_attention``)
+    static_closing: torch.Tensor | None = None
     _emitting: dict = field(default_factory=dict, repr=False)  # ratio → tokens that close a block
 
     @classmethod
@@ -204,6 +241,8 @@ class StepTables:
         """[4, E] device tensor (token index, its chunk's start, chunk offset, request row) of the
         step's tokens that close a compression block of ratio ``r``, or None; computed on the host
         from the chunks and copied without a host synchronisation."""
+        if self.static_closing is not None:
+            return self.static_closing
         if r not in self._emitting:
             start, length, offset = (torch.tensor(v, dtype=torch.long) for v in
                                      zip(*((c.start, c.length, c.offset) for c in self.chunks)))

@@ -169,8 +169,9 @@ class LLMEngine:
                 mem = int(max(0, free - (1 - config.gpu_memory_utilization) * total))
             else:
                 mem = 1 << 30
+        spec = config.speculative
         budget = plan_budget(cfg, numerics, dtype, mem, config.max_num_seqs, config.max_num_batched_tokens,
-                             self.max_model_len)
+                             self.max_model_len, spec.num_speculative_tokens if spec is not None else 0)
         t = time.perf_counter()
         self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
         phases["kv_cache"] = time.perf_counter() - t
@@ -181,7 +182,6 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching, host=host)
         if executor is not None:  # the workers allocate the same caches; prefix-cache restores and host-tier
             executor.start_caches(budget, numerics, self.kv)  # transfers are mirrored
-        spec = config.speculative
         if spec is not None:
             _check_draft_model(cfg, spec, config.speculative_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -192,8 +192,9 @@ class LLMEngine:
                                   aux_layers=cfg.dspark_target_layer_ids if dspark else ())
         if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
-        capture = (device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
-                   and spec is None)  # (verify steps are chunks, and the proposer needs the streams: eager)
+        graphable = device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
+        capture = graphable and spec is None  # (with speculation a step verifies drafts: the MTP step's graphs)
+        capture_spec = graphable and spec is not None and spec.method == "mtp"
         self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
@@ -205,6 +206,7 @@ class LLMEngine:
                                            spec.dspark_min_confidence)
         elif spec is not None:
             self.proposer = MTPProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens, paged)
+        self.spec_graphs = None  # SpecGraphs: the greedy MTP steps as CUDA graphs
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -224,7 +226,7 @@ class LLMEngine:
 
             t = time.perf_counter()
             digest = precompile.plan_digest(self)
-            graphs = self._decode_graphs() if capture else None
+            graphs = self._decode_graphs() if capture else self._spec_graphs() if capture_spec else None
             self.precompile_report = precompile.precompile(
                 self, graphs, config.compile_workers or precompile.default_workers(), digest)
             phases["precompile"] = time.perf_counter() - t
@@ -232,6 +234,10 @@ class LLMEngine:
             t = time.perf_counter()
             self.capture_decode_graphs()
             phases["decode_graphs"] = time.perf_counter() - t
+        if capture_spec:
+            t = time.perf_counter()
+            self.capture_spec_graphs()
+            phases["spec_graphs"] = time.perf_counter() - t
         if config.warm_up:
             from .warmup import run_warm_up
 
@@ -289,6 +295,20 @@ class LLMEngine:
         else:
             self.runner.graphs = self._decode_graphs()
             self.runner.graphs.capture()
+
+    def capture_spec_graphs(self) -> None:
+        """CUDA graphs of the greedy MTP step (``engine.spec_graphs``); on the CPU emulated, as the
+        decode graphs are."""
+        if not self.runner.paged_attention or not isinstance(self.proposer, MTPProposer):
+            raise RuntimeError("speculative graphs need MTP drafting and the batched paged attention")
+        self.spec_graphs = self._spec_graphs()
+        self.spec_graphs.capture()
+
+    def _spec_graphs(self):
+        from .spec_graphs import SpecGraphs
+
+        return SpecGraphs(self.model, self.kv_cache, self.proposer.num_speculative_tokens, self.config.max_num_seqs,
+                          self.max_model_len, self.ops.greedy_pick)
 
     def _decode_graphs(self):
         from .cuda_graphs import DecodeGraphs
@@ -477,6 +497,10 @@ class LLMEngine:
         return self._finish_step(step.schedule, touched)
 
     def _run_step(self, schedule) -> list[RequestOutput]:
+        if self.spec_graphs is not None:
+            outs = self._run_spec_graph(schedule)
+            if outs is not None:
+                return outs
         batch, logits = self.runner.run(schedule)
         touched: dict[str, None] = {}
         for si in batch.prompt_logprob_seqs:  # (prompt rows are only made for these requests)
@@ -578,6 +602,55 @@ class LLMEngine:
                     req.append_token(*self.sampler.sample(req, host[row], mask=masks.get(row)))
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 req.fail(e)
+
+    def _run_spec_graph(self, schedule) -> list[RequestOutput] | None:
+        """A step of plain greedy decodes with drafts as one replay of ``spec_graphs`` (verify, acceptance
+        and the next drafts on the device); None, with nothing changed but window pages taken ahead,
+        when the step is not one: the eager path runs it."""
+        g, kv = self.spec_graphs, self.kv
+        k = g.k
+        if g.bucket(len(schedule)) is None:
+            return None
+        for sc in schedule:
+            req = sc.req
+            s = req.alloc.num_computed
+            if (s != req.num_tokens - 1 or not 1 <= sc.num_tokens <= k + 1 or sc.num_tokens - 1 > len(req.drafts)
+                    or not plain_greedy(req) or req.guide is not None or req.params.prompt_logprobs is not None
+                    or s + 2 * k > self.max_model_len):
+                return None
+        # the draft chain writes the MTP layer's window up to 2k − 1 positions past the last token
+        if not all(kv.try_allocate(sc.req.alloc, 2 * k) for sc in schedule):
+            return None
+        kv.wait_copies()
+        reqs = [sc.req for sc in schedule]
+        tokens = [req.token_slice(req.alloc.num_computed, req.num_tokens) + req.drafts.tokens[:sc.num_tokens - 1]
+                  for req, sc in zip(reqs, schedule)]
+        res = g.run([r.alloc.num_computed for r in reqs], [r.alloc for r in reqs], tokens)
+        if res is None:
+            return None
+        touched: dict[str, None] = {}
+        for req, sc, row in zip(reqs, schedule, res):
+            touched[req.request_id] = None
+            d = sc.num_tokens - 1
+            drafts, req.drafts = req.drafts, Drafts()
+            if req.finished:
+                continue
+            drafts.truncate(d)
+            picks, fins, acc, new = row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:]
+            if not all(fins[:d + 1]):
+                req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
+                                            f"{len(req.output_token_ids)}"))
+                continue
+            try:
+                n_ok = verify_picks(req, picks[:d + 1], drafts, self.spec_stats)
+            except Exception as e:  # noqa: BLE001 - this request's failure only
+                req.fail(e)
+                continue
+            kv.view(req.alloc).advance(n_ok)
+            want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+            if not req.finished and want > 0 and n_ok == acc + 1:
+                req.drafts = Drafts(new[:want], None)
+        return self._finish_step(schedule, touched)
 
     def _propose(self, schedule, batch) -> None:
         """The proposer's turn, after verification: every row that stays in the cache feeds it, and

@@ -14,7 +14,10 @@ same work for the whole step, with the attention's op set:
   those rows and the ring and inserted for all requests together by one op
   (``compressor_pool_insert``: ring store, pooling, RMSNorm, RoPE, insert — the same op and
   arithmetic for decode and chunk steps, so an entry never depends on the chunking); invalid writes
-  are skipped or go to a spare page, so there is no data-dependent branch and no host sync;
+  are skipped or go to a spare page, so there is no data-dependent branch and no host sync. A
+  speculative verify graph (fixed chunks of k + 1 tokens) pools with a table listing every token
+  and then stores all its rows into the rings (``cache.paged.ring_rows`` sizes them so that a
+  rejected draft's row never overwrites one still read);
 - the Lightning Indexer's queries are roped (and FP8 fake-quantized like the keys) by one op
   (``indexer_q_rope_quant``) and scored against their own request's paged indexer keys
   (``indexer``), and the sparse attention reads the window and the selected compressed entries from
@@ -84,6 +87,11 @@ def _compress(comp, tables, x: torch.Tensor) -> None:
     rows = comp.state_rows(x, tables.positions)  # [T, 2·width] fp32
     if tables.decode_only:
         return _pool_insert(comp, tables, rows, None)
+    if tables.static_closing is not None:  # a verify graph: pool, then every row into its ring
+        _pool_insert(comp, tables, rows, tables.static_closing)
+        ring = tables.kvc.ring[(comp.layer, comp.kind)]
+        ring[tables.slots[tables.seq_ids], tables.positions % ring.shape[1]] = rows
+        return None
     for c in tables.chunks:
         c.cache.hold_state(comp.layer, comp.kind, c.start, rows[c.offset: c.offset + c.length])
     closing = tables.closing(comp.ratio)

@@ -13,9 +13,10 @@ Two forms, one arithmetic (an entry does not depend on which form pooled it):
 * decode (``closing=None``): row t is the single token of request ``seq_ids[t]``; it is stored into
   the state ring at ``ring[slots[seq_ids[t]], positions[t] % ring.shape[1]]`` and every token that
   closes a block pools its entry from the ring;
-* chunk (``closing`` = the [4, E] table of ``PagedBatch._closing``: token index, its chunk's start,
+* chunk (``closing`` = the [4, E] table of ``StepTables.closing``: token index, its chunk's start,
   the chunk's row offset, request row): nothing is stored; rows at positions ≥ the chunk's start
-  come from ``rows``, earlier ones from the ring.
+  come from ``rows``, earlier ones from the ring. A listed token that closes no block is skipped,
+  so a fixed-shape table may list every token of the step (a verify graph's).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.
         ring_rows = ring[slots[seq][:, None], need % ring.shape[1]]
         got = torch.where((need >= c_start[:, None])[..., None], step_rows, ring_rows)
         cur, prev = got[:, back:], (got[:, :back] if overlap else None)
-        page = block_table[seq, e // block_size]
+        emits = (positions[tok] + 1) % r == 0  # a listed token that closes no block writes nothing
+        page = torch.where(emits, block_table[seq, e.clamp(min=0) // block_size], -1)
     entries = pool(cur, prev, e, norm, eps, rope, r)
     insert_entries(pages, page, e % block_size, entries, kind, fmt, block_size)
 

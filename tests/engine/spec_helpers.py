@@ -9,32 +9,38 @@ from dsv4.engine.request import Drafts
 
 
 class ScriptedDrafts:
-    """Drafts = the known continuation with draft ``calls % (k + 1)`` wrong (k + 1: all right)."""
+    """After every step each request with drafts gets the known continuation instead, with draft
+    ``calls % (k + 1)`` wrong (k + 1: all right). The drafter still runs — the eager proposer or the
+    speculative graphs — so its cache is checked too."""
 
-    def __init__(self, inner, truth: dict[str, list[int]], vocab: int):
-        self.inner, self.truth, self.vocab = inner, truth, vocab
-        self.num_speculative_tokens = inner.num_speculative_tokens
+    def __init__(self, eng, truth: dict[str, list[int]], vocab: int):
+        self.truth, self.vocab = truth, vocab
+        self.num_speculative_tokens = eng.proposer.num_speculative_tokens
         self.calls: dict[str, int] = {}
+        finish = eng._finish_step
 
-    def propose(self, rows, streams):
-        self.inner.propose(rows, streams)  # the drafter sees every row (its cache is checked too)
+        def scripted(schedule, touched):
+            for sc in schedule:
+                self._script(sc.req)
+            return finish(schedule, touched)
+
+        eng._finish_step = scripted
+
+    def _script(self, req):
+        if req.finished or not req.drafts or req.request_id not in self.truth:  # (unscripted: the drafter's)
+            return
         k = self.num_speculative_tokens
-        for r in rows:
-            req = r.req
-            if not r.num_drafts or req.request_id not in self.truth:  # (unscripted: the drafter's drafts)
-                continue
-            n = self.calls[req.request_id] = self.calls.get(req.request_id, -1) + 1
-            toks = list(self.truth[req.request_id][len(req.output_token_ids):][: r.num_drafts])
-            wrong = n % (k + 1)
-            if wrong < len(toks):
-                toks[wrong] = (toks[wrong] + 1 + n) % self.vocab
-            req.drafts = Drafts(toks, None)
+        n = self.calls[req.request_id] = self.calls.get(req.request_id, -1) + 1
+        toks = list(self.truth[req.request_id][len(req.output_token_ids):][: len(req.drafts)])
+        wrong = n % (k + 1)
+        if wrong < len(toks):
+            toks[wrong] = (toks[wrong] + 1 + n) % self.vocab
+        req.drafts = Drafts(toks, None)
 
 
 def script(llm, truth):
     eng = llm.engine
-    eng.proposer = ScriptedDrafts(eng.proposer, truth, eng.model_config.vocab_size)
-    return eng.proposer
+    return ScriptedDrafts(eng, truth, eng.model_config.vocab_size)
 
 
 def run(llm, prompts, params, ids=None):

@@ -14,17 +14,25 @@ LENGTHS = (5, 63, 64, 129, 255, 300)
 NEW = 24
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_mtp_greedy_matches_plain_decoding_on_the_gpu(tiny_ckpt, k):
-    spec_llm, spec = greedy_run(tiny_ckpt, LENGTHS, NEW, seed=7,
+@pytest.fixture(scope="module")
+def plain_mtp(tiny_ckpt):
+    return greedy_run(tiny_ckpt, LENGTHS, NEW, seed=7)[1]
+
+
+@pytest.mark.parametrize("k,graphs", [(1, True), (2, True), (3, True), (4, True), (3, False)])
+def test_mtp_greedy_matches_plain_decoding_on_the_gpu(tiny_ckpt, plain_mtp, k, graphs):
+    """Plain greedy requests run their speculative steps as CUDA graphs (``engine.spec_graphs``);
+    requests asking for logprobs take the eager path (their rows go to the host)."""
+    spec_llm, spec = greedy_run(tiny_ckpt, LENGTHS, NEW, seed=7, logprobs=None if graphs else 2,
                                 speculative_config={"method": "mtp", "num_speculative_tokens": k})
-    assert spec_llm.engine.runner.paged_attention, "fast path must be batched"
-    stats = spec_llm.engine.spec_stats
+    eng = spec_llm.engine
+    assert eng.runner.paged_attention, "fast path must be batched"
+    assert (eng.spec_graphs.replays > 0) == graphs
+    stats = eng.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_draft_tokens <= k * stats.num_drafts
-    _, ref = greedy_run(tiny_ckpt, LENGTHS, NEW, seed=7)
-    checked = assert_greedy_agrees(spec, ref, LENGTHS, "the speculative run (plain decoding: the second)")
-    print(f"k={k}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
-          f"acceptance length {stats.acceptance_length:.2f}")
+    checked = assert_greedy_agrees(spec, plain_mtp, LENGTHS, "the speculative run (plain decoding: the second)")
+    print(f"k={k} graphs={graphs}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
+          f"acceptance length {stats.acceptance_length:.2f}; graph steps {eng.spec_graphs.replays}")
     assert checked >= len(LENGTHS) * NEW // 2
 
 

@@ -1,0 +1,135 @@
+"""The greedy MTP step as one graph (``engine.spec_graphs``, emulated on the CPU: the same static
+inputs, run eagerly): the tokens of a run without speculation with rejections at every draft
+position, caches byte-equal to that run's, the MTP drafts of the eager proposer, and the eager path
+for every step a graph does not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
+from spec_helpers import assert_images_match_a_run_without_speculation, record_images, run, script
+
+from dsv4.model.attention import SeqChunk
+from dsv4.model.cache import DenseSequenceCache
+
+LENGTHS = (58, 122, 250, 9)  # decoding crosses the SWA page, the window / HCA ratio, the block
+NEW = 16
+
+
+def batched(ckpt, kv: str = "auto", **kw):
+    return make_llm(ckpt, kv, max_model_len=512, attention="batched", backend="torch", **kw)
+
+
+def spec_llm(ckpt, k: int, kv: str = "auto", graphs: bool = True):
+    llm = batched(ckpt, kv, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    if graphs:
+        llm.engine.capture_spec_graphs()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return rand_prompts(37, LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_ckpt, prompts):
+    llm = batched(tiny_ckpt)
+    return {rid: o.outputs[0].token_ids for rid, o in run(llm, prompts, greedy(NEW, logprobs=None)).items()}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_identical_with_rejections_at_every_position(tiny_ckpt, prompts, truth, k):
+    llm = spec_llm(tiny_ckpt, k)
+    scripted = script(llm, truth)
+    got = run(llm, prompts, greedy(NEW, logprobs=None))
+    assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == truth
+    st, g = llm.engine.spec_stats, llm.engine.spec_graphs
+    assert g.replays >= NEW // (k + 1)  # every step after the prefill's ran as a graph
+    assert st.accepted_per_position[k - 1] > 0 and st.num_accepted_tokens < st.num_draft_tokens
+    assert min(scripted.calls.values()) >= k  # every request went through every rejection position
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_ds_mla"])
+def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prompts, kv_dtype):
+    """Every cache kind of every request at every token count the graph steps pass through equals
+    the run without speculation's, byte for byte (rejected drafts' ring rows included: the rings
+    are sized for them); the MTP layer's window equals the reference's MTP pass over the sequence."""
+    k = 3
+    base = batched(tiny_ckpt, kv_dtype)
+    want = {rid: o.outputs[0].token_ids for rid, o in run(base, prompts, greedy(NEW, logprobs=None)).items()}
+    spec = spec_llm(tiny_ckpt, k, kv_dtype)
+    script(spec, want)
+    seen: dict = {}
+    record_images(spec, seen)
+    got = run(spec, prompts, greedy(NEW, logprobs=None))
+    assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == want
+    assert spec.engine.spec_graphs.replays > 0
+    counts = sorted(n for r, n in seen if r == "r2")
+    assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
+    assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW, logprobs=None))
+    model, cfg = spec.engine.model, spec.engine.model_config
+    layer = cfg.num_hidden_layers
+    for rid, p in zip(want, prompts):
+        ids = torch.tensor(list(p) + want[rid])
+        out = model.forward(ids[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+        dense = DenseSequenceCache(cfg, model.numerics)
+        model.mtp_forward(ids[1:], out.streams, [SeqChunk(dense, 0, len(ids) - 1)])
+        for (r, nc), image in seen.items():
+            if r == rid:
+                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
+                assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc)
+
+
+def test_rings_sized_for_the_rejected_rows(tiny_ckpt, prompts, monkeypatch):
+    """With the rings of a run without speculation, the graph's stored draft rows overwrite rows a
+    later block still pools: the caches then differ (what ``ring_rows``' extra rows prevent)."""
+    import dsv4.cache.paged as paged
+
+    k = 4
+    base = batched(tiny_ckpt)
+    want = {rid: o.outputs[0].token_ids for rid, o in run(base, prompts, greedy(NEW, logprobs=None)).items()}
+    monkeypatch.setattr(paged, "ring_rows", lambda ratio, lookahead=0: 2 * ratio if ratio == 4 else ratio)
+    spec = spec_llm(tiny_ckpt, k)
+    script(spec, want)
+    seen: dict = {}
+    record_images(spec, seen)
+    run(spec, prompts, greedy(NEW, logprobs=None))
+    with pytest.raises(AssertionError, match="differ from the run without speculation"):
+        assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW, logprobs=None))
+
+
+def test_graph_drafts_are_the_eager_proposers(tiny_ckpt, prompts):
+    """The MTP layer's own drafts: at every token count each request gets the drafts the eager
+    proposer gives it, requests arriving while others decode (those steps run eagerly) and a
+    request with logprobs (eager: its rows go to the host) among them."""
+    runs = {}
+    for graphs in (False, True):
+        llm = spec_llm(tiny_ckpt, 3, graphs=graphs)
+        eng, drafts = llm.engine, {}
+        finish = eng._finish_step
+
+        def recording(schedule, touched, _finish=finish, _drafts=drafts):
+            for sc in schedule:
+                r = sc.req
+                if not r.finished:
+                    _drafts[(r.request_id, r.num_tokens)] = list(r.drafts.tokens)
+            return _finish(schedule, touched)
+
+        eng._finish_step = recording
+        eng.add_request(prompt_token_ids=prompts[0], params=greedy(NEW, logprobs=None), request_id="r0")
+        for _ in range(3):
+            eng.step()
+        for i, p in enumerate(prompts[1:], 1):  # joining a running batch
+            eng.add_request(prompt_token_ids=p, params=greedy(NEW, logprobs=0 if i == 2 else None), request_id=f"r{i}")
+            eng.step()
+        done = eng.run_to_completion([f"r{i}" for i in range(len(prompts))])
+        runs[graphs] = ({rid: signature(o) for rid, o in done.items()}, drafts,
+                        eng.spec_graphs.replays if graphs else 0)
+        assert_no_leaks(llm)
+    (eager, eager_drafts, _), (graph, graph_drafts, replays) = runs[False], runs[True]
+    assert graph == eager
+    assert graph_drafts == eager_drafts and any(graph_drafts.values())
+    assert 0 < replays < sum(1 for _ in graph_drafts)  # some steps were graphs, some eager
