@@ -470,6 +470,7 @@ def verify_step_ms(eng, B: int, g, sync, steps: int = 10, profile: bool = False)
         eng.step()
     sync()
     ms = (time.perf_counter() - t) / steps * 1e3
+    replay = _replay_ms(eng, B, sync, steps)
     if prof is not None:
         import pstats
 
@@ -479,7 +480,38 @@ def verify_step_ms(eng, B: int, g, sync, steps: int = 10, profile: bool = False)
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
-    return ms
+    return ms, replay
+
+
+def _rows_replay_ms(eng, n: int, g, sync, steps: int) -> float | None:
+    """ms per replay of the decode graph for ``n`` rows (random tokens, spare positions and pages):
+    the device time of a forward over as many rows as a verify step of B·(k + 1) has."""
+    graphs = eng.runner.graphs
+    b = graphs.bucket(n) if graphs is not None else None
+    if b is None or graphs.graphs[b][0] is None:
+        return None
+    graphs.inputs[b][:b].copy_(torch.randint(3, eng.model_config.vocab_size, (b,), generator=g))
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        graphs.graphs[b][0].replay()
+    sync()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def _replay_ms(eng, B: int, sync, steps: int) -> float | None:
+    """ms per replay of the CUDA graph a step of B requests runs (the speculative step's, else the
+    decode step's) on its last inputs, back to back: the step's device time without the host's."""
+    graphs = eng.spec_graphs or eng.runner.graphs
+    if graphs is None or graphs.bucket(B) is None or graphs.graphs[graphs.bucket(B)][0] is None:
+        return None
+    graph = graphs.graphs[graphs.bucket(B)][0]
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    sync()
+    return (time.perf_counter() - t) / steps * 1e3
 
 
 def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, backend: str,
@@ -493,7 +525,7 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cfg = dict(model=ckpt, dtype=str(dtype).removeprefix("torch."), kv_cache_dtype="fp8_ds_mla", backend=backend,
-               max_model_len=1024, max_num_seqs=max(batches), kv_cache_memory=(4 << 30) if device == "cuda"
+               max_model_len=1024, max_num_seqs=max(batches) * (max(ks) + 1), kv_cache_memory=(4 << 30) if device == "cuda"
                else 512 << 20, enable_prefix_caching=False, device=device)
     g = torch.Generator().manual_seed(0)
     res: dict = {"acceptance": acceptance, "device": device}
@@ -507,13 +539,19 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
         for B in batches:
             built = compiles.count()
             replays = eng.spec_graphs.replays if eng.spec_graphs is not None else 0
-            res[f"step_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps, profile=profile and k > 0)
+            res[f"step_ms_b{B}_k{k}"], res[f"replay_ms_b{B}_k{k}"] = verify_step_ms(eng, B, g, sync, steps,
+                                                                                   profile=profile and k > 0)
             res[f"kernels_built_b{B}_k{k}"] = compiles.count() - built  # in the timed steps' path: must be 0
             if eng.spec_graphs is not None:  # steps run as one graph replay (the others eagerly)
                 res[f"graph_steps_b{B}_k{k}"] = eng.spec_graphs.replays - replays
-            print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step "
+            rp = res[f"replay_ms_b{B}_k{k}"]
+            print(f"k={k} batch {B}: {res[f'step_ms_b{B}_k{k}']:.2f} ms/step, graph replay "
+                  f"{'-' if rp is None else f'{rp:.2f} ms'} "
                   f"({res[f'kernels_built_b{B}_k{k}']} kernels built, "
                   f"{res.get(f'graph_steps_b{B}_k{k}', 0)} graph steps)", flush=True)
+        if k == 0:  # the verify forward's floor: a decode graph over as many rows
+            for n in sorted({B * (j + 1) for B in batches for j in ks}):
+                res[f"decode_rows_ms_{n}"] = _rows_replay_ms(eng, n, g, sync, steps)
     for k in ks:
         tokens = sum(acceptance ** i for i in range(k + 1))
         for B in batches:
@@ -523,16 +561,22 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
 
 
 def format_verify(res: dict, batches: list[int], ks: list[int]) -> str:
-    """One row per batch and k: the step times, their ratio and the implied speedup."""
+    """One row per batch and k: the step times, their ratio, the implied speedup, and the device time
+    of each step's graph alone (replayed back to back: what is left is the host's)."""
+    def ms(key):
+        v = res.get(key)
+        return "-" if v is None else f"{v:.2f}"
+
     lines = [f"speculative step vs one-token decode ({res['device']}; speedup at {res['acceptance']} per position)",
              f"{'batch':>5} {'k':>2} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'tokens/step':>11} "
-             f"{'speedup':>7}"]
+             f"{'speedup':>7} {'decode graph':>12} {'spec graph':>10} {'decode graph B(k+1) rows':>24}"]
     for B in batches:
         for k in ks:
             d, v = res[f"step_ms_b{B}_k0"], res[f"step_ms_b{B}_k{k}"]
             tokens = sum(res["acceptance"] ** i for i in range(k + 1))
             lines.append(f"{B:>5} {k:>2} {d:>10.2f} {v:>10.2f} {v / d:>6.2f} {tokens:>11.2f} "
-                         f"{res[f'speedup_b{B}_k{k}']:>7.2f}")
+                         f"{res[f'speedup_b{B}_k{k}']:>7.2f} {ms(f'replay_ms_b{B}_k0'):>12} "
+                         f"{ms(f'replay_ms_b{B}_k{k}'):>10} {ms(f'decode_rows_ms_{B * (k + 1)}'):>24}")
     return "\n".join(lines)
 
 

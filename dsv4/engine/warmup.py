@@ -100,5 +100,7 @@ def run_warm_up(engine, dry: bool = False) -> dict:
     engine.kv.reset_stats()
     engine.scheduler.num_preemptions = 0
     engine.spec_stats = SpecStats()  # (the warm-up's drafts are not served ones)
+    if getattr(engine, "spec_graphs", None) is not None:
+        engine.spec_graphs.replays = 0
     return {"prefill_lengths": lengths, "context": longest if longest > budget else None, "steps": steps,
             "seconds": round(time.perf_counter() - t0, 2)}
