@@ -125,10 +125,6 @@ class LLMEngine:
         compiles.install()  # count every kernel Triton builds from here on
         phases, t0 = {}, time.perf_counter()
 
-        if config.speculative is not None and config.parallel:
-            raise ValueError(f"speculative_config={config.speculative_config!r} with tensor_parallel_size="
-                             f"{config.tensor_parallel_size}, data_parallel_size={config.data_parallel_size}, "
-                             f"nnodes={config.nnodes}: speculative decoding runs in a single process only")
         if config.parallel and executor is None:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
                              f"{config.data_parallel_size}, nnodes={config.nnodes}: a "
@@ -194,7 +190,7 @@ class LLMEngine:
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
         graphable = device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
         capture = graphable and spec is None  # (with speculation a step verifies drafts: the MTP step's graphs)
-        capture_spec = graphable and spec is not None and spec.method == "mtp"
+        capture_spec = graphable and spec is not None and spec.method == "mtp" and executor is None
         self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))

@@ -186,7 +186,11 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}")
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        SpeculativeConfig.parse(self.speculative_config)  # (validated here: a bad one fails before any load)
+        spec = SpeculativeConfig.parse(self.speculative_config)  # (validated here: a bad one fails before any load)
+        if spec is not None and spec.method == "dspark" and (self.tensor_parallel_size > 1 or self.nnodes > 1):
+            raise ValueError(f"speculative_config={self.speculative_config!r} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}, nnodes={self.nnodes}: DSpark drafting runs in a single "
+                             "process only (MTP drafting runs under tensor parallelism)")
         if self.data_parallel_size > 1:
             self._check_data_parallel()
 

@@ -22,7 +22,7 @@ import torch
 
 from ..cache.paged import BLOCK
 from .group import DistSpec, TPGroup, init_distributed
-from .plan import StepPlan, plan_step
+from .plan import StepPlan, plan_mtp, plan_step
 from .ranks import RankProcesses, free_port
 from .worker import load_shard, rank_device, worker_main
 
@@ -204,7 +204,7 @@ class TPModel:
         self.cfg, self.device, self.dtype, self.ops = inner.cfg, inner.device, inner.dtype, inner.ops
 
     def __getattr__(self, name):  # read-only attributes (w, numerics, blocks, …) of the shard-0 model
-        if name in ("prefill", "greedy", "hidden", "mtp_forward", "new_cache"):
+        if name in ("prefill", "greedy", "hidden", "new_cache", "dspark_context", "dspark_block"):
             raise AttributeError(
                 f"{name}() is not available at tensor_parallel_size > 1: only the engine's steps "
                 "run the sharded model (use a separate single-process model as an oracle)"
@@ -213,15 +213,29 @@ class TPModel:
 
     takes_host_inputs = True  # the runner hands over the step's host-side inputs (``HostInputs``)
 
-    def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, **kw):
+    def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, advance: bool = True, **kw):
+        """``advance=False`` (a speculative verify step) leaves rank 0's views for the engine to commit
+        with the accepted count; a worker's views are rebuilt from the next plan, so it commits every
+        row (the state rings are sized for rejected drafts' rows: ``cache.paged.ring_rows``)."""
         if kw:
             raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
         d = self.driver
         d.ensure_alive()
         plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None, host=host)
-        return d.lockstep(
-            plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables), "forward"
-        )
+        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables,
+                                                           advance=advance), "forward")
+
+    def mtp_forward(self, next_ids, streams, chunks, m: int = 0, logits_rows=None, tables=None):
+        """A speculative MTP pass on every rank: the plan, then rank 0's input streams broadcast."""
+        d = self.driver
+        d.ensure_alive()
+        plan = plan_mtp(next_ids, streams, chunks, m, logits_rows, tables is not None)
+
+        def run():
+            s = d.tp.broadcast(streams.contiguous())
+            return self.inner.mtp_forward(next_ids, s, chunks, m, logits_rows=logits_rows, tables=tables)
+
+        return d.lockstep(plan, run, "MTP pass")
 
 
 class TPDecodeGraphs:

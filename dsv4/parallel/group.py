@@ -170,6 +170,13 @@ class TPGroup(CommTimer):
         self._tock(t0)
         return t
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of the group's rank 0 on every rank, in place; returns it."""
+        t0 = self._tick()
+        dist.broadcast(t, src=self.leader or 0, group=self.group)
+        self._tock(t0)
+        return t
+
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: rows this rank holds, zeros elsewhere, summed over ranks (exact)."""
         lo, hi = self.vocab_range(self._plan.cfg.vocab_size)

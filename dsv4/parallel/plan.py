@@ -52,7 +52,8 @@ class ChunkPlan:
 
 @dataclass
 class StepPlan:
-    # "step" | "cache" (allocate the paged cache of ``budget``) | "graphs" (capture) | "idle" (a
+    # "step" | "mtp" (an MTP pass of speculative drafting) | "cache" (allocate the paged cache of
+    # ``budget``) | "graphs" (capture) | "idle" (a
     # data-parallel rank's dummy forward: its MoE exchanges only) | "spare" (replay ``bucket``'s
     # decode graph with every lane spare) | "report" (join the startup report) | "shutdown"
     kind: str
@@ -75,6 +76,9 @@ class StepPlan:
     # tensor parallelism inside a data-parallel rank: the decode graph bucket all ranks agreed on
     # (a "step" flagged ``graph``, or a "spare" replay: every lane spare)
     bucket: int | None = None
+    # "mtp": the MTP layer's index and the (shape, dtype) of its input streams, which rank 0 broadcasts
+    mtp: int = 0
+    streams: tuple | None = None
 
 
 def plan_step(token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows, restores, paged: bool,
@@ -133,12 +137,7 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
     from ..engine.sampler import device_picks
 
     replay_restores(kvc, plan.restores, host)
-    chunks, allocs, off = [], [], 0
-    for c in plan.chunks:
-        a = c.allocation()
-        allocs.append(a)
-        chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
-        off += c.length
+    chunks, allocs = _views(plan, kvc, device)
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
     if plan.fill:
         if picks is None:
@@ -160,3 +159,38 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
         logits = model.forward(ids, chunks, logits_rows=rows, tables=tables).logits
     # rank 0's picks of the same all-gathered logits with the same op (overlap.launch)
     return device_picks(logits, model.ops.greedy_pick)[0] if plan.keep_picks else None
+
+
+def _views(plan: StepPlan, kvc, device) -> tuple[list[SeqChunk], list[CacheAllocation]]:
+    """The plan's chunks over this rank's cache (views of rank 0's allocations) and the allocations."""
+    chunks, allocs, off = [], [], 0
+    for c in plan.chunks:
+        a = c.allocation()
+        allocs.append(a)
+        chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
+        off += c.length
+    return chunks, allocs
+
+
+def plan_mtp(token_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int, logits_rows,
+             paged: bool) -> StepPlan:
+    """An MTP pass of speculative drafting (``ReferenceModel.mtp_forward``): its input streams are
+    broadcast by rank 0 after the plan (they are the previous pass's outputs or rows of the target's,
+    the same on every rank, but only rank 0 knows which rows the proposer took)."""
+    plan = plan_step(token_ids, chunks, logits_rows, [], paged)
+    plan.kind, plan.mtp = "mtp", m
+    plan.streams = (tuple(streams.shape), str(streams.dtype).removeprefix("torch."))
+    return plan
+
+
+@torch.no_grad()
+def run_mtp(plan: StepPlan, model, kvc, device, tp) -> None:
+    """A worker's share of an MTP pass: the streams from rank 0, then the layer over this rank's
+    shard and cache (its window KV written as on rank 0; the logits are rank 0's business)."""
+    chunks, allocs = _views(plan, kvc, device)
+    shape, dtype = plan.streams
+    streams = tp.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
+    tables = StepTables.build(kvc, chunks, allocs) if plan.paged else None
+    model.mtp_forward(ids, streams, chunks, plan.mtp, logits_rows=rows, tables=tables)

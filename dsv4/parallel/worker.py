@@ -110,7 +110,7 @@ def serve_plans(model, tp, device, on_report=None) -> None:
     from ..cache.copies import make_copy_engine
     from ..cache.host_tier import HostKVStore
     from ..cache.paged import PagedKVCache
-    from .plan import run_step
+    from .plan import run_mtp, run_step
 
     kvc = graphs = host = picks = None
     while True:
@@ -132,6 +132,8 @@ def serve_plans(model, tp, device, on_report=None) -> None:
         elif plan.kind == "step":
             with _graph_exchange(model, plan.graph):
                 picks = run_step(plan, model, kvc, device, graphs, host, picks)
+        elif plan.kind == "mtp":
+            run_mtp(plan, model, kvc, device, tp)
         elif plan.kind == "spare":
             with _graph_exchange(model):
                 graphs.replay_spare(plan.bucket)

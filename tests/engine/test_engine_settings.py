@@ -94,3 +94,11 @@ def test_the_engine_copies_the_config_it_resolves(tiny_ckpt):
     assert cfg.fp8_format == "auto" and cfg.async_scheduling is None  # the caller's object is untouched
     assert eng.config.fp8_format in ("ocp", "fnuz") and eng.config.async_scheduling is False
     assert eng.numerics is eng.kv_cache.numerics is eng.model.numerics  # built once, handed down
+
+
+def test_dspark_drafting_under_tensor_parallelism_is_refused_by_name():
+    """MTP drafting runs under tensor parallelism (tests/parallel); DSpark's passes do not yet."""
+    dspark = {"method": "dspark", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="tensor_parallel_size=2, nnodes=1: DSpark drafting runs in a single process"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative_config=dspark)
+    EngineConfig(model="m", tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})

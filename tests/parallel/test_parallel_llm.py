@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch.distributed as torch_dist
-from parallel_helpers import ENGINE, free_port, gone, greedy_llm
+from parallel_helpers import ENGINE, GPU_PATHS, free_port, gone, greedy_llm, prefix_prompt, prompts
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.errors import EngineDeadError
@@ -176,3 +176,40 @@ def test_tp2_engine_dropped_without_shutdown_releases_its_graphs_then_stops_the_
     assert order == ["release", "destroy"], order
     assert graphs.buckets == [] and not torch_dist.is_initialized()
     assert all(gone(pid) for pid in pids.values())
+
+
+def test_tp2_speculative_mtp_matches_tp1(tiny_ckpt, reference):
+    """MTP speculative decoding at TP=2 with the batched paged attention: the verify forward and every
+    MTP pass run on both ranks (a pass's input streams broadcast from rank 0), the workers commit
+    every verify row to their state rings. Drafts are replaced after each step by TP=1's tokens with
+    one wrong at a rotating position, so steps accept none, some and all of them: TP=1's tokens."""
+    from dsv4.engine.request import Drafts
+
+    k = 2
+    truth = {tuple(p): ids for p, ids in zip(prompts() + [prefix_prompt()], reference)}
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+              **ENGINE, **GPU_PATHS)
+    eng = llm.engine
+    finish, calls = eng._finish_step, {}
+
+    def scripted(schedule, touched):
+        for sc in schedule:
+            r = sc.req
+            if r.finished or not r.drafts:
+                continue
+            n = calls[r.request_id] = calls.get(r.request_id, -1) + 1
+            toks = list(truth[tuple(r.prompt_token_ids)][len(r.output_token_ids):][:len(r.drafts)])
+            wrong = (n + 1) % (k + 1)  # the second, then none (the outputs are short), then the first
+            if wrong < len(toks):
+                toks[wrong] = (toks[wrong] + 1) % eng.model_config.vocab_size
+            r.drafts = Drafts(toks, None)
+        return finish(schedule, touched)
+
+    eng._finish_step = scripted
+    try:
+        got = greedy_llm(llm)
+    finally:
+        llm.shutdown()
+    assert got == reference
+    st = eng.spec_stats
+    assert st.accepted_per_position[k - 1] > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
