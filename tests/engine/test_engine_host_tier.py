@@ -22,9 +22,11 @@ SEQS, BUDGET = 2, 512
 NEW = 3
 
 
-def pool_memory(ckpt, kv_dtype: str, num_blocks: int, seqs: int = SEQS, budget: int = BUDGET) -> int:
-    """kv_cache_memory giving a device pool of exactly ``num_blocks`` blocks (``plan_budget``'s split)."""
-    blk, swa, slot = unit_bytes(load_config(ckpt), CacheNumerics(kv_dtype), torch.float32)
+def pool_memory(ckpt, kv_dtype: str, num_blocks: int, seqs: int = SEQS, budget: int = BUDGET,
+                lookahead: int = 0) -> int:
+    """kv_cache_memory giving a device pool of exactly ``num_blocks`` blocks (``plan_budget``'s split;
+    ``lookahead``: the speculative tokens the state rings make room for)."""
+    blk, swa, slot = unit_bytes(load_config(ckpt), CacheNumerics(kv_dtype), torch.float32, lookahead)
     extra_swa = seqs * 3 + -(-budget // 64) + 2
     return seqs * slot + extra_swa * swa + num_blocks * (blk + 2 * swa)
 
@@ -38,8 +40,10 @@ def host_gib(ckpt, kv_dtype: str, num_blocks: int) -> float:
 def tier_llm(ckpt, kv_dtype="fp8_ds_mla", blocks=3, host_blocks=8, **kw):
     """A device pool of ``blocks`` blocks (as long as ``max_model_len``) and a host tier of ``host_blocks``;
     a prefill chunk takes at most 256 tokens while another request runs or waits."""
+    k = (kw.get("speculative_config") or {}).get("num_speculative_tokens", 0)
     return make_llm(ckpt, kv_dtype, max_num_seqs=SEQS, max_num_batched_tokens=BUDGET, max_model_len=blocks * BLOCK,
-                    kv_cache_memory=pool_memory(ckpt, kv_dtype, blocks), long_prefill_token_threshold=BLOCK,
+                    kv_cache_memory=pool_memory(ckpt, kv_dtype, blocks, lookahead=k),
+                    long_prefill_token_threshold=BLOCK,
                     kv_offloading_size=host_gib(ckpt, kv_dtype, host_blocks) if host_blocks else None, **kw)
 
 

@@ -154,7 +154,8 @@ def _chunk_case(ratio, overlap, kind, g):
     slots = torch.randperm(N_SLOTS, generator=g)[: len(chunks)].to(DEV)
     bt = _block_table(len(chunks), g, holes=False)
     ring, rows, norm = _state(ratio, overlap, kind, g, off)
-    fake = SimpleNamespace(chunks=chunks, _emitting={}, kvc=SimpleNamespace(device=torch.device(DEV)))
+    fake = SimpleNamespace(chunks=chunks, _emitting={}, kvc=SimpleNamespace(device=torch.device(DEV)),
+                           static_closing=None)
     closing = StepTables.closing(fake, ratio)
     assert closing is not None and closing.shape[1] >= 4
     return positions, seq_ids, slots, bt, ring, rows, norm, per, closing
@@ -243,6 +244,28 @@ def test_chunk_form_matches_torch(ratio, overlap, kind, fmt):
     page, off = _entries(positions, seq_ids, bt, ratio, per, closing[0])
     assert bool((page >= 0).all())
     _compare(kind, fmt, p_ref, p_tri, page, off, per)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("ratio,overlap,kind", CASES, ids=CASE_IDS)
+def test_a_table_listing_every_token_writes_only_the_closing_entries(ratio, overlap, kind, backend):
+    """A speculative verify graph's fixed closing table lists every token of its chunks: the tokens
+    that close no block write no page, and the pages are those of the table of closing tokens."""
+    g = gen(zlib.crc32(f"every {ratio} {kind}".encode()))
+    positions, seq_ids, slots, bt, ring, rows, norm, per, closing = _chunk_case(ratio, overlap, kind, g)
+    seq = seq_ids.cpu()
+    first = {int(s): i for i, s in reversed(list(enumerate(seq.tolist())))}
+    every = torch.stack([torch.arange(len(seq)), positions.cpu()[[first[int(s)] for s in seq]],
+                         torch.tensor([first[int(s)] for s in seq]), seq]).to(DEV)
+    assert every.shape[1] > closing.shape[1]
+    op = torch_compressor.compressor_pool_insert if backend == "torch" else tcomp.compressor_pool_insert
+    pages = _pages(kind, OCP, per, g)
+    out = []
+    for table in (closing, every):
+        out.append(_run(op, pages, ring, *_call_args(rows, positions, seq_ids, slots, bt, table, norm, ratio, overlap,
+                                                     kind, OCP, per)))
+    # (the torch op sends masked writes to the spare page past the last one: not compared)
+    assert torch.equal(out[0][0][:-1], out[1][0][:-1]) and torch.equal(out[1][1], ring)
 
 
 @pytest.mark.parametrize("ratio,overlap,kind", CASES, ids=CASE_IDS)
