@@ -525,8 +525,8 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cfg = dict(model=ckpt, dtype=str(dtype).removeprefix("torch."), kv_cache_dtype="fp8_ds_mla", backend=backend,
-               max_model_len=1024, max_num_seqs=max(batches) * (max(ks) + 1), kv_cache_memory=(4 << 30) if device == "cuda"
-               else 512 << 20, enable_prefix_caching=False, device=device)
+               max_model_len=1024, max_num_seqs=max(batches) * (max(ks) + 1),
+               kv_cache_memory=(4 << 30) if device == "cuda" else 512 << 20, enable_prefix_caching=False, device=device)
     g = torch.Generator().manual_seed(0)
     res: dict = {"acceptance": acceptance, "device": device}
     eng = LLMEngine(EngineConfig(**cfg))  # the decode engine loads the model the others share

@@ -113,63 +113,35 @@ def decode_tables(chunks, allocs, lanes: int, n_swa: int, n_blocks: int, kvc: Pa
     (the lanes past the step spare: position 0, the spare page, block and slot) and tables of the
     graph's full widths, so the one staged copy lands in the graph's own tensors (nothing to
     ``load``). None if a request's page list is wider than the graph's tables."""
-    n = len(chunks)
-    swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
-    blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
-    if max(map(len, swa_rows), default=0) > n_swa or max(map(len, blk_rows), default=0) > n_blocks:
+    rows = request_rows(allocs, lanes, n_swa, n_blocks, kvc)
+    if rows is None:
         return None
-    spare = lanes - n
+    spare = lanes - len(chunks)
     zeros = array.array("q", [0]) * spare
     pos, page, off = array.array("q"), array.array("q"), array.array("q")
-    for c, row in zip(chunks, swa_rows):
+    for c, a in zip(chunks, allocs):
         s = c.start
         pos.append(s)
-        page.append(row[s // SWA_PAGE])
+        page.append(a.swa_row.buf[s // SWA_PAGE])
         off.append(s % SWA_PAGE)
-    slots = array.array("q", [a.slot for a in allocs])
     pos.extend(zeros)
     off.extend(zeros)
     page.extend(array.array("q", [kvc.spare_swa_page]) * spare)
-    slots.extend(array.array("q", [kvc.spare_slot]) * spare)
-    # a real row is −1 past its pages (never read), a spare lane spare
-    swa, _ = _pad_rows(swa_rows, n_swa, lanes, kvc.spare_swa_page)
-    blocks, _ = _pad_rows(blk_rows, n_blocks, lanes, kvc.spare_block)
-    return [(pos, (lanes,)), (array.array("q", range(lanes)), (lanes,)), (page, (lanes,)), (off, (lanes,)),
-            (slots, (lanes,)), (swa, (lanes, n_swa)), (blocks, (lanes, n_blocks))]
+    return [(pos, (lanes,)), (array.array("q", range(lanes)), (lanes,)), (page, (lanes,)), (off, (lanes,))] + rows
 
 
-def verify_tables(starts: list[int], allocs, lanes: int, per: int, n_swa: int, n_blocks: int, kvc: PagedKVCache):
-    """A speculative verify step's tables as a CUDA graph's static inputs: ``per`` tokens per request
-    at positions start .. start + per − 1 (its last token and its drafts, padded), ``lanes``
-    requests (those past the step spare: positions 0 .. per − 1, the spare page, block and slot),
-    tables of the graph's widths, then the [4, lanes·per] closing table listing every token (token,
-    its chunk's start, the chunk's offset, request row). The requests' window pages must cover
-    their chunks. None if a page list is wider than the graph's tables."""
-    n = len(starts)
+def request_rows(allocs, lanes: int, n_swa: int, n_blocks: int, kvc: PagedKVCache):
+    """The per-request parts of a CUDA graph's static inputs: slots [lanes], swa_table [lanes, n_swa],
+    block_table [lanes, n_blocks] (a real row −1 past its pages, never read; a spare lane all spare).
+    None if a page list is wider than the graph's tables."""
     swa_rows = [a.swa_row.sync(a.swa, a.swa_released) for a in allocs]
     blk_rows = [a.block_row.sync(a.blocks) for a in allocs]
     if max(map(len, swa_rows), default=0) > n_swa or max(map(len, blk_rows), default=0) > n_blocks:
         return None
-    spare = lanes - n
-    pos, page, off = array.array("q"), array.array("q"), array.array("q")
-    for s, row in zip(starts, swa_rows):
-        pos.extend(range(s, s + per))
-        for p in range(s, s + per):
-            page.append(row[p // SWA_PAGE])
-        off.extend(p % SWA_PAGE for p in range(s, s + per))
-    pos.extend(array.array("q", range(per)) * spare)
-    off.extend(array.array("q", range(per)) * spare)
-    page.extend(array.array("q", [kvc.spare_swa_page]) * (per * spare))
-    t = lanes * per
-    seq = array.array("q", (i for i in range(lanes) for _ in range(per)))
-    first = array.array("q", (s for s in starts for _ in range(per))) + array.array("q", [0]) * (per * spare)
-    offsets = array.array("q", (i * per for i in range(lanes) for _ in range(per)))
-    slots = array.array("q", [a.slot for a in allocs]) + array.array("q", [kvc.spare_slot]) * spare
+    slots = array.array("q", [a.slot for a in allocs]) + array.array("q", [kvc.spare_slot]) * (lanes - len(allocs))
     swa, _ = _pad_rows(swa_rows, n_swa, lanes, kvc.spare_swa_page)
     blocks, _ = _pad_rows(blk_rows, n_blocks, lanes, kvc.spare_block)
-    closing = array.array("q", range(t)) + first + offsets + seq
-    return [(pos, (t,)), (seq, (t,)), (page, (t,)), (off, (t,)), (slots, (lanes,)), (swa, (lanes, n_swa)),
-            (blocks, (lanes, n_blocks)), (closing, (4, t))]
+    return [(slots, (lanes,)), (swa, (lanes, n_swa)), (blocks, (lanes, n_blocks))]
 
 
 @dataclass

@@ -391,7 +391,7 @@ class LLMEngine:
         self._stepping = []
         try:
             if self.config.async_scheduling:
-                return self._step_async()
+                return self._step_spec_async() if self.spec_graphs is not None else self._step_async()
             schedule = self._schedule()
             return self._run_step(schedule) if schedule else []
         except EngineDeadError:
@@ -471,6 +471,40 @@ class LLMEngine:
         outs, self._carried = self._carried, []
         return outs
 
+    def _step_spec_async(self) -> list[RequestOutput]:
+        """Async scheduling with the speculative graphs: while the batch stays the same the next graph
+        step is launched from the graph's own next inputs before the in-flight one is read, so the
+        host's reading overlaps the device's next step; otherwise the in-flight step is read, then
+        the next one scheduled (a graph step stays in flight; any other runs now)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._stepping.append(prev.schedule)
+            nxt = self._continue_spec(prev)
+            if nxt is not None:
+                nxt.after = prev
+                self._inflight = nxt  # before reading prev: an error there must not lose the launched step
+                self.num_overlapped_steps += 1
+            self._carried += self._read_spec(prev)
+            if nxt is None:
+                schedule = self._schedule()
+                launched = self._launch_spec(schedule) if schedule else None
+                if launched is not None:
+                    self._inflight = launched
+                elif schedule:
+                    self._carried += self._run_step(schedule, graphs=False)
+        else:
+            schedule = self._schedule()
+            launched = self._launch_spec(schedule) if schedule else None
+            if launched is not None:
+                self._inflight = launched
+            elif schedule:
+                self._carried += self._run_step(schedule, graphs=False)
+        outs, self._carried = self._carried, []
+        return outs
+
+    def _read_inflight(self, step) -> list[RequestOutput]:
+        return self._read_spec(step) if self.spec_graphs is not None else self._read_step(step)
+
     def _read_step(self, step: overlap.InFlight) -> list[RequestOutput]:
         """Apply an in-flight step's greedy picks (each replacing its request's placeholder, if any);
         a non-finite row fails its request."""
@@ -492,8 +526,8 @@ class LLMEngine:
             touched[req.request_id] = None
         return self._finish_step(step.schedule, touched)
 
-    def _run_step(self, schedule) -> list[RequestOutput]:
-        if self.spec_graphs is not None:
+    def _run_step(self, schedule, graphs: bool = True) -> list[RequestOutput]:
+        if graphs and self.spec_graphs is not None:
             outs = self._run_spec_graph(schedule)
             if outs is not None:
                 return outs
@@ -601,9 +635,15 @@ class LLMEngine:
 
     def _run_spec_graph(self, schedule) -> list[RequestOutput] | None:
         """A step of plain greedy decodes with drafts as one replay of ``spec_graphs`` (verify, acceptance
-        and the next drafts on the device); None, with nothing changed but window pages taken ahead,
-        when the step is not one: the eager path runs it."""
-        g, kv = self.spec_graphs, self.kv
+        and the next drafts on the device), read at once; None when it is not one (the eager path runs it)."""
+        launched = self._launch_spec(schedule)
+        return None if launched is None else self._read_spec(launched)
+
+    def _launch_spec(self, schedule):
+        """Replay ``spec_graphs`` for ``schedule`` if every request is a plain greedy decode with drafts
+        within the graphs' reach (``spec_graphs.Launched``); else None, with nothing changed but window
+        pages taken ahead."""
+        g = self.spec_graphs
         k = g.k
         if g.bucket(len(schedule)) is None:
             return None
@@ -615,24 +655,47 @@ class LLMEngine:
                     or s + 2 * k > self.max_model_len):
                 return None
         # the draft chain writes the MTP layer's window up to 2k − 1 positions past the last token
-        if not all(kv.try_allocate(sc.req.alloc, 2 * k) for sc in schedule):
+        if not all(self.kv.try_allocate(sc.req.alloc, 2 * k) for sc in schedule):
             return None
-        kv.wait_copies()
+        self.kv.wait_copies()
         reqs = [sc.req for sc in schedule]
         tokens = [req.token_slice(req.alloc.num_computed, req.num_tokens) + req.drafts.tokens[:sc.num_tokens - 1]
                   for req, sc in zip(reqs, schedule)]
-        res = g.run([r.alloc.num_computed for r in reqs], [r.alloc for r in reqs], tokens)
-        if res is None:
+        return g.launch(schedule, [r.alloc.num_computed for r in reqs], tokens,
+                        [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
+
+    def _continue_spec(self, prev):
+        """The graph step after the in-flight ``prev`` (async scheduling), launched before ``prev`` is read:
+        only while the batch stays as it is — nobody waiting, every request still decoding, its pages
+        taken for both steps' chunks and drafts (≤ 3k + 1 tokens past what the host has computed);
+        else None."""
+        g, k = self.spec_graphs, self.spec_graphs.k
+        if self.scheduler.waiting or any(sc.req.finished for sc in prev.schedule):
             return None
+        if prev.after is not None and any(sc.req.request_id not in prev.after.consistent for sc in prev.schedule):
+            return None  # prev computed a request from inputs its host state no longer matches
+        for sc in prev.schedule:
+            a = sc.req.alloc
+            if a.num_computed + 3 * k + 1 > self.max_model_len or not self.kv.try_allocate(a, 3 * k + 1):
+                return None
+        self.kv.wait_copies()
+        return g.continue_step(prev.schedule)
+
+    def _read_spec(self, launched) -> list[RequestOutput]:
+        """Apply a graph step's results: each request's verified tokens (``verify_picks``: the eager
+        path's walk), its cache advanced by them, and the drafts the graph made for its next step."""
+        k, kv = self.spec_graphs.k, self.kv
         touched: dict[str, None] = {}
-        for req, sc, row in zip(reqs, schedule, res):
-            touched[req.request_id] = None
-            d = sc.num_tokens - 1
-            drafts, req.drafts = req.drafts, Drafts()
-            if req.finished:
+        for sc, row in zip(launched.schedule, launched.rows()):
+            req = sc.req
+            if req.finished:  # aborted or failed while in flight, or stopped at the step before
                 continue
-            drafts.truncate(d)
+            touched[req.request_id] = None
+            if launched.after is not None and req.request_id not in launched.after.consistent:
+                continue  # the step before left it elsewhere than the graph assumed: computed for nothing
             picks, fins, acc, new = row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:]
+            drafts, req.drafts = req.drafts, Drafts()  # (the ones this step verified: the scheduler's cut)
+            d = len(drafts)
             if not all(fins[:d + 1]):
                 req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
                                             f"{len(req.output_token_ids)}"))
@@ -643,10 +706,12 @@ class LLMEngine:
                 req.fail(e)
                 continue
             kv.view(req.alloc).advance(n_ok)
-            want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-            if not req.finished and want > 0 and n_ok == acc + 1:
-                req.drafts = Drafts(new[:want], None)
-        return self._finish_step(schedule, touched)
+            if not req.finished and n_ok == acc + 1:  # (as the graph's next inputs have it)
+                launched.consistent.add(req.request_id)
+                want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+                if want > 0:
+                    req.drafts = Drafts(new[:want], None)
+        return self._finish_step(launched.schedule, touched)
 
     def _propose(self, schedule, batch) -> None:
         """The proposer's turn, after verification: every row that stays in the cache feeds it, and
@@ -695,7 +760,7 @@ class LLMEngine:
                     pending.discard(out.request_id)
         if self._inflight is not None and not self._inflight_live():  # read the step past the end now
             step, self._inflight = self._inflight, None
-            self._carried += self._read_step(step)
+            self._carried += self._read_inflight(step)
         return done
 
 

@@ -11,18 +11,21 @@ smallest bucket ≥ B. Inside, at fixed shapes:
 3. the MTP layer over all rows — row j's next token is the pick at j, which up to the accepted
    count is the verified token — with logits at each request's last kept row: draft 1;
 4. k − 1 more MTP passes of one row per request at the positions after it, each from the layer's
-   own streams and the previous draft, their window pages looked up on the device from the
-   accepted counts.
+   own streams and the previous draft, their window pages looked up on the device;
+5. the next step's inputs written over this step's: each chunk moved past its kept tokens, its
+   tokens the pick after them and the new drafts, ``n_drafts`` what the request's max_tokens leaves.
 
-The host copies back the picks, their finite flags, the accepted counts and the drafts once per
-step, appends the verified tokens with the same walk as the eager path
-(``speculative.verify_picks``) and advances the caches. Rows past a request's accepted count leave
-writes past its new token count (window KV, compressed entries, ring rows: the rings are sized for
-them, ``cache.paged.ring_rows``), which nothing reads before the position is computed again; the
-MTP layer's window at those positions is rewritten by the next step's pass 3 before any read, as
-in the eager proposer. Lanes past B are spare (positions 0 .., the spare page, block and slot).
-The eager path (``speculative.MTPProposer``) keeps every other step: prefills, sampled or
-structured requests, logprobs.
+So a graph can be replayed again before the host has read the step before (async scheduling):
+the host then stages only the page tables (``continue_step``; pages are taken ahead for it). The
+host copies back the picks, their finite flags, the accepted counts and the drafts once per step,
+appends the verified tokens with the same walk as the eager path (``speculative.verify_picks``)
+and advances the caches. Rows past a request's accepted count leave writes past its new token
+count (window KV, compressed entries, ring rows: the rings are sized for them,
+``cache.paged.ring_rows``), which nothing reads before the position is computed again; the MTP
+layer's window at those positions is rewritten by the next step's pass 3 before any read, as in
+the eager proposer. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
+eager path (``speculative.MTPProposer``) keeps every other step: prefills, sampled or structured
+requests, logprobs.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import array
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.tables import StepTables, split, verify_tables
+from ..cache.tables import StepTables, request_rows, split
 from ..model.attention import SeqChunk
 from ..model.cache import SWA_PAGE
 from .cuda_graphs import buckets_for
@@ -48,8 +52,25 @@ log = logging.getLogger("dsv4.engine")
 MAX_GRAPH_TOKENS = 256
 
 
+@dataclass
+class Launched:
+    """A replayed step whose results are on their way to the host: ``rows()`` waits for them."""
+
+    schedule: list  # the engine's ScheduledChunks, in lane order
+    host: torch.Tensor  # int64 [n, 2(k + 1) + 1 + k], filled by the copy behind ``done``
+    done: object  # torch.cuda.Event, or None (emulated: already there)
+    after: "Launched | None" = None  # the step this one continued from (``continue_step``)
+    # request ids whose host state, once this step was read, is the one the graph's next inputs assume
+    consistent: set = field(default_factory=set)
+
+    def rows(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class SpecGraphs:
-    """Captured greedy MTP steps for ``k`` drafts; ``run`` replays one and returns its results."""
+    """Captured greedy MTP steps for ``k`` drafts; ``launch`` / ``continue_step`` replay one."""
 
     def __init__(self, model, kvc, k: int, max_num_seqs: int, max_model_len: int, pick=None,
                  max_tokens: int = MAX_GRAPH_TOKENS):
@@ -60,59 +81,80 @@ class SpecGraphs:
         self.n_swa = -(-max_model_len // SWA_PAGE)
         self.n_blk = -(-max_model_len // 256)
         self.buckets = [b for b in buckets_for(max_num_seqs) if b * (k + 1) <= max_tokens] or [1]
-        self.graphs: dict[int, tuple] = {}  # bucket → (graph or None, its result tensor or its inputs)
+        self.graphs: dict[int, tuple] = {}  # bucket → (graph or None, result tensor or None, static inputs)
         self.inputs: dict[int, torch.Tensor] = {}  # bucket → its static int64 inputs, one buffer
         self.staging = HostStaging(kvc.device)
         self.capture_seconds = 0.0
         self.replays = 0  # steps run by a graph (emulated ones on the CPU too)
+        self.continued = 0  # of which launched from the graph's own next inputs
 
     def shapes(self, b: int) -> list[tuple[int, ...]]:
-        """Bucket ``b``'s static inputs in their buffer: token ids, ``verify_tables``' parts, n_drafts."""
+        """Bucket ``b``'s static inputs in their buffer: first ``request_rows``' parts (slots, window
+        and block tables: all a continued step stages), then token ids, positions, n_drafts and the
+        tokens each request may still produce (its max_tokens left)."""
         t = b * (self.k + 1)
-        return [(t,)] * 5 + [(b,), (b, self.n_swa), (b, self.n_blk), (4, t), (b,)]
+        return [(b,), (b, self.n_swa), (b, self.n_blk), (t,), (t,), (b,), (b,)]
+
+    def _table_len(self, b: int) -> int:
+        return sum(math.prod(s) for s in self.shapes(b)[:3])
 
     def _static(self, b: int):
-        """Bucket ``b``'s static inputs, every lane spare: (buffer, ids, tables, n_drafts)."""
-        kvc, shapes = self.kvc, self.shapes(b)
+        """Bucket ``b``'s static inputs, every lane spare: (buffer, its tensors)."""
+        kvc, shapes, per = self.kvc, self.shapes(b), self.k + 1
         flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.long, device=kvc.device)
-        parts = verify_tables([], [], b, self.k + 1, self.n_swa, self.n_blk, kvc)
-        ids, *tables, n_drafts = split(flat, [(range(math.prod(s)), s) for s in shapes])
-        for dst, (src, _) in zip(tables, parts):
+        views = split(flat, [(range(math.prod(s)), s) for s in shapes])
+        for dst, (src, _) in zip(views, request_rows([], b, self.n_swa, self.n_blk, kvc)):
             dst.copy_(torch.tensor(src, dtype=torch.long).view(dst.shape))
-        positions, seq_ids, swa_page, swa_off, slots, swa_table, block_table, closing = tables
-        static = StepTables(kvc, [], positions, seq_ids, swa_table, block_table, slots, swa_page, swa_off, False,
-                            self.max_model_len, closing)
-        return flat, ids, static, n_drafts
+        views[4].copy_(torch.arange(per).repeat(b))  # spare lanes: positions 0 .. k
+        return flat, views
 
-    def _body(self, b: int, ids: torch.Tensor, tables: StepTables, n_drafts: torch.Tensor) -> torch.Tensor:
-        """The step at fixed shapes: int64 [b, 2(k + 1) + 1 + k] = picks, finite flags, accepted, drafts."""
+    def _body(self, b: int, st: list[torch.Tensor]) -> torch.Tensor:
+        """The step at fixed shapes (see the module docstring): int64 [b, 2(k + 1) + 1 + k] = picks,
+        finite flags, accepted counts, drafts; the next step's inputs are written over ``st``'s."""
+        slots, swa_table, block_table, ids, positions, n_drafts, left = st
         k, m, dev = self.k, self.model, ids.device
         per = k + 1
+        lanes = torch.arange(b, device=dev)
+        seq = lanes.repeat_interleave(per)
+        start = positions.view(b, per)[:, 0]
+        tok = torch.arange(b * per, device=dev)
+        closing = torch.stack([tok, start.repeat_interleave(per), seq * per, seq])
+        tables = StepTables(self.kvc, [], positions, seq, swa_table, block_table, slots,
+                            *self._window_slots(swa_table, seq, positions), False, self.max_model_len, closing)
         out = m.forward(ids, [SeqChunk(None, 0, per) for _ in range(b)], tables=tables, advance=False)
         both = device_picks(out.logits, self.pick)  # [2, b·per]
         picks = both[0].view(b, per)
         match = (picks[:, :k] == ids.view(b, per)[:, 1:]) & (torch.arange(k, device=dev) < n_drafts[:, None])
         acc = match.long().cumprod(1).sum(1)
-        lanes = torch.arange(b, device=dev)
         last = lanes * per + acc
         mo = m.mtp_forward(both[0], out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
                            tables=tables)
         draft = device_picks(mo.logits, self.pick)[0]
         drafts, s = [draft], mo.streams[last]
-        start = tables.positions.view(b, per)[:, 0]
         for j in range(1, k):
             pos = start + acc + j
-            col = pos // SWA_PAGE
-            page = tables.swa_table.gather(1, col.clamp(max=self.n_swa - 1)[:, None])[:, 0]
-            page = torch.where(col < self.n_swa, page, -1)
-            t = StepTables(self.kvc, [], pos, lanes, tables.swa_table, tables.block_table, tables.slots, page,
-                           pos % SWA_PAGE, True, self.max_model_len)
+            t = StepTables(self.kvc, [], pos, lanes, swa_table, block_table, slots,
+                           *self._window_slots(swa_table, lanes, pos), True, self.max_model_len)
             mo = m.mtp_forward(draft, s, [SeqChunk(None, 0, 1) for _ in range(b)], logits_rows=lanes, tables=t)
             draft = device_picks(mo.logits, self.pick)[0]
             drafts.append(draft)
             s = mo.streams
-        return torch.cat([both.view(2, b, per).transpose(0, 1).reshape(b, 2 * per), acc[:, None],
-                          torch.stack(drafts, 1)], 1)
+        drafts = torch.stack(drafts, 1)
+        res = torch.cat([both.view(2, b, per).transpose(0, 1).reshape(b, 2 * per), acc[:, None], drafts], 1)
+        # the next step's inputs: the chunk after the kept tokens, its bonus pick and the new drafts
+        # (a spare lane, ``left`` 0, stays where it is)
+        left_next = (left - acc - 1).clamp(min=0)
+        positions.add_(((acc + 1) * (left > 0)).repeat_interleave(per))
+        ids.copy_(torch.cat([picks.gather(1, acc[:, None]), drafts], 1).view(-1))
+        n_drafts.copy_((left_next - 1).clamp(0, k))
+        left.copy_(left_next)
+        return res
+
+    def _window_slots(self, swa_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
+        """(window page, offset) of each token: its request's table entry, −1 past the table."""
+        col = pos // SWA_PAGE
+        page = swa_table[seq, col.clamp(max=self.n_swa - 1)]
+        return torch.where(col < self.n_swa, page, -1), pos % SWA_PAGE
 
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -128,59 +170,77 @@ class SpecGraphs:
     def forward_once(self) -> None:
         """Every bucket's step, eagerly, nothing captured (what ``engine.precompile`` lists)."""
         for b in reversed(self.buckets):
-            _, ids, static, n_drafts = self._static(b)
-            self._body(b, ids, static, n_drafts)
+            self._body(b, self._static(b)[1])
 
     def _capture(self, b: int, pool):
-        flat, ids, static, n_drafts = self._static(b)
+        flat, st = self._static(b)
         self.inputs[b] = flat
         if self.kvc.device.type != "cuda":  # emulation (tests on CPU): the same static inputs, run at replay
-            self.graphs[b] = (None, (ids, static, n_drafts))
+            self.graphs[b] = (None, None, st)
             return pool
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile every kernel and settle the allocator before capturing
-                self._body(b, ids, static, n_drafts)
+                self._body(b, st)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            res = self._body(b, ids, static, n_drafts)
-        self.graphs[b] = (graph, res, (ids, static, n_drafts))  # the inputs stay alive with the graph
+            res = self._body(b, st)
+        self.graphs[b] = (graph, res, st)  # the inputs stay alive with the graph
         return graph.pool()
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, starts: list[int], allocs, tokens: list[list[int]]) -> list[list[int]] | None:
-        """Replay the step of requests whose chunks start at ``starts`` with ``tokens`` (each: its last
-        token, then its drafts): per request [picks (k + 1), finite flags (k + 1), accepted, drafts (k)];
-        None if no graph takes it (too many requests, a page list wider than the tables)."""
-        n, k = len(starts), self.k
+    def launch(self, schedule, starts: list[int], tokens: list[list[int]], left: list[int]) -> Launched | None:
+        """Replay the step of the scheduled requests whose chunks start at ``starts`` with ``tokens``
+        (each: its last token, then its drafts), ``left`` tokens each may still produce; None if no
+        graph takes it (too many requests, a page list wider than the tables)."""
+        n, k = len(schedule), self.k
         b = self.bucket(n)
-        if b is None or b not in self.inputs:
+        rows = None if b is None or b not in self.inputs else self._rows(schedule, b)
+        if rows is None:
             return None
-        tables = verify_tables(starts, allocs, b, k + 1, self.n_swa, self.n_blk, self.kvc)
-        if tables is None:
+        pad = b - n
+        ids = array.array("q", (t for tk in tokens for t in tk + [0] * (k + 1 - len(tk)))) \
+            + array.array("q", [0]) * (pad * (k + 1))
+        pos = array.array("q", (p for s in starts for p in range(s, s + k + 1))) \
+            + array.array("q", range(k + 1)) * pad
+        nd = array.array("q", (len(tk) - 1 for tk in tokens)) + array.array("q", [0]) * pad
+        lf = array.array("q", left) + array.array("q", [0]) * pad
+        t = b * (k + 1)
+        self.staging.upload(rows + [(ids, (t,)), (pos, (t,)), (nd, (b,)), (lf, (b,))], into=self.inputs[b])
+        return self._replay(schedule, b)
+
+    def continue_step(self, schedule) -> Launched | None:
+        """Replay the step after ``schedule``'s last one from the graph's own next inputs (the host has
+        not read that step yet); only the page tables are staged, the requests' pages must cover
+        the chunks and drafts of both steps. None if the graph cannot take it."""
+        b = self.bucket(len(schedule))
+        rows = None if b is None or b not in self.inputs else self._rows(schedule, b)
+        if rows is None:
             return None
-        ids, nd = [], []
-        for t in tokens:
-            ids += t + [0] * (k + 1 - len(t))
-            nd.append(len(t) - 1)
-        ids += [0] * ((b - n) * (k + 1))
-        nd += [0] * (b - n)
-        self.staging.upload([(array.array("q", ids), (b * (k + 1),))] + tables + [(array.array("q", nd), (b,))],
-                            into=self.inputs[b])
+        self.staging.upload(rows, into=self.inputs[b][:self._table_len(b)])
+        self.continued += 1
+        return self._replay(schedule, b)
+
+    def _rows(self, schedule, b: int):
+        return request_rows([sc.req.alloc for sc in schedule], b, self.n_swa, self.n_blk, self.kvc)
+
+    def _replay(self, schedule, b: int) -> Launched:
         self.replays += 1
-        graph, *rest = self.graphs[b]
+        graph, res, st = self.graphs[b]
+        n = len(schedule)
         if graph is None:
-            ids_t, static, n_drafts = rest[0]
-            res = self._body(b, ids_t, static, n_drafts)
-        else:
-            graph.replay()
-            res = rest[0]
-        return res[:n].tolist()
+            return Launched(schedule, self._body(b, st)[:n], None)
+        graph.replay()
+        host = torch.empty(res[:n].shape, dtype=res.dtype, pin_memory=True)
+        host.copy_(res[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(schedule, host, done)
 
     def release(self) -> None:
         for graph, *_ in self.graphs.values():

@@ -133,3 +133,35 @@ def test_graph_drafts_are_the_eager_proposers(tiny_ckpt, prompts):
     assert graph == eager
     assert graph_drafts == eager_drafts and any(graph_drafts.values())
     assert 0 < replays < sum(1 for _ in graph_drafts)  # some steps were graphs, some eager
+
+
+def test_async_scheduling_launches_the_next_graph_step_before_reading_one():
+    """Async scheduling: while the batch stays the same each graph step is launched from the graph's own
+    next inputs before the step before is read. On the canary (a trained MTP layer: drafts accepted
+    and rejected), requests arriving while others decode and one finishing early: the tokens of a
+    run without speculation."""
+    from dsv4.canary import CANARY_DIR
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 120, (n,), generator=g).tolist() for n in (20, 61, 130, 7)]
+    lengths = [40, 40, 12, 40]
+    kw = dict(max_model_len=512, attention="batched", backend="torch")
+    base = make_llm(CANARY_DIR, "auto", **kw)
+    want = {f"r{i}": base.generate([p], greedy(n, logprobs=None))[0].outputs[0].token_ids
+            for i, (p, n) in enumerate(zip(prompts, lengths))}
+    llm = make_llm(CANARY_DIR, "auto", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                   async_scheduling=True, **kw)
+    eng = llm.engine
+    eng.capture_spec_graphs()
+    eng.add_request(prompt_token_ids=prompts[0], params=greedy(lengths[0], logprobs=None), request_id="r0")
+    for _ in range(4):
+        eng.step()
+    for i in range(1, len(prompts)):
+        eng.add_request(prompt_token_ids=prompts[i], params=greedy(lengths[i], logprobs=None), request_id=f"r{i}")
+        eng.step()
+    done = eng.run_to_completion(list(want))
+    assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == want
+    sg, st = eng.spec_graphs, eng.spec_stats
+    assert sg.continued > 10 and eng.num_overlapped_steps == sg.continued
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert_no_leaks(llm)
