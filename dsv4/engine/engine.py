@@ -485,20 +485,14 @@ class LLMEngine:
                 self._inflight = nxt  # before reading prev: an error there must not lose the launched step
                 self.num_overlapped_steps += 1
             self._carried += self._read_spec(prev)
-            if nxt is None:
-                schedule = self._schedule()
-                launched = self._launch_spec(schedule) if schedule else None
-                if launched is not None:
-                    self._inflight = launched
-                elif schedule:
-                    self._carried += self._run_step(schedule, graphs=False)
-        else:
-            schedule = self._schedule()
-            launched = self._launch_spec(schedule) if schedule else None
-            if launched is not None:
-                self._inflight = launched
-            elif schedule:
-                self._carried += self._run_step(schedule, graphs=False)
+            if nxt is not None:
+                outs, self._carried = self._carried, []
+                return outs
+        schedule = self._schedule()
+        if schedule:  # the graph part stays in flight; the rest (prefills, sampled requests) runs now
+            self._inflight, rest = self._run_spec_step(schedule)
+            if rest:
+                self._carried += self._run_step(rest, graphs=False)
         outs, self._carried = self._carried, []
         return outs
 
@@ -527,10 +521,11 @@ class LLMEngine:
         return self._finish_step(step.schedule, touched)
 
     def _run_step(self, schedule, graphs: bool = True) -> list[RequestOutput]:
-        if graphs and self.spec_graphs is not None:
-            outs = self._run_spec_graph(schedule)
-            if outs is not None:
-                return outs
+        if graphs and self.spec_graphs is not None:  # the graph part on the device while the rest runs eagerly
+            launched, rest = self._run_spec_step(schedule)
+            if launched is not None:
+                outs = self._run_step(rest, graphs=False) if rest else []
+                return outs + self._read_spec(launched)
         batch, logits = self.runner.run(schedule)
         touched: dict[str, None] = {}
         for si in batch.prompt_logprob_seqs:  # (prompt rows are only made for these requests)
@@ -633,36 +628,39 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 req.fail(e)
 
-    def _run_spec_graph(self, schedule) -> list[RequestOutput] | None:
-        """A step of plain greedy decodes with drafts as one replay of ``spec_graphs`` (verify, acceptance
-        and the next drafts on the device), read at once; None when it is not one (the eager path runs it)."""
-        launched = self._launch_spec(schedule)
-        return None if launched is None else self._read_spec(launched)
-
-    def _launch_spec(self, schedule):
-        """Replay ``spec_graphs`` for ``schedule`` if every request is a plain greedy decode with drafts
-        within the graphs' reach (``spec_graphs.Launched``); else None, with nothing changed but window
-        pages taken ahead."""
-        g = self.spec_graphs
+    def _graph_part(self, schedule) -> tuple[list, list]:
+        """(the chunks a speculative graph step takes: plain greedy decodes with drafts within the graphs'
+        reach, their window pages taken for the draft chain; the others, for the eager path)."""
+        g, kv = self.spec_graphs, self.kv
         k = g.k
-        if g.bucket(len(schedule)) is None:
-            return None
+        part, rest = [], []
         for sc in schedule:
             req = sc.req
             s = req.alloc.num_computed
-            if (s != req.num_tokens - 1 or not 1 <= sc.num_tokens <= k + 1 or sc.num_tokens - 1 > len(req.drafts)
-                    or not plain_greedy(req) or req.guide is not None or req.params.prompt_logprobs is not None
-                    or s + 2 * k > self.max_model_len):
-                return None
+            ok = (s == req.num_tokens - 1 and 1 <= sc.num_tokens <= k + 1 and sc.num_tokens - 1 <= len(req.drafts)
+                  and plain_greedy(req) and req.guide is None and req.params.prompt_logprobs is None
+                  and s + 2 * k <= self.max_model_len)
+            (part if ok else rest).append(sc)
         # the draft chain writes the MTP layer's window up to 2k − 1 positions past the last token
-        if not all(self.kv.try_allocate(sc.req.alloc, 2 * k) for sc in schedule):
-            return None
+        if part and (g.bucket(len(part)) is None or not all(kv.try_allocate(sc.req.alloc, 2 * k) for sc in part)):
+            return [], schedule
+        return part, rest
+
+    def _launch_spec(self, part):
+        """Replay ``spec_graphs`` for ``part`` (``_graph_part``'s first list): a ``spec_graphs.Launched``,
+        or None if no graph takes it."""
         self.kv.wait_copies()
-        reqs = [sc.req for sc in schedule]
+        reqs = [sc.req for sc in part]
         tokens = [req.token_slice(req.alloc.num_computed, req.num_tokens) + req.drafts.tokens[:sc.num_tokens - 1]
-                  for req, sc in zip(reqs, schedule)]
-        return g.launch(schedule, [r.alloc.num_computed for r in reqs], tokens,
-                        [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
+                  for req, sc in zip(reqs, part)]
+        return self.spec_graphs.launch(part, [r.alloc.num_computed for r in reqs], tokens,
+                                       [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
+
+    def _run_spec_step(self, schedule) -> tuple[object, list]:
+        """A step's graph part launched (or None) and the chunks left to the eager path."""
+        part, rest = self._graph_part(schedule)
+        launched = self._launch_spec(part) if part else None
+        return launched, (rest if launched is not None else schedule)
 
     def _continue_spec(self, prev):
         """The graph step after the in-flight ``prev`` (async scheduling), launched before ``prev`` is read:
@@ -670,7 +668,8 @@ class LLMEngine:
         taken for both steps' chunks and drafts (≤ 3k + 1 tokens past what the host has computed);
         else None."""
         g, k = self.spec_graphs, self.spec_graphs.k
-        if self.scheduler.waiting or any(sc.req.finished for sc in prev.schedule):
+        if self.scheduler.waiting or len(self.scheduler.running) != len(prev.schedule) \
+                or any(sc.req.finished for sc in prev.schedule):
             return None
         if prev.after is not None and any(sc.req.request_id not in prev.after.consistent for sc in prev.schedule):
             return None  # prev computed a request from inputs its host state no longer matches

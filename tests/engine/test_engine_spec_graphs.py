@@ -137,9 +137,9 @@ def test_graph_drafts_are_the_eager_proposers(tiny_ckpt, prompts):
 
 def test_async_scheduling_launches_the_next_graph_step_before_reading_one():
     """Async scheduling: while the batch stays the same each graph step is launched from the graph's own
-    next inputs before the step before is read. On the canary (a trained MTP layer: drafts accepted
-    and rejected), requests arriving while others decode and one finishing early: the tokens of a
-    run without speculation."""
+    next inputs before the step before is read; a newcomer's prefill runs eagerly beside the others'
+    graph step. On the canary (a trained MTP layer: drafts accepted and rejected), requests arriving
+    while others decode and one finishing early: the tokens of a run without speculation."""
     from dsv4.canary import CANARY_DIR
 
     g = torch.Generator().manual_seed(5)
@@ -153,6 +153,14 @@ def test_async_scheduling_launches_the_next_graph_step_before_reading_one():
                    async_scheduling=True, **kw)
     eng = llm.engine
     eng.capture_spec_graphs()
+    split, mixed = eng._run_spec_step, []
+
+    def recording(schedule):
+        launched, rest = split(schedule)
+        mixed.append(launched is not None and bool(rest))
+        return launched, rest
+
+    eng._run_spec_step = recording
     eng.add_request(prompt_token_ids=prompts[0], params=greedy(lengths[0], logprobs=None), request_id="r0")
     for _ in range(4):
         eng.step()
@@ -163,5 +171,6 @@ def test_async_scheduling_launches_the_next_graph_step_before_reading_one():
     assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == want
     sg, st = eng.spec_graphs, eng.spec_stats
     assert sg.continued > 10 and eng.num_overlapped_steps == sg.continued
+    assert sum(mixed) >= 2  # the decodes ran as a graph step beside a newcomer's eager prefill
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert_no_leaks(llm)
