@@ -514,7 +514,7 @@ def _replay_ms(eng, B: int, sync, steps: int) -> float | None:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, backend: str,
+def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, backend: str, method: str = "mtp",
                  acceptance: float = PUBLISHED_ACCEPTANCE, steps: int = 10, profile: bool = False) -> dict:
     """The speculative step (MTP drafting + the verify forward of k + 1 rows per request) against a
     one-token decode step, per batch; the implied speedup is the tokens a step gives at
@@ -528,13 +528,13 @@ def bench_verify(ckpt: str, batches: list[int], ks: list[int], device: str, back
                max_model_len=1024, max_num_seqs=max(batches) * (max(ks) + 1),
                kv_cache_memory=(4 << 30) if device == "cuda" else 512 << 20, enable_prefix_caching=False, device=device)
     g = torch.Generator().manual_seed(0)
-    res: dict = {"acceptance": acceptance, "device": device}
+    res: dict = {"acceptance": acceptance, "device": device, "method": method}
     eng = LLMEngine(EngineConfig(**cfg))  # the decode engine loads the model the others share
     model, tok = eng.model, eng.tokenizer
     for k in [0] + ks:
         if k:
             eng = None
-            eng = LLMEngine(EngineConfig(**cfg, speculative_config={"method": "mtp", "num_speculative_tokens": k}),
+            eng = LLMEngine(EngineConfig(**cfg, speculative_config={"method": method, "num_speculative_tokens": k}),
                             model=model, tokenizer=tok)
         for B in batches:
             built = compiles.count()
@@ -567,7 +567,8 @@ def format_verify(res: dict, batches: list[int], ks: list[int]) -> str:
         v = res.get(key)
         return "-" if v is None else f"{v:.2f}"
 
-    lines = [f"speculative step vs one-token decode ({res['device']}; speedup at {res['acceptance']} per position)",
+    lines = [f"speculative step ({res.get('method', 'mtp')}) vs one-token decode ({res['device']}; speedup at "
+             f"{res['acceptance']} per position)",
              f"{'batch':>5} {'k':>2} {'decode ms':>10} {'verify ms':>10} {'ratio':>6} {'tokens/step':>11} "
              f"{'speedup':>7} {'decode graph':>12} {'spec graph':>10} {'decode graph B(k+1) rows':>24}"]
     for B in batches:
@@ -698,6 +699,8 @@ def main() -> int:
                          "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
+    ap.add_argument("--verify-method", default="mtp", choices=("mtp", "dspark"),
+                    help="with --verify-k: the drafter (dspark needs a flash-0731 checkpoint)")
     ap.add_argument("--verify-profile", action="store_true",
                     help="with --verify-k: print the host functions of each speculative step by own time (cProfile)")
     ap.add_argument("--verify-k", default=None, metavar="K,K,...",
@@ -736,7 +739,7 @@ def main() -> int:
         return 0
     if a.verify_k:
         ks = [int(x) for x in a.verify_k.split(",")]
-        res = bench_verify(a.ckpt, batches, ks, a.device, a.backend, profile=a.verify_profile)
+        res = bench_verify(a.ckpt, batches, ks, a.device, a.backend, a.verify_method, profile=a.verify_profile)
         print(format_verify(res, batches, ks))
         if a.out:
             Path(a.out).write_text(json.dumps({"verify": res, **({"settings": settings} if settings else {})},
