@@ -89,6 +89,7 @@ def test_rings_sized_for_the_rejected_rows(tiny_ckpt, prompts, monkeypatch):
     import dsv4.cache.paged as paged
 
     k = 4
+    prompts = prompts[1:3]  # (their blocks close ratio-4 and ratio-128 entries while decoding)
     base = batched(tiny_ckpt)
     want = {rid: o.outputs[0].token_ids for rid, o in run(base, prompts, greedy(NEW, logprobs=None)).items()}
     monkeypatch.setattr(paged, "ring_rows", lambda ratio, lookahead=0: 2 * ratio if ratio == 4 else ratio)

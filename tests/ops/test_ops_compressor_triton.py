@@ -251,6 +251,8 @@ def test_chunk_form_matches_torch(ratio, overlap, kind, fmt):
 def test_a_table_listing_every_token_writes_only_the_closing_entries(ratio, overlap, kind, backend):
     """A speculative verify graph's fixed closing table lists every token of its chunks: the tokens
     that close no block write no page, and the pages are those of the table of closing tokens."""
+    if backend == "triton" and ratio > 16:
+        pytest.skip("the kernel's skip is the same code at every ratio; 128-row entries take seconds interpreted")
     g = gen(zlib.crc32(f"every {ratio} {kind}".encode()))
     positions, seq_ids, slots, bt, ring, rows, norm, per, closing = _chunk_case(ratio, overlap, kind, g)
     seq = seq_ids.cpu()
