@@ -47,6 +47,14 @@ class StepRows:
     num_drafts: int
 
 
+def unread_rows(r: StepRows, window: int) -> int:
+    """How many of ``r``'s first rows no draft will read: a draft layer attends to the ``window``
+    positions up to its query, and its first query of the request is at the last computed token
+    (≥ ``num_tokens`` − 2), so rows before num_tokens − window − 2 are never read (a long prompt's
+    drafter pass covers its last window, not all of it; a prefix hit recomputes a whole block)."""
+    return min(r.num_valid, max(0, r.req.num_tokens - window - 2 - r.chunk.start))
+
+
 class Proposer(Protocol):
     num_speculative_tokens: int
 
@@ -234,17 +242,19 @@ class MTPProposer:
             return self.model.mtp_forward(ids, streams, chunks, logits_rows=rows, tables=tables)
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
-        view = self.kv.view
+        view, window = self.kv.view, self.model.cfg.sliding_window
         chunks, allocs, ids, src, want, last = [], [], [], [], [], []
         off = 0
         for r in rows:
-            req, c, n = r.req, r.chunk, r.num_valid
+            req, c = r.req, r.chunk
+            skip = unread_rows(r, window)
+            n, start = r.num_valid - skip, c.start + skip
             if n <= 0:
                 continue
-            chunks.append(SeqChunk(view(req.alloc), c.start, n))
+            chunks.append(SeqChunk(view(req.alloc), start, n))
             allocs.append(req.alloc)
-            ids.extend(req.token_slice(c.start + 1, c.start + n + 1))
-            src.extend(range(c.offset, c.offset + n))
+            ids.extend(req.token_slice(start + 1, start + n + 1))
+            src.extend(range(c.offset + skip, c.offset + skip + n))
             if r.num_drafts:
                 want.append(r)
                 last.append(off + n - 1)
@@ -306,14 +316,16 @@ class DSparkProposer:
         self.device = model.device
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
-        view = self.kv.view
+        view, window = self.kv.view, self.model.cfg.sliding_window
         chunks, src, want = [], [], []
         for r in rows:
-            c, n = r.chunk, r.num_valid
+            c = r.chunk
+            skip = unread_rows(r, window)
+            n = r.num_valid - skip
             if n <= 0:
                 continue
-            chunks.append(SeqChunk(view(r.req.alloc), c.start, n))
-            src.extend(range(c.offset, c.offset + n))
+            chunks.append(SeqChunk(view(r.req.alloc), c.start + skip, n))
+            src.extend(range(c.offset + skip, c.offset + skip + n))
             if r.num_drafts:
                 want.append(r)
         if not chunks:

@@ -158,6 +158,22 @@ def test_prefix_hits_chunked_prefill_and_n(tiny_ckpt):
     assert_no_leaks(spec)
 
 
+def test_a_long_prompt_feeds_the_drafter_only_its_last_window(tiny_ckpt):
+    """After a long prefill (in chunks) the MTP layer runs on the rows a draft can read — the last
+    sliding window of the prompt — not on every prompt row; the tokens are those without speculation."""
+    p = rand_prompts(45, [700])[0]
+    kw = dict(max_model_len=1024, max_num_batched_tokens=256)
+    want = signature(make_llm(tiny_ckpt, "auto", **kw).generate([p], greedy(8))[0])
+    spec = make_llm(tiny_ckpt, "auto", speculative_config=mtp(2), **kw)
+    model, rows = spec.engine.model, []
+    inner = model.mtp_forward
+    model.mtp_forward = lambda ids, *a, **k: rows.append(len(ids)) or inner(ids, *a, **k)
+    assert signature(spec.generate([p], greedy(8))[0]) == want
+    window = spec.engine.model_config.sliding_window
+    assert window < rows[0] <= window + 2 and max(rows) == rows[0]  # (then drafts and verify rows only)
+    assert_no_leaks(spec)
+
+
 def test_preemption(tiny_ckpt):
     """Three 256-token blocks for two requests that need two each: one is preempted (its drafts
     dropped) and recomputed; the tokens are those without speculation."""
