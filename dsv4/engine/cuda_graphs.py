@@ -35,6 +35,34 @@ def buckets_for(max_num_seqs: int) -> list[int]:
     return [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
 
 
+def capture_buckets(buckets: list[int], capture_one) -> float:
+    """``capture_one(b, pool) → pool`` for every bucket, largest first (the smaller ones reuse its
+    memory pool); returns the seconds it took."""
+    t0 = time.perf_counter()
+    pool = None
+    for b in reversed(buckets):
+        pool = capture_one(b, pool)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def record(run, pool):
+    """(a CUDA graph of ``run()``, its output): run twice on a side stream first (every kernel compiled,
+    the allocator settled), then captured into ``pool``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class DecodeGraphs:
     """Captured decode forwards; ``run(batch)`` replays the right one and returns its logits."""
 
@@ -50,13 +78,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = None
-        for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
-            pool = self._capture(b, pool)
-        if self.kvc.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds = capture_buckets(self.buckets, self._capture)
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
 
     def shapes(self, b: int) -> list[tuple[int, ...]]:
@@ -87,16 +109,8 @@ class DecodeGraphs:
         if dev.type != "cuda":  # emulation (tests on CPU): the same static inputs, run eagerly at replay
             self.graphs[b] = (None, static, ids, (chunks, rows))
             return pool
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile every kernel and settle the allocator before capturing
-                self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
+        graph, out = record(lambda: self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False),
+                            pool)
         # every tensor the graph reads must stay alive with it: a freed input's memory gets reused
         # and the replay would read whatever lives there then (rows did: duplicated logits rows)
         self.graphs[b] = (graph, static, ids, out.logits)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import array
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,7 @@ import torch
 from ..cache.tables import StepTables, request_rows, split
 from ..model.attention import SeqChunk
 from ..model.cache import SWA_PAGE
-from .cuda_graphs import buckets_for
+from .cuda_graphs import buckets_for, capture_buckets, record
 from .sampler import device_picks
 from .staging import HostStaging
 
@@ -157,13 +156,7 @@ class SpecGraphs:
         return torch.where(col < self.n_swa, page, -1), pos % SWA_PAGE
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = None
-        for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
-            pool = self._capture(b, pool)
-        if self.kvc.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds = capture_buckets(self.buckets, self._capture)
         log.info("captured speculative (MTP k=%d) CUDA graphs for batch sizes %s in %.1f s", self.k, self.buckets,
                  self.capture_seconds)
 
@@ -178,16 +171,7 @@ class SpecGraphs:
         if self.kvc.device.type != "cuda":  # emulation (tests on CPU): the same static inputs, run at replay
             self.graphs[b] = (None, None, st)
             return pool
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile every kernel and settle the allocator before capturing
-                self._body(b, st)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            res = self._body(b, st)
+        graph, res = record(lambda: self._body(b, st), pool)
         self.graphs[b] = (graph, res, st)  # the inputs stay alive with the graph
         return graph.pool()
 

@@ -106,3 +106,22 @@ def assert_images_match_a_run_without_speculation(base, seen: dict, prompts, par
         a, b = seen[key], again[key]
         bad = [kind for kind in a if not kind.startswith("draft window") and not images_equal(a[kind], b[kind])]
         assert not bad, f"{key}: {bad} differ from the run without speculation"
+
+
+def assert_draft_window_is_the_reference_pass(llm, seen: dict, prompts, truth: dict) -> None:
+    """The MTP layer's window entries in every recorded image (``record_images``) equal those of the
+    reference model's MTP pass over the request's final sequence (prompt + ``truth``)."""
+    from dsv4.model.attention import SeqChunk
+    from dsv4.model.cache import DenseSequenceCache
+
+    model, cfg = llm.engine.model, llm.engine.model_config
+    layer = cfg.num_hidden_layers
+    for rid, p in zip(truth, prompts):
+        ids = torch.tensor(list(p) + truth[rid])
+        out = model.forward(ids[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
+        dense = DenseSequenceCache(cfg, model.numerics)
+        model.mtp_forward(ids[1:], out.streams, [SeqChunk(dense, 0, len(ids) - 1)])
+        for (r, nc), image in seen.items():
+            if r == rid:
+                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
+                assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
-from spec_helpers import assert_images_match_a_run_without_speculation, record_images, run, script
-
-from dsv4.model.attention import SeqChunk
-from dsv4.model.cache import DenseSequenceCache
+from spec_helpers import (
+    assert_draft_window_is_the_reference_pass,
+    assert_images_match_a_run_without_speculation,
+    record_images,
+    run,
+    script,
+)
 
 LENGTHS = (58, 122, 250, 9)  # decoding crosses the SWA page, the window / HCA ratio, the block
 NEW = 16
@@ -70,17 +73,7 @@ def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prom
     counts = sorted(n for r, n in seen if r == "r2")
     assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
     assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW, logprobs=None))
-    model, cfg = spec.engine.model, spec.engine.model_config
-    layer = cfg.num_hidden_layers
-    for rid, p in zip(want, prompts):
-        ids = torch.tensor(list(p) + want[rid])
-        out = model.forward(ids[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
-        dense = DenseSequenceCache(cfg, model.numerics)
-        model.mtp_forward(ids[1:], out.streams, [SeqChunk(dense, 0, len(ids) - 1)])
-        for (r, nc), image in seen.items():
-            if r == rid:
-                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
-                assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc)
+    assert_draft_window_is_the_reference_pass(spec, seen, prompts, want)
 
 
 def test_rings_sized_for_the_rejected_rows(tiny_ckpt, prompts, monkeypatch):

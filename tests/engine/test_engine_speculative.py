@@ -11,13 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
-from spec_helpers import assert_images_match_a_run_without_speculation, record_images, run, script
+from spec_helpers import (
+    assert_draft_window_is_the_reference_pass,
+    assert_images_match_a_run_without_speculation,
+    record_images,
+    run,
+    script,
+)
 
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.speculative import SpecStats
 from dsv4.engine.structured import StructuredOutputsParams
-from dsv4.model.attention import SeqChunk
-from dsv4.model.cache import DenseSequenceCache
 
 # decoding from these lengths crosses the 64-token SWA page, the 128-token window / HCA ratio, the
 # 256-token block, and ratio-4 groups everywhere
@@ -124,17 +128,7 @@ def test_caches_after_rejections_equal_a_run_without_speculation(tiny_ckpt, prom
     assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
     assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW))
     # the MTP layer's window entries: those of the reference's MTP pass over the final sequence
-    model, cfg = spec.engine.model, spec.engine.model_config
-    for rid, p in zip(truth, prompts):
-        ids = torch.tensor(list(p) + truth[rid])
-        out = model.forward(ids[:-1], [SeqChunk(model.new_cache(), 0, len(ids) - 1)])
-        dense = DenseSequenceCache(cfg, model.numerics)
-        model.mtp_forward(ids[1:], out.streams, [SeqChunk(dense, 0, len(ids) - 1)])
-        for (r, nc), image in seen.items():
-            if r == rid:
-                pos = torch.arange(max(0, nc - cfg.sliding_window + 1), nc)
-                layer = cfg.num_hidden_layers
-                assert torch.equal(image[f"draft window {layer}"], dense.read_kv(layer, pos)), (rid, nc)
+    assert_draft_window_is_the_reference_pass(spec, seen, prompts, truth)
 
 
 def test_prefix_hits_chunked_prefill_and_n(tiny_ckpt):
