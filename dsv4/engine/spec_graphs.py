@@ -24,8 +24,8 @@ count (window KV, compressed entries, ring rows: the rings are sized for them,
 ``cache.paged.ring_rows``), which nothing reads before the position is computed again; the MTP
 layer's window at those positions is rewritten by the next step's pass 3 before any read, as in
 the eager proposer. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
-eager path (``speculative.MTPProposer``) keeps every other step: prefills, sampled or structured
-requests, logprobs.
+step's other requests — prefills, sampled or structured ones, logprobs — take the eager path
+(``speculative.MTPProposer``) beside the replay.
 """
 
 from __future__ import annotations
