@@ -491,12 +491,7 @@ def _rows_replay_ms(eng, n: int, g, sync, steps: int) -> float | None:
     if b is None or graphs.graphs[b][0] is None:
         return None
     graphs.inputs[b][:b].copy_(torch.randint(3, eng.model_config.vocab_size, (b,), generator=g))
-    sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        graphs.graphs[b][0].replay()
-    sync()
-    return (time.perf_counter() - t) / steps * 1e3
+    return _time_replays(graphs.graphs[b][0], sync, steps)
 
 
 def _replay_ms(eng, B: int, sync, steps: int) -> float | None:
@@ -505,7 +500,11 @@ def _replay_ms(eng, B: int, sync, steps: int) -> float | None:
     graphs = eng.spec_graphs or eng.runner.graphs
     if graphs is None or graphs.bucket(B) is None or graphs.graphs[graphs.bucket(B)][0] is None:
         return None
-    graph = graphs.graphs[graphs.bucket(B)][0]
+    return _time_replays(graphs.graphs[graphs.bucket(B)][0], sync, steps)
+
+
+def _time_replays(graph, sync, steps: int) -> float:
+    """ms per replay of ``graph``, ``steps`` replays back to back."""
     sync()
     t = time.perf_counter()
     for _ in range(steps):

@@ -119,7 +119,7 @@ def decode_tables(chunks, allocs, lanes: int, n_swa: int, n_blocks: int, kvc: Pa
     spare = lanes - len(chunks)
     zeros = array.array("q", [0]) * spare
     pos, page, off = array.array("q"), array.array("q"), array.array("q")
-    for c, a in zip(chunks, allocs):
+    for c, a in zip(chunks, allocs):  # (request_rows has brought each host page row up to date)
         s = c.start
         pos.append(s)
         page.append(a.swa_row.buf[s // SWA_PAGE])

@@ -53,9 +53,9 @@ class ChunkPlan:
 @dataclass
 class StepPlan:
     # "step" | "mtp" (an MTP pass of speculative drafting) | "cache" (allocate the paged cache of
-    # ``budget``) | "graphs" (capture) | "idle" (a
-    # data-parallel rank's dummy forward: its MoE exchanges only) | "spare" (replay ``bucket``'s
-    # decode graph with every lane spare) | "report" (join the startup report) | "shutdown"
+    # ``budget``) | "graphs" (capture) | "idle" (a data-parallel rank's dummy forward: its MoE
+    # exchanges only) | "spare" (replay ``bucket``'s decode graph with every lane spare) | "report"
+    # (join the startup report) | "shutdown"
     kind: str
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
