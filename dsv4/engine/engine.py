@@ -190,7 +190,7 @@ class LLMEngine:
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
         graphable = device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
         capture = graphable and spec is None  # (with speculation a step verifies drafts: the MTP step's graphs)
-        capture_spec = graphable and spec is not None and spec.method == "mtp" and executor is None
+        capture_spec = graphable and spec is not None and executor is None
         self.tokenizer = tokenizer or _load_tokenizer(config)
         tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
         self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
@@ -199,10 +199,10 @@ class LLMEngine:
         self.proposer = None
         if dspark:
             self.proposer = DSparkProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens,
-                                           spec.dspark_min_confidence)
+                                           spec.dspark_min_confidence, paged)
         elif spec is not None:
             self.proposer = MTPProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens, paged)
-        self.spec_graphs = None  # SpecGraphs: the greedy MTP steps as CUDA graphs
+        self.spec_graphs = None  # SpecGraphs: the greedy speculative steps as CUDA graphs
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -293,18 +293,20 @@ class LLMEngine:
             self.runner.graphs.capture()
 
     def capture_spec_graphs(self) -> None:
-        """CUDA graphs of the greedy MTP step (``engine.spec_graphs``); on the CPU emulated, as the
-        decode graphs are."""
-        if not self.runner.paged_attention or not isinstance(self.proposer, MTPProposer):
-            raise RuntimeError("speculative graphs need MTP drafting and the batched paged attention")
+        """CUDA graphs of the greedy speculative step (``engine.spec_graphs``); on the CPU emulated, as
+        the decode graphs are."""
+        if not self.runner.paged_attention or self.proposer is None:
+            raise RuntimeError("speculative graphs need speculative decoding and the batched paged attention")
         self.spec_graphs = self._spec_graphs()
         self.spec_graphs.capture()
 
     def _spec_graphs(self):
         from .spec_graphs import SpecGraphs
 
+        dspark = isinstance(self.proposer, DSparkProposer)
         return SpecGraphs(self.model, self.kv_cache, self.proposer.num_speculative_tokens, self.config.max_num_seqs,
-                          self.max_model_len, self.ops.greedy_pick)
+                          self.max_model_len, self.ops.greedy_pick, method="dspark" if dspark else "mtp",
+                          min_confidence=self.proposer.min_confidence if dspark else 0.0)
 
     def _decode_graphs(self):
         from .cuda_graphs import DecodeGraphs
@@ -639,10 +641,10 @@ class LLMEngine:
             s = req.alloc.num_computed
             ok = (s == req.num_tokens - 1 and 1 <= sc.num_tokens <= k + 1 and sc.num_tokens - 1 <= len(req.drafts)
                   and plain_greedy(req) and req.guide is None and req.params.prompt_logprobs is None
-                  and s + 2 * k <= self.max_model_len)
+                  and s + g.reach <= self.max_model_len)
             (part if ok else rest).append(sc)
-        # the draft chain writes the MTP layer's window up to 2k − 1 positions past the last token
-        if part and (g.bucket(len(part)) is None or not all(kv.try_allocate(sc.req.alloc, 2 * k) for sc in part)):
+        # the drafter writes its windows up to ``reach`` positions past the computed tokens
+        if part and (g.bucket(len(part)) is None or not all(kv.try_allocate(sc.req.alloc, g.reach) for sc in part)):
             return [], schedule
         return part, rest
 
@@ -665,9 +667,10 @@ class LLMEngine:
     def _continue_spec(self, prev):
         """The graph step after the in-flight ``prev`` (async scheduling), launched before ``prev`` is read:
         only while the batch stays as it is — nobody waiting, every request still decoding, its pages
-        taken for both steps' chunks and drafts (≤ 3k + 1 tokens past what the host has computed);
-        else None."""
+        taken for both steps' chunks and drafts (≤ k + 1 + ``reach`` tokens past what the host has
+        computed); else None."""
         g, k = self.spec_graphs, self.spec_graphs.k
+        ahead = k + 1 + g.reach
         if self.scheduler.waiting or len(self.scheduler.running) != len(prev.schedule) \
                 or any(sc.req.finished for sc in prev.schedule):
             return None
@@ -675,7 +678,7 @@ class LLMEngine:
             return None  # prev computed a request from inputs its host state no longer matches
         for sc in prev.schedule:
             a = sc.req.alloc
-            if a.num_computed + 3 * k + 1 > self.max_model_len or not self.kv.try_allocate(a, 3 * k + 1):
+            if a.num_computed + ahead > self.max_model_len or not self.kv.try_allocate(a, ahead):
                 return None
         self.kv.wait_copies()
         return g.continue_step(prev.schedule)
@@ -683,7 +686,8 @@ class LLMEngine:
     def _read_spec(self, launched) -> list[RequestOutput]:
         """Apply a graph step's results: each request's verified tokens (``verify_picks``: the eager
         path's walk), its cache advanced by them, and the drafts the graph made for its next step."""
-        k, kv = self.spec_graphs.k, self.kv
+        g, kv = self.spec_graphs, self.kv
+        k = g.k
         touched: dict[str, None] = {}
         for sc, row in zip(launched.schedule, launched.rows()):
             req = sc.req
@@ -692,7 +696,7 @@ class LLMEngine:
             touched[req.request_id] = None
             if launched.after is not None and req.request_id not in launched.after.consistent:
                 continue  # the step before left it elsewhere than the graph assumed: computed for nothing
-            picks, fins, acc, new = row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:]
+            picks, fins, acc, new, conf = g.read_row(row)
             drafts, req.drafts = req.drafts, Drafts()  # (the ones this step verified: the scheduler's cut)
             d = len(drafts)
             if not all(fins[:d + 1]):
@@ -708,8 +712,10 @@ class LLMEngine:
             if not req.finished and n_ok == acc + 1:  # (as the graph's next inputs have it)
                 launched.consistent.add(req.request_id)
                 want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+                if conf is not None:  # the drafts end before the first below the confidence cut
+                    want = min(want, next((i for i, c in enumerate(conf) if c < g.min_confidence), k))
                 if want > 0:
-                    req.drafts = Drafts(new[:want], None)
+                    req.drafts = Drafts(new[:want], None, None if conf is None else conf[:want])
         return self._finish_step(launched.schedule, touched)
 
     def _propose(self, schedule, batch) -> None:
@@ -727,8 +733,8 @@ class LLMEngine:
             want = 0
             if si in sampled:
                 want = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-                if want > 1 and not self.kv.try_allocate(req.alloc, want - 1):  # the chain's window pages
-                    want = 1
+                if want > 0 and not self.kv.try_allocate(req.alloc, self.proposer.ahead(want)):
+                    want = self.proposer.without_pages  # its drafts' window pages cannot be had
             rows.append(StepRows(req, c, n_valid, max(0, want)))
         if rows:
             self.proposer.propose(rows, batch.streams)

@@ -1,4 +1,4 @@
-"""CUDA graphs of a greedy MTP speculative step: verify, acceptance and the draft chain in one replay.
+"""CUDA graphs of a greedy speculative step (MTP or DSpark): verify, acceptance and the drafts in one replay.
 
 A step of B requests, each with its last token and up to k drafts, replays the graph of the
 smallest bucket ≥ B. Inside, at fixed shapes:
@@ -8,24 +8,30 @@ smallest bucket ≥ B. Inside, at fixed shapes:
    token and then store every row into the rings (``model.paged_attention``);
 2. each row's first-argmax pick (the ``greedy_pick`` op) and each request's accepted count: its
    leading drafts equal to the picks of the rows before them, at most ``n_drafts``;
-3. the MTP layer over all rows — row j's next token is the pick at j, which up to the accepted
-   count is the verified token — with logits at each request's last kept row: draft 1;
-4. k − 1 more MTP passes of one row per request at the positions after it, each from the layer's
-   own streams and the previous draft, their window pages looked up on the device;
-5. the next step's inputs written over this step's: each chunk moved past its kept tokens, its
-   tokens the pick after them and the new drafts, ``n_drafts`` what the request's max_tokens leaves.
+3. the drafts of the next step —
+   MTP: the MTP layer over all rows (row j's next token is the pick at j, which up to the accepted
+   count is the verified token) with logits at each request's last kept row: draft 1; then k − 1
+   more passes of one row per request at the positions after it, each from the layer's own
+   streams and the previous draft, their window pages looked up on the device;
+   DSpark: every row's context KV into the stages' windows (from the target layers' stream means),
+   then one block pass of ``[bonus pick, noise × (k − 1)]`` per request at the positions after its
+   kept tokens, each row's logits plus the Markov bias of the token before it picked in turn; with
+   the confidence head, the drafts end before the first whose confidence is below the cut;
+4. the next step's inputs written over this step's: each chunk moved past its kept tokens, its
+   tokens the pick after them and the new drafts, ``n_drafts`` what the request's max_tokens (and
+   the confidence cut) leaves.
 
 So a graph can be replayed again before the host has read the step before (async scheduling):
 the host then stages only the page tables (``continue_step``; pages are taken ahead for it). The
-host copies back the picks, their finite flags, the accepted counts and the drafts once per step,
-appends the verified tokens with the same walk as the eager path (``speculative.verify_picks``)
-and advances the caches. Rows past a request's accepted count leave writes past its new token
-count (window KV, compressed entries, ring rows: the rings are sized for them,
-``cache.paged.ring_rows``), which nothing reads before the position is computed again; the MTP
-layer's window at those positions is rewritten by the next step's pass 3 before any read, as in
-the eager proposer. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
+host copies back the picks, their finite flags, the accepted counts, the drafts (and their
+confidences) once per step, appends the verified tokens with the same walk as the eager path
+(``speculative.verify_picks``) and advances the caches. Rows past a request's accepted count leave
+writes past its new token count (window KV, compressed entries, ring rows: the rings are sized for
+them, ``cache.paged.ring_rows``), which nothing reads before the position is computed again; the
+drafter's windows at those positions are rewritten by the next step's pass before any read, as in
+the eager proposers. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
 step's other requests — prefills, sampled or structured ones, logprobs — take the eager path
-(``speculative.MTPProposer``) beside the replay.
+(``speculative.MTPProposer`` / ``DSparkProposer``) beside the replay.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import array
 import logging
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +63,7 @@ class Launched:
     """A replayed step whose results are on their way to the host: ``rows()`` waits for them."""
 
     schedule: list  # the engine's ScheduledChunks, in lane order
-    host: torch.Tensor  # int64 [n, 2(k + 1) + 1 + k], filled by the copy behind ``done``
+    host: torch.Tensor  # int64 [n, 2(k + 1) + 1 + k (+ k)], filled by the copy behind ``done``
     done: object  # torch.cuda.Event, or None (emulated: already there)
     after: "Launched | None" = None  # the step this one continued from (``continue_step``)
     # request ids whose host state, once this step was read, is the one the graph's next inputs assume
@@ -69,13 +76,25 @@ class Launched:
 
 
 class SpecGraphs:
-    """Captured greedy MTP steps for ``k`` drafts; ``launch`` / ``continue_step`` replay one."""
+    """Captured greedy speculative steps for ``k`` drafts; ``launch`` / ``continue_step`` replay one.
+
+    ``method``: "mtp" or "dspark" (``min_confidence``: DSpark's confidence cut)."""
 
     def __init__(self, model, kvc, k: int, max_num_seqs: int, max_model_len: int, pick=None,
-                 max_tokens: int = MAX_GRAPH_TOKENS):
+                 max_tokens: int = MAX_GRAPH_TOKENS, method: str = "mtp", min_confidence: float = 0.0):
         if k < 1:
             raise ValueError(f"speculative graphs need at least one draft token, got k={k}")
+        if method not in ("mtp", "dspark") or (method == "dspark") != (model.dspark is not None):
+            raise ValueError(f"speculative graphs: method {method!r} does not match the model "
+                             f"({'DSpark stages' if model.dspark is not None else 'no DSpark stages'})")
         self.model, self.kvc, self.k, self.pick = model, kvc, k, pick
+        self.dspark = model.dspark if method == "dspark" else None
+        self.min_confidence = min_confidence
+        # the drafts' confidences travel back beside them (as the bits of float64 values)
+        self.confidences = self.dspark is not None and self.dspark.has_confidence
+        # positions past a request's computed tokens a step writes: the verify chunk (k + 1), then
+        # MTP's chain up to k − 1 past the kept ones, DSpark's block of k
+        self.reach = 2 * k + (self.dspark is not None)
         self.max_model_len = max_model_len
         self.n_swa = -(-max_model_len // SWA_PAGE)
         self.n_blk = -(-max_model_len // 256)
@@ -108,8 +127,9 @@ class SpecGraphs:
         return flat, views
 
     def _body(self, b: int, st: list[torch.Tensor]) -> torch.Tensor:
-        """The step at fixed shapes (see the module docstring): int64 [b, 2(k + 1) + 1 + k] = picks,
-        finite flags, accepted counts, drafts; the next step's inputs are written over ``st``'s."""
+        """The step at fixed shapes (see the module docstring): int64 [b, 2(k + 1) + 1 + k (+ k)] =
+        picks, finite flags, accepted counts, drafts (and their confidences' float64 bits); the next
+        step's inputs are written over ``st``'s."""
         slots, swa_table, block_table, ids, positions, n_drafts, left = st
         k, m, dev = self.k, self.model, ids.device
         per = k + 1
@@ -120,13 +140,37 @@ class SpecGraphs:
         closing = torch.stack([tok, start.repeat_interleave(per), seq * per, seq])
         tables = StepTables(self.kvc, [], positions, seq, swa_table, block_table, slots,
                             *self._window_slots(swa_table, seq, positions), False, self.max_model_len, closing)
-        out = m.forward(ids, [SeqChunk(None, 0, per) for _ in range(b)], tables=tables, advance=False)
+        aux = m.cfg.dspark_target_layer_ids if self.dspark is not None else ()
+        out = m.forward(ids, [SeqChunk(None, 0, per) for _ in range(b)], tables=tables, advance=False,
+                        aux_layers=aux)
         both = device_picks(out.logits, self.pick)  # [2, b·per]
         picks = both[0].view(b, per)
         match = (picks[:, :k] == ids.view(b, per)[:, 1:]) & (torch.arange(k, device=dev) < n_drafts[:, None])
         acc = match.long().cumprod(1).sum(1)
+        if self.dspark is not None:
+            drafts, extra, n_ok = self._dspark_drafts(b, out.aux, tables, picks, acc, start, st)
+        else:
+            drafts, extra, n_ok = self._mtp_drafts(b, out, tables, both[0], acc, start, st), None, None
+        parts = [both.view(2, b, per).transpose(0, 1).reshape(b, 2 * per), acc[:, None], drafts]
+        res = torch.cat(parts + ([extra] if extra is not None else []), 1)
+        # the next step's inputs: the chunk after the kept tokens, its bonus pick and the new drafts
+        # (a spare lane, ``left`` 0, stays where it is)
+        left_next = (left - acc - 1).clamp(min=0)
+        positions.add_(((acc + 1) * (left > 0)).repeat_interleave(per))
+        ids.copy_(torch.cat([picks.gather(1, acc[:, None]), drafts], 1).view(-1))
+        nd = (left_next - 1).clamp(0, k)
+        n_drafts.copy_(nd if n_ok is None else torch.minimum(nd, n_ok))
+        left.copy_(left_next)
+        return res
+
+    def _mtp_drafts(self, b: int, out, tables: StepTables, picks: torch.Tensor, acc: torch.Tensor,
+                    start: torch.Tensor, st: list[torch.Tensor]) -> torch.Tensor:
+        """[b, k] drafts: the MTP layer over every verify row, then k − 1 passes of one row each."""
+        slots, swa_table, block_table = st[:3]
+        k, m, per = self.k, self.model, self.k + 1
+        lanes = torch.arange(b, device=picks.device)
         last = lanes * per + acc
-        mo = m.mtp_forward(both[0], out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
+        mo = m.mtp_forward(picks, out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
                            tables=tables)
         draft = device_picks(mo.logits, self.pick)[0]
         drafts, s = [draft], mo.streams[last]
@@ -138,16 +182,46 @@ class SpecGraphs:
             draft = device_picks(mo.logits, self.pick)[0]
             drafts.append(draft)
             s = mo.streams
+        return torch.stack(drafts, 1)
+
+    def _dspark_drafts(self, b: int, aux: torch.Tensor, tables: StepTables, picks: torch.Tensor, acc: torch.Tensor,
+                       start: torch.Tensor, st: list[torch.Tensor]):
+        """([b, k] drafts, their confidences' float64 bits [b, k] and the confident drafts per request
+        [b], or None and None): every verify row's context KV, then one block pass per request."""
+        slots, swa_table, block_table = st[:3]
+        k, m, d, dev = self.k, self.model, self.dspark, picks.device
+        lanes = torch.arange(b, device=dev)
+        m.dspark_context(aux, [], tables)
+        anchor = picks.gather(1, acc[:, None])[:, 0]
+        ids = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), d.noise_token_id)], 1).view(-1)
+        pos = ((start + acc + 1)[:, None] + torch.arange(k, device=dev)).view(-1)
+        seq = lanes.repeat_interleave(k)
+        t = StepTables(self.kvc, [], pos, seq, swa_table, block_table, slots, *self._window_slots(swa_table, seq, pos),
+                       False, self.max_model_len)
+        logits, h = m.dspark_block(ids, [SeqChunk(None, 0, k) for _ in range(b)], t)
+        prev, drafts, confs = anchor, [], []
+        for i in range(k):
+            rows = lanes * k + i
+            bias, e = d.markov(prev)
+            c = d.confidence(h[rows], e)
+            if c is not None:
+                confs.append(c)
+            prev = device_picks(logits[rows] + bias, self.pick)[0]
+            drafts.append(prev)
         drafts = torch.stack(drafts, 1)
-        res = torch.cat([both.view(2, b, per).transpose(0, 1).reshape(b, 2 * per), acc[:, None], drafts], 1)
-        # the next step's inputs: the chunk after the kept tokens, its bonus pick and the new drafts
-        # (a spare lane, ``left`` 0, stays where it is)
-        left_next = (left - acc - 1).clamp(min=0)
-        positions.add_(((acc + 1) * (left > 0)).repeat_interleave(per))
-        ids.copy_(torch.cat([picks.gather(1, acc[:, None]), drafts], 1).view(-1))
-        n_drafts.copy_((left_next - 1).clamp(0, k))
-        left.copy_(left_next)
-        return res
+        if not confs:
+            return drafts, None, None
+        conf = torch.stack(confs, 1).double()  # compared as the eager proposer compares its Python floats
+        return drafts, conf.view(torch.int64), (conf >= self.min_confidence).long().cumprod(1).sum(1)
+
+    def read_row(self, row: list[int]):
+        """A request's row of the step's results: (picks, finite flags, accepted count, drafts,
+        their confidences or None)."""
+        k = self.k
+        conf = None
+        if self.confidences:
+            conf = list(struct.unpack(f"{k}d", struct.pack(f"{k}q", *row[3 * k + 3:])))
+        return row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:3 * k + 3], conf
 
     def _window_slots(self, swa_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
         """(window page, offset) of each token: its request's table entry, −1 past the table."""
@@ -157,8 +231,8 @@ class SpecGraphs:
 
     def capture(self) -> None:
         self.capture_seconds = capture_buckets(self.buckets, self._capture)
-        log.info("captured speculative (MTP k=%d) CUDA graphs for batch sizes %s in %.1f s", self.k, self.buckets,
-                 self.capture_seconds)
+        log.info("captured speculative (%s k=%d) CUDA graphs for batch sizes %s in %.1f s",
+                 "DSpark" if self.dspark is not None else "MTP", self.k, self.buckets, self.capture_seconds)
 
     def forward_once(self) -> None:
         """Every bucket's step, eagerly, nothing captured (what ``engine.precompile`` lists)."""

@@ -57,6 +57,10 @@ def unread_rows(r: StepRows, window: int) -> int:
 
 class Proposer(Protocol):
     num_speculative_tokens: int
+    without_pages: int  # the drafts a request still gets when ``ahead``'s pages cannot be had
+
+    def ahead(self, want: int) -> int:
+        """Positions past a request's computed tokens whose window pages ``want`` drafts write."""
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         """Set ``req.drafts`` of every row that wants drafts; ``streams``: what the runner kept of
@@ -233,6 +237,11 @@ class MTPProposer:
         self.paged = paged_attention
         self.device = model.device
 
+    without_pages = 1  # draft 1 comes from the last computed row: no new position
+
+    def ahead(self, want: int) -> int:
+        return want - 1  # drafts 2.. write the layer's window at the positions after it
+
     def _forward(self, next_ids: list[int], streams: torch.Tensor, chunks: list[SeqChunk], allocs,
                  logits_rows: list[int]):
         ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
@@ -292,8 +301,9 @@ class DSparkProposer:
 
     Every valid row of the step writes its position's context KV into each stage's window cache
     (from the target layers' stream means at that row), so those caches hold exactly the verified
-    positions, as a run without rejections would; nothing else is written to them (the draft block's
-    own KV is not stored), so a rejection leaves nothing to roll back. A request that wants drafts
+    positions, as a run without rejections would. The paged path also stores the draft block's own
+    KV at the block's positions (its attention reads it from there); they lie past the request's
+    computed tokens, and the context write of the step that verifies them comes before any read. A request that wants drafts
     then gets one block ``[last token, noise × (k − 1)]`` at the positions after its context; its
     k rows' logits, each with the Markov bias of the token before it (the last token, then each
     draft), give the drafts in order. With the confidence head the drafts carry its acceptance
@@ -303,7 +313,8 @@ class DSparkProposer:
     The block always has ``num_speculative_tokens`` rows (non-causal attention makes a row depend on
     the block's length): a request nearer its max_tokens keeps the first drafts."""
 
-    def __init__(self, model, kv, sampler: Sampler, num_speculative_tokens: int, min_confidence: float = 0.0):
+    def __init__(self, model, kv, sampler: Sampler, num_speculative_tokens: int, min_confidence: float = 0.0,
+                 paged_attention: bool = False):
         drafter = model.dspark
         if drafter is None:
             raise ValueError("DSpark drafting needs a checkpoint with DSpark stages (config.json dspark_* fields)")
@@ -313,11 +324,21 @@ class DSparkProposer:
         self.model, self.kv, self.sampler, self.drafter = model, kv, sampler, drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.min_confidence = min_confidence
+        self.paged = paged_attention
         self.device = model.device
+
+    without_pages = 0
+
+    def ahead(self, want: int) -> int:
+        return self.num_speculative_tokens if self.paged else 0  # the paged pass stores the block's KV
+
+    def _tables(self, chunks: list[SeqChunk], allocs) -> StepTables | None:
+        """The chunks' page tables for the batched paged path (None: through their views)."""
+        return StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         view, window = self.kv.view, self.model.cfg.sliding_window
-        chunks, src, want = [], [], []
+        chunks, allocs, src, want = [], [], [], []
         for r in rows:
             c = r.chunk
             skip = unread_rows(r, window)
@@ -325,13 +346,15 @@ class DSparkProposer:
             if n <= 0:
                 continue
             chunks.append(SeqChunk(view(r.req.alloc), c.start + skip, n))
+            allocs.append(r.req.alloc)
             src.extend(range(c.offset + skip, c.offset + skip + n))
             if r.num_drafts:
                 want.append(r)
         if not chunks:
             return
         with torch.no_grad():
-            self.model.dspark_context(streams[torch.tensor(src, dtype=torch.long, device=streams.device)], chunks)
+            aux = streams[torch.tensor(src, dtype=torch.long, device=streams.device)]
+            self.model.dspark_context(aux, chunks, self._tables(chunks, allocs))
             if want:
                 self._draft(want)
 
@@ -341,7 +364,7 @@ class DSparkProposer:
         anchors = [r.req.token_slice(r.chunk.start + r.num_valid, r.chunk.start + r.num_valid + 1)[0] for r in want]
         ids = torch.tensor([t for a in anchors for t in [a] + [noise] * (k - 1)], dtype=torch.long, device=dev)
         blocks = [SeqChunk(self.kv.view(r.req.alloc), r.chunk.start + r.num_valid, k) for r in want]
-        logits, h = self.model.dspark_block(ids, blocks)
+        logits, h = self.model.dspark_block(ids, blocks, self._tables(blocks, [r.req.alloc for r in want]))
         reqs = [r.req for r in want]
         drafts = [Drafts([], None if q.params.greedy else [], [] if self.drafter.has_confidence else None)
                   for q in reqs]

@@ -193,7 +193,8 @@ class Attention:
             kv = ops.apply_rope(ops.rms_norm(kv_raw, self.kv_norm, cfg.rms_norm_eps), cos, sin)
         self._check("q", q)
         if tables is not None:
-            out = paged_attention.attend(self, tables, x, qr, q, kv, kv_raw, cos, sin)
+            out = paged_attention.attend(self, tables, x, qr, q, kv, kv_raw, cos, sin,
+                                         _block_length(chunks) if draft_block else 0)
         else:
             out = torch.empty_like(q)
             attend = self._attend_block if draft_block else self._attend
@@ -262,6 +263,14 @@ class Attention:
         table = torch.cat([ctx.to(kv.dtype), cache.numerics.kv(kv)], dim=0)
         idx = torch.arange(table.shape[0], device=dev).expand(c.length, -1)
         return sparse_attention(q, table, idx, self.sink, self.cfg.head_dim**-0.5, self._check)
+
+
+def _block_length(chunks: list[SeqChunk]) -> int:
+    """The length every DSpark draft block of a step shares (the paged path reads their windows by it)."""
+    lengths = {c.length for c in chunks}
+    if len(lengths) != 1:
+        raise ValueError(f"DSpark draft blocks of one pass must have one length, got {sorted(lengths)}")
+    return lengths.pop()
 
 
 def left_align(idx: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,9 @@ Choices where the public sources leave a fact open (the most plausible reading o
   attention makes each row depend on the block's length);
 - the context window is the ``sliding_window`` positions before the anchor (DeepSeek's reference
   keeps a ring of ``window`` context entries per stage);
-- the block's own KV is rounded like a cache entry (the reference quantizes it) but not stored;
+- the block's own KV is rounded like a cache entry (the reference quantizes it); the reference
+  pass keeps it aside, the paged pass stores it at the block's positions (past the computed
+  tokens: overwritten by the next context write before anything reads it);
 - ``markov_w2`` is stored as the [V, r] weight of a linear from r to V (the loaders read it as an
   LM head of width r);
 - the confidence head reads ``hc_head``'s output before the final norm, and a ``proj.bias`` is
@@ -41,7 +43,9 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from . import paged_attention
 from .attention import SeqChunk
+from .linear import rows_linear
 from .rope import cos_sin
 
 
@@ -68,26 +72,32 @@ class DSparkDrafter:
     def has_confidence(self) -> bool:
         return self.confidence_w is not None
 
-    def context(self, aux: torch.Tensor, chunks: list[SeqChunk]) -> None:
+    def context(self, aux: torch.Tensor, chunks: list[SeqChunk], tables=None) -> None:
         """Write every stage's context KV for the rows ``aux`` [T, n_target·H] (the target's aux
-        hidden states of the chunks' positions, concatenated in chunk order) into its window cache."""
+        hidden states of the chunks' positions, concatenated in chunk order) into its window cache:
+        through each chunk's cache, or with the step's page tables (``tables``, whose tokens are
+        ``aux``'s rows) for all rows at once."""
         cfg, ops = self.cfg, self.ops
-        pos = torch.cat([c.positions.to(aux.device) for c in chunks])
+        pos = tables.positions if tables is not None else torch.cat([c.positions.to(aux.device) for c in chunks])
         main_x = ops.rms_norm(ops.linear(aux, self.main_proj, self.act_quant), self.main_norm, cfg.rms_norm_eps)
         for st in self.stages:
             a = st.attn
             cos, sin = cos_sin(a.rope, pos)
-            kv = ops.apply_rope(ops.rms_norm(ops.linear(main_x, a.wkv, self.act_quant), a.kv_norm, cfg.rms_norm_eps),
-                                cos, sin)
+            kv_raw = ops.linear(main_x, a.wkv, self.act_quant)
+            if tables is not None:
+                paged_attention.insert_window_kv(a, tables, None, kv_raw, cos, sin)
+                continue
+            kv = ops.apply_rope(ops.rms_norm(kv_raw, a.kv_norm, cfg.rms_norm_eps), cos, sin)
             off = 0
             for c in chunks:
                 c.cache.write_kv(a.layer, pos[off : off + c.length], kv[off : off + c.length])
                 off += c.length
 
-    def block(self, ids: torch.Tensor, chunks: list[SeqChunk], embed, head) -> tuple[torch.Tensor, torch.Tensor]:
+    def block(self, ids: torch.Tensor, chunks: list[SeqChunk], embed, head, tables=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stages over the draft blocks ``ids`` (each chunk one block at its positions; ``embed``
-        and ``head``: the target's): returns (logits [T, V] fp32 before the Markov bias, the
-        ``hc_head`` outputs [T, H])."""
+        and ``head``: the target's; ``tables``: the blocks' page tables, for the paged attention):
+        returns (logits [T, V] fp32 before the Markov bias, the ``hc_head`` outputs [T, H])."""
         cfg, ops = self.cfg, self.ops
         off = 0
         for c in chunks:
@@ -98,7 +108,7 @@ class DSparkDrafter:
         pre = self.stages[0].attn_pre(streams)
         for i, st in enumerate(self.stages):
             nxt = self.stages[i + 1] if i + 1 < len(self.stages) else None
-            streams, pre = st.run(streams, pre, chunks, ids, None, nxt, draft_block=True)
+            streams, pre = st.run(streams, pre, chunks, ids, tables, nxt, draft_block=True)
         h = ops.hc_head(streams, *self.hc, cfg.hc_eps, cfg.rms_norm_eps)
         return head(ops.rms_norm(h, self.norm, cfg.rms_norm_eps)), h
 
@@ -111,7 +121,7 @@ class DSparkDrafter:
         """Per row, the confidence head's acceptance probability (None without the head)."""
         if self.confidence_w is None:
             return None
-        z = torch.cat([h.float(), e.float()], dim=-1) @ self.confidence_w.float().T
+        z = rows_linear(torch.cat([h.float(), e.float()], dim=-1), self.confidence_w.float())  # batch-invariant
         if self.confidence_b is not None:
             z = z + self.confidence_b.float()
         return torch.sigmoid(z.squeeze(-1))

@@ -219,17 +219,19 @@ class ReferenceModel:
             return ForwardOutput(self.logits_from_streams(rows, hc=hc, norm=self.w[f"{p}.norm.weight"]), s)
 
     # ---- DSpark ---------------------------------------------------------------------------
-    def dspark_context(self, aux: torch.Tensor, chunks: list[SeqChunk]) -> None:
+    def dspark_context(self, aux: torch.Tensor, chunks: list[SeqChunk], tables=None) -> None:
         """Write the DSpark stages' context KV of the chunks' positions (``aux``: the target's aux
         hidden states there, ``forward(..., aux_layers=cfg.dspark_target_layer_ids)``) into the
-        chunks' caches; nothing else is written and no view advances."""
-        self.dspark.context(aux, chunks)
+        chunks' caches, or with ``tables`` into the pages; nothing else is written and no view advances."""
+        self.dspark.context(aux, chunks, tables)
 
-    def dspark_block(self, ids: torch.Tensor, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def dspark_block(self, ids: torch.Tensor, chunks: list[SeqChunk], tables=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One DSpark pass over draft blocks (each chunk: one block ``[anchor, noise …]`` at the
-        positions after its context): (logits [T, V] fp32 without the Markov bias, hc_head outputs)."""
+        positions after its context; ``tables``: their page tables): (logits [T, V] fp32 without the
+        Markov bias, hc_head outputs)."""
         with shared_tables():
-            return self.dspark.block(ids, chunks, self._embed, lambda x: self.ops.linear(x, self.head).float())
+            return self.dspark.block(ids, chunks, self._embed, lambda x: self.ops.linear(x, self.head).float(),
+                                     tables)
 
     # ---- conveniences for tests and tools -------------------------------------------------
     @torch.no_grad()

@@ -38,27 +38,28 @@ from .rope import cos_sin
 
 
 def attend(attn, tables, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor | None,
-           kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+           kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block: int = 0) -> torch.Tensor:
     """Everything ``Attention._attend`` does per chunk, for all tokens of the step at once.
 
     ``kv``: the window KV (normed and roped), or None: then ``kv_raw`` (the wkv projection) and the
-    main rope's ``cos``/``sin`` go to ``kv_norm_rope_insert``, which computes and stores it in one op."""
+    main rope's ``cos``/``sin`` go to ``kv_norm_rope_insert``, which computes and stores it in one op.
+    ``block`` > 0: the tokens are DSpark draft blocks of that length (``Attention._attend_block``):
+    their KV is stored at their positions like window KV — past the request's computed tokens, where
+    the drafter's next context write overwrites it before any read — and each query reads the
+    ``sliding_window`` positions before its block and all of the block: the window of the block's
+    last position, ``block`` positions wider."""
     ops, cfg, layer = attn.ops, attn.cfg, attn.layer
     kvc = tables.kvc
     fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
-    if kv is None:  # the window KV of every token: norm, rope and insert in one op (page −1 skipped)
-        ops.kv_norm_rope_insert(kvc.swa[layer], tables.swa_page, tables.swa_off, kv_raw, attn.kv_norm,
-                                cfg.rms_norm_eps, cos, sin, fmt, SWA_PAGE)
-    else:  # validation hooks: the unfused KV, which the hook sees
-        if fmt is not None:
-            ops.kv_insert(kvc.swa[layer], tables.swa_page, tables.swa_off, kv.float(), fmt, SWA_PAGE, False)
-        else:
-            pages = kvc.swa[layer]
-            page = torch.where(tables.swa_page >= 0, tables.swa_page, pages.shape[0] - 1)  # masked: the spare page
-            pages[page, tables.swa_off] = kv.to(pages.dtype)
-        attn._check("k_window", kv)
+    insert_window_kv(attn, tables, kv, kv_raw, cos, sin)
     comp_pages, per = None, 1
     comp_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+    positions, window = tables.positions, cfg.sliding_window
+    if block:
+        if attn.compressor is not None:
+            raise ValueError(f"layer {layer}: a DSpark draft block needs a window-only layer")
+        row = torch.arange(q.shape[0], device=q.device) % block
+        positions, window = positions + (block - 1 - row), window + block
     if attn.compressor is not None:
         _compress(attn.compressor, tables, x)
         if attn.type == LayerType.CSA:
@@ -72,9 +73,27 @@ def attend(attn, tables, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv:
             else:
                 ar = torch.arange(n_max, device=q.device)
                 comp_idx = torch.where(ar[None, :] < visible[:, None], ar[None, :], -1)
-    return ops.sparse_attention(q, tables.positions, tables.seq_ids, kvc.swa[layer], tables.swa_table, comp_pages,
-                                tables.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5,
-                                cfg.sliding_window, fmt)
+    return ops.sparse_attention(q, positions, tables.seq_ids, kvc.swa[layer], tables.swa_table, comp_pages,
+                                tables.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5, window, fmt)
+
+
+def insert_window_kv(attn, tables, kv: torch.Tensor | None, kv_raw: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """Store every token's window KV at its (page, offset) (page −1: skipped): from ``kv_raw`` by the
+    fused ``kv_norm_rope_insert``, or, with validation hooks, the finished ``kv`` the hook saw."""
+    ops, kvc, layer = attn.ops, tables.kvc, attn.layer
+    fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
+    if kv is None:
+        ops.kv_norm_rope_insert(kvc.swa[layer], tables.swa_page, tables.swa_off, kv_raw, attn.kv_norm,
+                                attn.cfg.rms_norm_eps, cos, sin, fmt, SWA_PAGE)
+        return
+    if fmt is not None:
+        ops.kv_insert(kvc.swa[layer], tables.swa_page, tables.swa_off, kv.float(), fmt, SWA_PAGE, False)
+    else:
+        pages = kvc.swa[layer]
+        page = torch.where(tables.swa_page >= 0, tables.swa_page, pages.shape[0] - 1)  # masked: the spare page
+        pages[page, tables.swa_off] = kv.to(pages.dtype)
+    attn._check("k_window", kv)
 
 
 def _compress(comp, tables, x: torch.Tensor) -> None:

@@ -92,28 +92,35 @@ def prompts():
     return prompts_for(37, LENGTHS)
 
 
-def test_greedy_identical_and_caches_rolled_back_with_rejections_at_every_position(tiny_dspark_ckpt, prompts):
-    """Scripted drafts (k=4) rejected at every position and accepted whole: the tokens and
-    logprobs are those without speculation; at every token count the run passes through, every
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_identical_and_caches_rolled_back_with_rejections_at_every_position(tiny_dspark_ckpt, prompts, graphs):
+    """Scripted drafts (k=4) rejected at every position and accepted whole: the tokens (and, eager,
+    logprobs) are those without speculation; at every token count the run passes through, every
     cache kind of every request equals the run without speculation byte for byte (fp8_ds_mla
     records), and each DSpark stage's window holds the context KV of the reference's pass over the
-    final sequence."""
+    final sequence — through the reference attention eagerly, and as graph steps (emulated on the
+    CPU) over the batched paged attention."""
     k = 4
-    base = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", max_model_len=512)
-    spec = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", max_model_len=512, speculative_config=dspark(k))
-    want = run(base, prompts, greedy(NEW))
+    kw = dict(max_model_len=512, attention="batched", backend="torch") if graphs else dict(max_model_len=512)
+    params = greedy(NEW, logprobs=None) if graphs else greedy(NEW)  # (a request with logprobs runs eagerly)
+    base = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", **kw)
+    spec = make_llm(tiny_dspark_ckpt, "fp8_ds_mla", speculative_config=dspark(k), **kw)
+    if graphs:
+        spec.engine.capture_spec_graphs()
+    want = run(base, prompts, params)
     truth = {rid: o.outputs[0].token_ids for rid, o in want.items()}
     scripted = script(spec, truth)
     seen: dict = {}
     record_images(spec, seen)
-    got = run(spec, prompts, greedy(NEW))
+    got = run(spec, prompts, params)
     assert {rid: signature(o) for rid, o in got.items()} == {rid: signature(o) for rid, o in want.items()}
+    assert not graphs or spec.engine.spec_graphs.replays >= NEW // (k + 1)
     st = spec.engine.spec_stats
     assert st.accepted_per_position[k - 1] > 0 and st.num_accepted_tokens < st.num_draft_tokens
     assert min(scripted.calls.values()) >= k  # every request went through every rejection position
     counts = sorted(n for r, n in seen if r == "r2")
     assert any(a < 256 <= b and b - a > 1 for a, b in zip(counts, counts[1:]))  # a verify step closed a block
-    assert_images_match_a_run_without_speculation(base, seen, prompts, greedy(NEW))
+    assert_images_match_a_run_without_speculation(base, seen, prompts, params)
     model, cfg = spec.engine.model, spec.engine.model_config
     layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_draft_layers)
     assert len(layers) == 3
@@ -128,15 +135,17 @@ def test_greedy_identical_and_caches_rolled_back_with_rejections_at_every_positi
     assert_no_leaks(spec)
 
 
-def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckpt):
+@pytest.mark.parametrize("attention", ["reference", "batched"])
+def test_own_drafts_equal_the_models_pass_and_the_confidence_cut(tiny_dspark_ckpt, attention):
     """The DSpark stages' own drafts (k = dspark_block_size = 5, cut at confidence 0.5), several
     requests drafting in one block pass: the tokens are those without speculation, and every
     draft list equals the model's DSpark pass over the same tokens on a dense cache, its
-    confidences included."""
+    confidences included — through the per-request views and through the batched paged pass
+    (which stores the block's KV in the pages and reads it back, rounded as the reference rounds it)."""
     k, cut = 5, 0.5
     ps = prompts_for(5, (40, 75, 9))
-    base = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256)
-    spec = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256,
+    base = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256, attention=attention)
+    spec = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256, attention=attention,
                     speculative_config=dspark(k, dspark_min_confidence=cut))
     eng = spec.engine
     records = record_drafts(eng)
@@ -197,3 +206,52 @@ def test_settings_and_checkpoints_are_checked(tiny_dspark_ckpt, tiny_ckpt):
     eng.model.dspark.confidence_w = None  # a checkpoint without the confidence head
     with pytest.raises(ValueError, match="no confidence head .*mtp.2.confidence_head.proj.weight"):
         DSparkProposer(eng.model, eng.kv, eng.sampler, 2, min_confidence=0.5)
+
+
+def graph_llm(ckpt, k: int, graphs: bool, **kw):
+    llm = make_llm(ckpt, "auto", max_model_len=256, attention="batched", backend="torch",
+                   speculative_config=dspark(k, **kw), async_scheduling=graphs)
+    if graphs:
+        llm.engine.capture_spec_graphs()
+    return llm
+
+
+def test_graph_steps_make_the_eager_proposers_drafts(tiny_dspark_ckpt):
+    """The DSpark step as one graph (emulated on the CPU): at every token count each request gets the
+    drafts and confidences the eager paged proposer gives it (k = 5, cut at confidence 0.5), with
+    requests arriving while others decode (those steps' prefills run eagerly beside the graph step)
+    and async scheduling on; the tokens are those without speculation."""
+    k, cut = 5, 0.5
+    ps = prompts_for(5, (40, 75, 9, 130))
+    base = make_llm(tiny_dspark_ckpt, "auto", max_model_len=256, attention="batched", backend="torch")
+    params = greedy(14, logprobs=None)
+    want = {f"r{i}": base.generate([p], params)[0].outputs[0].token_ids for i, p in enumerate(ps)}
+    runs = {}
+    for graphs in (False, True):
+        llm = graph_llm(tiny_dspark_ckpt, k, graphs, dspark_min_confidence=cut)
+        eng, drafts = llm.engine, {}
+        finish = eng._finish_step
+
+        def recording(schedule, touched, _finish=finish, _drafts=drafts):
+            for sc in schedule:
+                r = sc.req
+                if not r.finished:
+                    _drafts[(r.request_id, r.num_tokens)] = (list(r.drafts.tokens), list(r.drafts.confidence or []))
+            return _finish(schedule, touched)
+
+        eng._finish_step = recording
+        eng.add_request(prompt_token_ids=ps[0], params=params, request_id="r0")
+        for _ in range(3):
+            eng.step()
+        for i, p in enumerate(ps[1:], 1):
+            eng.add_request(prompt_token_ids=p, params=params, request_id=f"r{i}")
+            eng.step()
+        done = eng.run_to_completion(list(want))
+        assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == want
+        runs[graphs] = drafts, eng.spec_graphs.replays if graphs else 0
+        assert not graphs or eng.spec_graphs.continued > 3  # launched from the graph's own next inputs
+        assert_no_leaks(llm)
+    (eager, _), (graph, replays) = runs[False], runs[True]
+    assert graph == eager
+    assert any(t for t, _ in graph.values()) and any(len(t) < k for t, _ in graph.values())  # the cut acted
+    assert replays > 5

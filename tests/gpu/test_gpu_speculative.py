@@ -36,18 +36,21 @@ def test_mtp_greedy_matches_plain_decoding_on_the_gpu(tiny_ckpt, plain_mtp, k, g
     assert checked >= len(LENGTHS) * NEW // 2
 
 
-@pytest.mark.parametrize("k", [2, 5])
-def test_dspark_greedy_matches_plain_decoding_on_the_gpu(tiny_dspark_ckpt, k):
-    """The tiny DSpark checkpoint (8-token vocabulary): its own drafts, a block of k = 2 and of
-    k = dspark_block_size."""
-    spec_llm, spec = greedy_run(tiny_dspark_ckpt, LENGTHS, NEW, seed=7,
+@pytest.mark.parametrize("k,graphs", [(1, True), (2, True), (3, True), (4, True), (5, True), (3, False)])
+def test_dspark_greedy_matches_plain_decoding_on_the_gpu(tiny_dspark_ckpt, k, graphs):
+    """The tiny DSpark checkpoint (8-token vocabulary): its own drafts, blocks of k = 1..4 and of
+    k = dspark_block_size, as CUDA graph steps; requests asking for logprobs take the eager path."""
+    spec_llm, spec = greedy_run(tiny_dspark_ckpt, LENGTHS, NEW, seed=7, logprobs=None if graphs else 2,
                                 speculative_config={"method": "dspark", "num_speculative_tokens": k})
-    assert spec_llm.engine.runner.paged_attention, "fast path must be batched"
-    stats = spec_llm.engine.spec_stats
+    eng = spec_llm.engine
+    assert eng.runner.paged_attention, "fast path must be batched"
+    assert (eng.spec_graphs.replays > 0) == graphs
+    stats = eng.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_draft_tokens <= k * stats.num_drafts
     assert stats.num_confident_drafts == stats.num_drafts
     _, ref = greedy_run(tiny_dspark_ckpt, LENGTHS, NEW, seed=7)
     checked = assert_greedy_agrees(spec, ref, LENGTHS, "the DSpark run (plain decoding: the second)")
-    print(f"dspark k={k}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
-          f"acceptance length {stats.acceptance_length:.2f}; confidence cuts {stats.confidence_cuts()[::5]}")
+    print(f"dspark k={k} graphs={graphs}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
+          f"acceptance length {stats.acceptance_length:.2f}; graph steps {eng.spec_graphs.replays}; "
+          f"confidence cuts {stats.confidence_cuts()[::5]}")
     assert checked >= len(LENGTHS) * NEW // 2
