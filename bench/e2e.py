@@ -498,9 +498,11 @@ def _replay_ms(eng, B: int, sync, steps: int) -> float | None:
     """ms per replay of the CUDA graph a step of B requests runs (the speculative step's, else the
     decode step's) on its last inputs, back to back: the step's device time without the host's."""
     graphs = eng.spec_graphs or eng.runner.graphs
-    if graphs is None or graphs.bucket(B) is None or graphs.graphs[graphs.bucket(B)][0] is None:
+    b = graphs.bucket(B) if graphs is not None else None
+    key = (b, False) if eng.spec_graphs is not None else b  # (the greedy speculative step's)
+    if b is None or graphs.graphs[key][0] is None:
         return None
-    return _time_replays(graphs.graphs[graphs.bucket(B)][0], sync, steps)
+    return _time_replays(graphs.graphs[key][0], sync, steps)
 
 
 def _time_replays(graph, sync, steps: int) -> float:

@@ -11,9 +11,11 @@ import torch
 TOL = 0.05  # nats
 
 
-def greedy_run(ckpt, lengths, new: int, seed: int, logprobs: int | None = 2, **settings):
+def greedy_run(ckpt, lengths, new: int, seed: int, logprobs: int | None = 2, params: dict | None = None,
+               **settings):
     """An LLM on ``ckpt`` (``settings`` added) and its greedy outputs (top-2 logprobs; ``logprobs=None``:
-    none, the requests plain greedy) for random prompts of ``lengths``."""
+    none, the requests plain greedy) for random prompts of ``lengths``; ``params``: sampling
+    parameters that replace greedy's (e.g. top-k 1 sampling, whose tokens are greedy's)."""
     from dsv4.config import load_config
     from dsv4.engine.sampling_params import SamplingParams
     from dsv4.llm import LLM
@@ -23,8 +25,8 @@ def greedy_run(ckpt, lengths, new: int, seed: int, logprobs: int | None = 2, **s
     prompts = [torch.randint(3, hi, (n,), generator=g).tolist() for n in lengths]
     llm = LLM(str(ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024, kv_cache_memory=1 << 30,
               max_num_seqs=16, max_num_batched_tokens=512, **settings)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
-                                                         logprobs=logprobs))
+    outs = llm.generate(prompts, SamplingParams(**{"temperature": 0, "max_tokens": new, "ignore_eos": True,
+                                                   "logprobs": logprobs, **(params or {})}))
     return llm, [o.outputs[0] for o in outs]
 
 

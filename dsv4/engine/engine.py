@@ -27,10 +27,11 @@ from .errors import EngineDeadError, RequestError
 from .outputs import RequestOutput
 from .request import Drafts, Request
 from .runner import ModelRunner
-from .sampler import Sampler, greedy_picks, plain_greedy
+from .sampler import Sampler, greedy_picks, plain, plain_greedy
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .settings import EngineConfig
+from .spec_graphs import Sampling
 from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify, verify_picks
 from .structured import GrammarCompiler, bitmask_rows
 
@@ -640,8 +641,9 @@ class LLMEngine:
             req = sc.req
             s = req.alloc.num_computed
             ok = (s == req.num_tokens - 1 and 1 <= sc.num_tokens <= k + 1 and sc.num_tokens - 1 <= len(req.drafts)
-                  and plain_greedy(req) and req.guide is None and req.params.prompt_logprobs is None
-                  and s + g.reach <= self.max_model_len)
+                  and plain(req) and (g.sampled or req.params.greedy) and req.guide is None
+                  and req.params.prompt_logprobs is None and s + g.reach <= self.max_model_len
+                  and (req.params.greedy or req.drafts.probs is not None or sc.num_tokens == 1))
             (part if ok else rest).append(sc)
         # the drafter writes its windows up to ``reach`` positions past the computed tokens
         if part and (g.bucket(len(part)) is None or not all(kv.try_allocate(sc.req.alloc, g.reach) for sc in part)):
@@ -655,8 +657,21 @@ class LLMEngine:
         reqs = [sc.req for sc in part]
         tokens = [req.token_slice(req.alloc.num_computed, req.num_tokens) + req.drafts.tokens[:sc.num_tokens - 1]
                   for req, sc in zip(reqs, part)]
+        sampling = [None if r.params.greedy else
+                    Sampling(self._sampling_settings(r), self._uniforms(r), (r.drafts.probs or [])[:sc.num_tokens - 1])
+                    for r, sc in zip(reqs, part)]
         return self.spec_graphs.launch(part, [r.alloc.num_computed for r in reqs], tokens,
-                                       [r.params.max_tokens - len(r.output_token_ids) for r in reqs])
+                                       [r.params.max_tokens - len(r.output_token_ids) for r in reqs], sampling)
+
+    @staticmethod
+    def _sampling_settings(req) -> tuple[float, float, float, float]:
+        p = req.params
+        return float(p.temperature), float(max(p.top_k, 0)), float(p.top_p), float(p.min_p)
+
+    def _uniforms(self, req) -> list[float]:
+        """A sampled request's uniforms for one graph step, from its generator."""
+        gen = self.sampler.generator_of(req)
+        return torch.rand(self.spec_graphs.uniforms, generator=gen, dtype=torch.float64).tolist()
 
     def _run_spec_step(self, schedule) -> tuple[object, list]:
         """A step's graph part launched (or None) and the chunks left to the eager path."""
@@ -681,7 +696,10 @@ class LLMEngine:
             if a.num_computed + ahead > self.max_model_len or not self.kv.try_allocate(a, ahead):
                 return None
         self.kv.wait_copies()
-        return g.continue_step(prev.schedule)
+        sampled = prev.probs is not None
+        sampling = [Sampling((), self._uniforms(sc.req), []) if sampled and not sc.req.params.greedy else None
+                    for sc in prev.schedule]
+        return g.continue_step(prev.schedule, sampling, sampled)
 
     def _read_spec(self, launched) -> list[RequestOutput]:
         """Apply a graph step's results: each request's verified tokens (``verify_picks``: the eager
@@ -689,7 +707,7 @@ class LLMEngine:
         g, kv = self.spec_graphs, self.kv
         k = g.k
         touched: dict[str, None] = {}
-        for sc, row in zip(launched.schedule, launched.rows()):
+        for i, (sc, row) in enumerate(zip(launched.schedule, launched.rows())):
             req = sc.req
             if req.finished:  # aborted or failed while in flight, or stopped at the step before
                 continue
@@ -715,7 +733,8 @@ class LLMEngine:
                 if conf is not None:  # the drafts end before the first below the confidence cut
                     want = min(want, next((i for i, c in enumerate(conf) if c < g.min_confidence), k))
                 if want > 0:
-                    req.drafts = Drafts(new[:want], None, None if conf is None else conf[:want])
+                    probs = None if req.params.greedy else list(launched.probs[i, :want])
+                    req.drafts = Drafts(new[:want], probs, None if conf is None else conf[:want])
         return self._finish_step(launched.schedule, touched)
 
     def _propose(self, schedule, batch) -> None:

@@ -71,9 +71,42 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int, decode=None) -> dic
 def plain_greedy(req: Request) -> bool:
     """Whether ``req``'s next token is just the first argmax of its raw logits (no penalties, EOS or
     stop-id bans, logit bias, grammar, logprobs): the rows `greedy_picks` may pick on the device."""
+    return req.params.greedy and plain(req)
+
+
+def plain(req: Request) -> bool:
+    """Whether ``req``'s next token depends only on its raw logits row and its temperature, top-k,
+    top-p and min-p (no penalties, EOS or stop-id bans, logit bias, grammar, logprobs): rows that can
+    be sampled on the device (``device_dists``) — each row's distribution is then the same whatever
+    tokens came before it in the step."""
     p = req.params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and not p.adjusts_logits and len(req.output_token_ids) >= p.min_tokens)
+    return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and not p.adjusts_logits and len(req.output_token_ids) >= p.min_tokens)
+
+
+def device_dists(x: torch.Tensor, settings: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, V] on ``x``'s device: each row's sampling distribution, the softmax of
+    ``filter_logits(row / temperature, top_k, top_p, min_p)`` (the host sampler's), for rows x [n, V]
+    with ``settings`` [n, 4] = (temperature > 0, top_k, top_p, min_p). Fixed shapes, no host sync
+    (CUDA-graph capturable): the filters act on one descending stable sort of each row."""
+    t, top_k, top_p, min_p = (settings[:, i:i + 1].to(torch.float32) for i in range(4))
+    s, order = torch.sort(x.float() / t.clamp(min=1e-6), dim=-1, descending=True, stable=True)
+    v = s.shape[1]
+    kth = s.gather(1, (top_k.long().clamp(1, v) - 1))
+    s = s.masked_fill((top_k > 0) & (top_k < v) & (s < kth), float("-inf"))
+    pr = torch.softmax(s, dim=-1)
+    s = s.masked_fill((min_p > 0) & (pr < min_p * pr[:, :1]), float("-inf"))
+    pr = torch.softmax(s, dim=-1)
+    s = s.masked_fill((top_p < 1.0) & ((torch.cumsum(pr, dim=-1) - pr) >= top_p), float("-inf"))
+    return torch.empty_like(pr).scatter_(1, order, torch.softmax(s, dim=-1))
+
+
+def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: a draw from each row of p [n, V] (non-negative, not necessarily normalized) for
+    uniforms u [n] in [0, 1): the first token whose cumulative mass exceeds u × the row's mass (a
+    token of zero mass is never drawn)."""
+    cdf = torch.cumsum(p.double(), dim=-1)
+    return (cdf <= u.double()[:, None] * cdf[:, -1:]).sum(-1).clamp(max=p.shape[1] - 1)
 
 
 def device_picks(x: torch.Tensor, pick=None) -> torch.Tensor:

@@ -48,7 +48,7 @@ from ..cache.tables import StepTables, request_rows, split
 from ..model.attention import SeqChunk
 from ..model.cache import SWA_PAGE
 from .cuda_graphs import buckets_for, capture_buckets, record
-from .sampler import device_picks
+from .sampler import device_dists, device_picks, inverse_cdf
 from .staging import HostStaging
 
 log = logging.getLogger("dsv4.engine")
@@ -68,6 +68,7 @@ class Launched:
     after: "Launched | None" = None  # the step this one continued from (``continue_step``)
     # request ids whose host state, once this step was read, is the one the graph's next inputs assume
     consistent: set = field(default_factory=set)
+    probs: torch.Tensor | None = None  # sampled steps: the new drafts' distributions [n, k, V] (device)
 
     def rows(self) -> list[list[int]]:
         if self.done is not None:
@@ -75,13 +76,34 @@ class Launched:
         return self.host.tolist()
 
 
-class SpecGraphs:
-    """Captured greedy speculative steps for ``k`` drafts; ``launch`` / ``continue_step`` replay one.
+@dataclass
+class Sampling:
+    """A sampled request's part of a step: (temperature, top_k, top_p, min_p), the uniforms its
+    rejection rule and draws use (``SpecGraphs.uniforms`` of them, from its generator) and its
+    drafts' distributions (host or device rows [V], one per draft)."""
 
-    ``method``: "mtp" or "dspark" (``min_confidence``: DSpark's confidence cut)."""
+    settings: tuple[float, float, float, float]
+    uniforms: list[float]
+    probs: list[torch.Tensor]
+
+
+def accept_drafts(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """The rejection rule's test, on the device: keep a draft drawn from q with probability
+    min(1, p/q) (``speculative._judge``'s comparison, for all drafts at once)."""
+    return u * q_draft <= p_draft
+
+
+class SpecGraphs:
+    """Captured speculative steps for ``k`` drafts; ``launch`` / ``continue_step`` replay one.
+
+    ``method``: "mtp" or "dspark" (``min_confidence``: DSpark's confidence cut). Each bucket has a
+    greedy graph and, with ``sampled``, one that also samples (``Sampling``): its lanes with a
+    temperature draw their drafts, judge them by the rejection rule and draw the replacement or
+    bonus token on the device, from uniforms the host drew from each request's generator."""
 
     def __init__(self, model, kvc, k: int, max_num_seqs: int, max_model_len: int, pick=None,
-                 max_tokens: int = MAX_GRAPH_TOKENS, method: str = "mtp", min_confidence: float = 0.0):
+                 max_tokens: int = MAX_GRAPH_TOKENS, method: str = "mtp", min_confidence: float = 0.0,
+                 sampled: bool = True):
         if k < 1:
             raise ValueError(f"speculative graphs need at least one draft token, got k={k}")
         if method not in ("mtp", "dspark") or (method == "dspark") != (model.dspark is not None):
@@ -90,31 +112,36 @@ class SpecGraphs:
         self.model, self.kvc, self.k, self.pick = model, kvc, k, pick
         self.dspark = model.dspark if method == "dspark" else None
         self.min_confidence = min_confidence
+        self.sampled = sampled
         # the drafts' confidences travel back beside them (as the bits of float64 values)
         self.confidences = self.dspark is not None and self.dspark.has_confidence
         # positions past a request's computed tokens a step writes: the verify chunk (k + 1), then
         # MTP's chain up to k − 1 past the kept ones, DSpark's block of k
         self.reach = 2 * k + (self.dspark is not None)
+        self.uniforms = 2 * k + 1  # per sampled request and step: k tests, the replacement or bonus, k drafts
         self.max_model_len = max_model_len
         self.n_swa = -(-max_model_len // SWA_PAGE)
         self.n_blk = -(-max_model_len // 256)
         self.buckets = [b for b in buckets_for(max_num_seqs) if b * (k + 1) <= max_tokens] or [1]
-        self.graphs: dict[int, tuple] = {}  # bucket → (graph or None, result tensor or None, static inputs)
+        # (bucket, sampled) → (graph or None, result tensor or None, static inputs)
+        self.graphs: dict[tuple[int, bool], tuple] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # bucket → its static int64 inputs, one buffer
+        self.q: dict[int, torch.Tensor] = {}  # bucket → the drafts' distributions [b, k, V] fp32 (sampled)
         self.staging = HostStaging(kvc.device)
         self.capture_seconds = 0.0
         self.replays = 0  # steps run by a graph (emulated ones on the CPU too)
         self.continued = 0  # of which launched from the graph's own next inputs
 
     def shapes(self, b: int) -> list[tuple[int, ...]]:
-        """Bucket ``b``'s static inputs in their buffer: first ``request_rows``' parts (slots, window
-        and block tables: all a continued step stages), then token ids, positions, n_drafts and the
-        tokens each request may still produce (its max_tokens left)."""
+        """Bucket ``b``'s static inputs in their buffer: first what a continued step stages —
+        ``request_rows``' parts (slots, window and block tables) and the sampled lanes' uniforms —
+        then token ids, positions, n_drafts, the tokens each request may still produce (its
+        max_tokens left) and the sampling settings (uniforms and settings: float64 bits)."""
         t = b * (self.k + 1)
-        return [(b,), (b, self.n_swa), (b, self.n_blk), (t,), (t,), (b,), (b,)]
+        return [(b,), (b, self.n_swa), (b, self.n_blk), (b, self.uniforms), (t,), (t,), (b,), (b,), (b, 4)]
 
-    def _table_len(self, b: int) -> int:
-        return sum(math.prod(s) for s in self.shapes(b)[:3])
+    def _staged_len(self, b: int) -> int:
+        return sum(math.prod(s) for s in self.shapes(b)[:4])
 
     def _static(self, b: int):
         """Bucket ``b``'s static inputs, every lane spare: (buffer, its tensors)."""
@@ -123,14 +150,16 @@ class SpecGraphs:
         views = split(flat, [(range(math.prod(s)), s) for s in shapes])
         for dst, (src, _) in zip(views, request_rows([], b, self.n_swa, self.n_blk, kvc)):
             dst.copy_(torch.tensor(src, dtype=torch.long).view(dst.shape))
-        views[4].copy_(torch.arange(per).repeat(b))  # spare lanes: positions 0 .. k
+        views[5].copy_(torch.arange(per).repeat(b))  # spare lanes: positions 0 .. k
         return flat, views
 
-    def _body(self, b: int, st: list[torch.Tensor]) -> torch.Tensor:
+    def _body(self, b: int, st: list[torch.Tensor], sampled: bool) -> torch.Tensor:
         """The step at fixed shapes (see the module docstring): int64 [b, 2(k + 1) + 1 + k (+ k)] =
-        picks, finite flags, accepted counts, drafts (and their confidences' float64 bits); the next
-        step's inputs are written over ``st``'s."""
-        slots, swa_table, block_table, ids, positions, n_drafts, left = st
+        each row's token (a greedy lane's pick; a sampled lane's draft where kept, then the
+        replacement or bonus), finite flags, accepted counts, drafts (and their confidences' float64
+        bits); the next step's inputs are written over ``st``'s."""
+        slots, swa_table, block_table, uni, ids, positions, n_drafts, left, settings = st
+        uni, settings = uni.view(torch.float64), settings.view(torch.float64)
         k, m, dev = self.k, self.model, ids.device
         per = k + 1
         lanes = torch.arange(b, device=dev)
@@ -145,54 +174,101 @@ class SpecGraphs:
                         aux_layers=aux)
         both = device_picks(out.logits, self.pick)  # [2, b·per]
         picks = both[0].view(b, per)
-        match = (picks[:, :k] == ids.view(b, per)[:, 1:]) & (torch.arange(k, device=dev) < n_drafts[:, None])
-        acc = match.long().cumprod(1).sum(1)
-        if self.dspark is not None:
-            drafts, extra, n_ok = self._dspark_drafts(b, out.aux, tables, picks, acc, start, st)
+        drafted = ids.view(b, per)[:, 1:]
+        within = torch.arange(k, device=dev) < n_drafts[:, None]
+        if not sampled:
+            acc = ((picks[:, :k] == drafted) & within).long().cumprod(1).sum(1)
+            tokens, nxt = picks, picks.gather(1, acc[:, None])[:, 0]
         else:
-            drafts, extra, n_ok = self._mtp_drafts(b, out, tables, both[0], acc, start, st), None, None
-        parts = [both.view(2, b, per).transpose(0, 1).reshape(b, 2 * per), acc[:, None], drafts]
+            acc, tokens, nxt = self._judge(b, out.logits, picks, drafted, within, n_drafts, uni, settings)
+        draw = self._drawer(b, sampled, uni, settings)
+        if self.dspark is not None:
+            drafts, extra, n_ok = self._dspark_drafts(b, out.aux, tables, nxt, acc, start, st, draw)
+        else:
+            drafts, extra, n_ok = self._mtp_drafts(b, out, tables, tokens.reshape(-1), acc, start, st, draw), None, None
+        parts = [tokens, both[1].view(b, per), acc[:, None], drafts]
         res = torch.cat(parts + ([extra] if extra is not None else []), 1)
-        # the next step's inputs: the chunk after the kept tokens, its bonus pick and the new drafts
+        # the next step's inputs: the chunk after the kept tokens, its bonus token and the new drafts
         # (a spare lane, ``left`` 0, stays where it is)
         left_next = (left - acc - 1).clamp(min=0)
         positions.add_(((acc + 1) * (left > 0)).repeat_interleave(per))
-        ids.copy_(torch.cat([picks.gather(1, acc[:, None]), drafts], 1).view(-1))
+        ids.copy_(torch.cat([nxt[:, None], drafts], 1).view(-1))
         nd = (left_next - 1).clamp(0, k)
         n_drafts.copy_(nd if n_ok is None else torch.minimum(nd, n_ok))
         left.copy_(left_next)
         return res
 
-    def _mtp_drafts(self, b: int, out, tables: StepTables, picks: torch.Tensor, acc: torch.Tensor,
-                    start: torch.Tensor, st: list[torch.Tensor]) -> torch.Tensor:
-        """[b, k] drafts: the MTP layer over every verify row, then k − 1 passes of one row each."""
+    def _judge(self, b: int, logits: torch.Tensor, picks: torch.Tensor, drafted: torch.Tensor, within: torch.Tensor,
+               n_drafts: torch.Tensor, uni: torch.Tensor, settings: torch.Tensor):
+        """(accepted counts [b], each row's token [b, k + 1], the token after the kept drafts [b]):
+        greedy lanes by their picks; sampled lanes by the rejection rule against their drafts'
+        distributions (``self.q``), the replacement drawn from the normalized max(0, p − q) at the
+        first rejected draft, or the bonus from p after the last."""
+        k, per = self.k, self.k + 1
+        lanes = torch.arange(b, device=picks.device)
+        sampling = settings[:, 0] > 0
+        p = device_dists(logits, settings.repeat_interleave(per, 0)).view(b, per, -1)
+        q = self.q[b]
+        ok = torch.where(sampling[:, None],
+                         accept_drafts(uni[:, :k], p[:, :k].gather(2, drafted[..., None])[..., 0],
+                                       q.gather(2, drafted[..., None])[..., 0]),
+                         picks[:, :k] == drafted)
+        acc = (ok & within).long().cumprod(1).sum(1)
+        p_acc = p[lanes, acc]
+        r = (p_acc - q[lanes, acc.clamp(max=k - 1)] * (acc < n_drafts)[:, None]).clamp(min=0)
+        r = torch.where(r.sum(-1, keepdim=True) > 0, r, p_acc)  # p = q: the draft would have been kept
+        nxt = torch.where(sampling, inverse_cdf(r, uni[:, k]), picks.gather(1, acc[:, None])[:, 0])
+        j = torch.arange(per, device=picks.device)
+        kept = torch.cat([drafted, nxt[:, None]], 1)  # row j < acc: its draft, kept
+        mine = torch.where(j < acc[:, None], kept, torch.where(j == acc[:, None], nxt[:, None], picks))
+        return acc, torch.where(sampling[:, None], mine, picks), nxt
+
+    def _drawer(self, b: int, sampled: bool, uni: torch.Tensor, settings: torch.Tensor):
+        """``draw(logits [b, V], i)`` → draft i of every lane: the first argmax, or (a sampled lane)
+        a draw from its distribution, kept in ``self.q`` for the next step's rejection rule."""
+        k = self.k
+
+        def draw(logits: torch.Tensor, i: int) -> torch.Tensor:
+            g = device_picks(logits, self.pick)[0]
+            if not sampled:
+                return g
+            q = device_dists(logits, settings)
+            self.q[b][:, i].copy_(q)  # (this step's rule has read the row already)
+            return torch.where(settings[:, 0] > 0, inverse_cdf(q, uni[:, k + 1 + i]), g)
+
+        return draw
+
+    def _mtp_drafts(self, b: int, out, tables: StepTables, tokens: torch.Tensor, acc: torch.Tensor,
+                    start: torch.Tensor, st: list[torch.Tensor], draw) -> torch.Tensor:
+        """[b, k] drafts: the MTP layer over every verify row (row j's next token: ``tokens`` at j),
+        then k − 1 passes of one row each."""
         slots, swa_table, block_table = st[:3]
         k, m, per = self.k, self.model, self.k + 1
-        lanes = torch.arange(b, device=picks.device)
+        lanes = torch.arange(b, device=tokens.device)
         last = lanes * per + acc
-        mo = m.mtp_forward(picks, out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
+        mo = m.mtp_forward(tokens, out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
                            tables=tables)
-        draft = device_picks(mo.logits, self.pick)[0]
+        draft = draw(mo.logits, 0)
         drafts, s = [draft], mo.streams[last]
         for j in range(1, k):
             pos = start + acc + j
             t = StepTables(self.kvc, [], pos, lanes, swa_table, block_table, slots,
                            *self._window_slots(swa_table, lanes, pos), True, self.max_model_len)
             mo = m.mtp_forward(draft, s, [SeqChunk(None, 0, 1) for _ in range(b)], logits_rows=lanes, tables=t)
-            draft = device_picks(mo.logits, self.pick)[0]
+            draft = draw(mo.logits, j)
             drafts.append(draft)
             s = mo.streams
         return torch.stack(drafts, 1)
 
-    def _dspark_drafts(self, b: int, aux: torch.Tensor, tables: StepTables, picks: torch.Tensor, acc: torch.Tensor,
-                       start: torch.Tensor, st: list[torch.Tensor]):
+    def _dspark_drafts(self, b: int, aux: torch.Tensor, tables: StepTables, anchor: torch.Tensor, acc: torch.Tensor,
+                       start: torch.Tensor, st: list[torch.Tensor], draw):
         """([b, k] drafts, their confidences' float64 bits [b, k] and the confident drafts per request
-        [b], or None and None): every verify row's context KV, then one block pass per request."""
+        [b], or None and None): every verify row's context KV, then one block pass per request from
+        its ``anchor`` (the token after the kept ones)."""
         slots, swa_table, block_table = st[:3]
-        k, m, d, dev = self.k, self.model, self.dspark, picks.device
+        k, m, d, dev = self.k, self.model, self.dspark, anchor.device
         lanes = torch.arange(b, device=dev)
         m.dspark_context(aux, [], tables)
-        anchor = picks.gather(1, acc[:, None])[:, 0]
         ids = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), d.noise_token_id)], 1).view(-1)
         pos = ((start + acc + 1)[:, None] + torch.arange(k, device=dev)).view(-1)
         seq = lanes.repeat_interleave(k)
@@ -206,7 +282,7 @@ class SpecGraphs:
             c = d.confidence(h[rows], e)
             if c is not None:
                 confs.append(c)
-            prev = device_picks(logits[rows] + bias, self.pick)[0]
+            prev = draw(logits[rows] + bias, i)
             drafts.append(prev)
         drafts = torch.stack(drafts, 1)
         if not confs:
@@ -215,8 +291,8 @@ class SpecGraphs:
         return drafts, conf.view(torch.int64), (conf >= self.min_confidence).long().cumprod(1).sum(1)
 
     def read_row(self, row: list[int]):
-        """A request's row of the step's results: (picks, finite flags, accepted count, drafts,
-        their confidences or None)."""
+        """A request's row of the step's results: (tokens, finite flags, accepted count, drafts, their
+        confidences or None)."""
         k = self.k
         conf = None
         if self.confidences:
@@ -231,34 +307,52 @@ class SpecGraphs:
 
     def capture(self) -> None:
         self.capture_seconds = capture_buckets(self.buckets, self._capture)
-        log.info("captured speculative (%s k=%d) CUDA graphs for batch sizes %s in %.1f s",
-                 "DSpark" if self.dspark is not None else "MTP", self.k, self.buckets, self.capture_seconds)
+        log.info("captured speculative (%s k=%d%s) CUDA graphs for batch sizes %s in %.1f s",
+                 "DSpark" if self.dspark is not None else "MTP", self.k, ", greedy and sampled" if self.sampled else "",
+                 self.buckets, self.capture_seconds)
+
+    def _families(self) -> list[bool]:
+        return [False, True] if self.sampled else [False]
 
     def forward_once(self) -> None:
         """Every bucket's step, eagerly, nothing captured (what ``engine.precompile`` lists)."""
         for b in reversed(self.buckets):
-            self._body(b, self._static(b)[1])
+            st = self._static(b)[1]
+            for sampled in self._families():
+                self._alloc_q(b, sampled)
+                self._body(b, st, sampled)
+
+    def _alloc_q(self, b: int, sampled: bool) -> None:
+        if sampled and b not in self.q:
+            self.q[b] = torch.zeros(b, self.k, self.model.cfg.vocab_size, device=self.kvc.device)
 
     def _capture(self, b: int, pool):
         flat, st = self._static(b)
         self.inputs[b] = flat
-        if self.kvc.device.type != "cuda":  # emulation (tests on CPU): the same static inputs, run at replay
-            self.graphs[b] = (None, None, st)
-            return pool
-        graph, res = record(lambda: self._body(b, st), pool)
-        self.graphs[b] = (graph, res, st)  # the inputs stay alive with the graph
-        return graph.pool()
+        for sampled in self._families():
+            self._alloc_q(b, sampled)
+            if self.kvc.device.type != "cuda":  # emulation (tests on CPU): the same static inputs, run at replay
+                self.graphs[(b, sampled)] = (None, None, st)
+                continue
+            graph, res = record(lambda: self._body(b, st, sampled), pool)
+            self.graphs[(b, sampled)] = (graph, res, st)  # the inputs stay alive with the graph
+            pool = graph.pool()
+        return pool
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def launch(self, schedule, starts: list[int], tokens: list[list[int]], left: list[int]) -> Launched | None:
+    def launch(self, schedule, starts: list[int], tokens: list[list[int]], left: list[int],
+               sampling: list[Sampling | None] | None = None) -> Launched | None:
         """Replay the step of the scheduled requests whose chunks start at ``starts`` with ``tokens``
-        (each: its last token, then its drafts), ``left`` tokens each may still produce; None if no
-        graph takes it (too many requests, a page list wider than the tables)."""
+        (each: its last token, then its drafts), ``left`` tokens each may still produce and, for a
+        sampled one, its ``Sampling``; None if no graph takes it (too many requests, a page list
+        wider than the tables, sampling without the sampled graphs)."""
         n, k = len(schedule), self.k
         b = self.bucket(n)
-        rows = None if b is None or b not in self.inputs else self._rows(schedule, b)
+        sampling = sampling or [None] * n
+        sampled = any(x is not None for x in sampling)
+        rows = None if b is None or (b, sampled) not in self.graphs else self._rows(schedule, b)
         if rows is None:
             return None
         pad = b - n
@@ -268,37 +362,56 @@ class SpecGraphs:
             + array.array("q", range(k + 1)) * pad
         nd = array.array("q", (len(tk) - 1 for tk in tokens)) + array.array("q", [0]) * pad
         lf = array.array("q", left) + array.array("q", [0]) * pad
+        settings = _bits([v for x in sampling for v in (x.settings if x is not None else (0.0,) * 4)]
+                         + [0.0] * (4 * pad))
         t = b * (k + 1)
-        self.staging.upload(rows + [(ids, (t,)), (pos, (t,)), (nd, (b,)), (lf, (b,))], into=self.inputs[b])
-        return self._replay(schedule, b)
+        self.staging.upload(rows + [(self._uniforms(sampling, b), (b, self.uniforms)), (ids, (t,)), (pos, (t,)),
+                                    (nd, (b,)), (lf, (b,)), (settings, (b, 4))], into=self.inputs[b])
+        if sampled:  # the drafts' distributions, for the rule (the eager proposer's, or an earlier step's)
+            q = self.q[b]
+            for i, x in enumerate(sampling):
+                if x is not None and x.probs:
+                    q[i, :len(x.probs)].copy_(torch.stack([r.to(q.device) for r in x.probs]), non_blocking=True)
+        return self._replay(schedule, b, sampled)
 
-    def continue_step(self, schedule) -> Launched | None:
-        """Replay the step after ``schedule``'s last one from the graph's own next inputs (the host has
-        not read that step yet); only the page tables are staged, the requests' pages must cover
-        the chunks and drafts of both steps. None if the graph cannot take it."""
+    def continue_step(self, schedule, sampling: list[Sampling | None] | None = None,
+                      sampled: bool = False) -> Launched | None:
+        """Replay the step after ``schedule``'s last one (of the ``sampled`` family) from the graph's
+        own next inputs (the host has not read that step yet); only the page tables and the sampled
+        requests' new uniforms are staged, the requests' pages must cover the chunks and drafts of
+        both steps. None if the graph cannot take it."""
         b = self.bucket(len(schedule))
-        rows = None if b is None or b not in self.inputs else self._rows(schedule, b)
+        rows = None if b is None or (b, sampled) not in self.graphs else self._rows(schedule, b)
         if rows is None:
             return None
-        self.staging.upload(rows, into=self.inputs[b][:self._table_len(b)])
+        sampling = sampling or [None] * len(schedule)
+        self.staging.upload(rows + [(self._uniforms(sampling, b), (b, self.uniforms))],
+                            into=self.inputs[b][:self._staged_len(b)])
         self.continued += 1
-        return self._replay(schedule, b)
+        return self._replay(schedule, b, sampled)
+
+    def _uniforms(self, sampling: list, b: int) -> array.array:
+        u = self.uniforms
+        return _bits([v for x in sampling for v in (x.uniforms if x is not None else [0.0] * u)]
+                     + [0.0] * (u * (b - len(sampling))))
 
     def _rows(self, schedule, b: int):
         return request_rows([sc.req.alloc for sc in schedule], b, self.n_swa, self.n_blk, self.kvc)
 
-    def _replay(self, schedule, b: int) -> Launched:
+    def _replay(self, schedule, b: int, sampled: bool) -> Launched:
         self.replays += 1
-        graph, res, st = self.graphs[b]
+        graph, res, st = self.graphs[(b, sampled)]
         n = len(schedule)
         if graph is None:
-            return Launched(schedule, self._body(b, st)[:n], None)
+            res = self._body(b, st, sampled)
+            return Launched(schedule, res[:n], None, probs=self.q[b][:n].clone() if sampled else None)
         graph.replay()
+        probs = self.q[b][:n].clone() if sampled else None  # (the next replay overwrites the buffer)
         host = torch.empty(res[:n].shape, dtype=res.dtype, pin_memory=True)
         host.copy_(res[:n], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Launched(schedule, host, done)
+        return Launched(schedule, host, done, probs=probs)
 
     def release(self) -> None:
         for graph, *_ in self.graphs.values():
@@ -306,4 +419,12 @@ class SpecGraphs:
                 graph.reset()
         self.graphs.clear()
         self.inputs.clear()
+        self.q.clear()
         self.buckets = []
+
+
+def _bits(values: list[float]) -> array.array:
+    """float64 values as the int64 words of the graphs' one static buffer."""
+    out = array.array("q")
+    out.frombytes(array.array("d", values).tobytes())
+    return out

@@ -192,6 +192,7 @@ def _judge(sampler: Sampler, req: Request, x: torch.Tensor, draft: int, q: torch
     if req.params.greedy:
         return _first_argmax(x)  # (the draft exactly when it is the target's pick)
     p = torch.softmax(x, dim=-1)
+    q = q.to(p.device)  # (a graph step's drafts keep their distributions on the device)
     gen = sampler.generator_of(req)
     u = float(torch.rand(1, generator=gen))
     if u * float(q[draft]) <= float(p[draft]):

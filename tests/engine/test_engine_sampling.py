@@ -9,7 +9,16 @@ import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 from dsv4.engine.request import Request
-from dsv4.engine.sampler import Sampler, _first_argmax, apply_penalties, filter_logits, greedy_picks, plain_greedy
+from dsv4.engine.sampler import (
+    Sampler,
+    _first_argmax,
+    apply_penalties,
+    device_dists,
+    filter_logits,
+    greedy_picks,
+    inverse_cdf,
+    plain_greedy,
+)
 from dsv4.engine.sampling_params import SamplingParams
 
 NEG = float("-inf")
@@ -110,6 +119,35 @@ def _req(prompt, output, **kw) -> Request:
     r = Request("u", prompt, SamplingParams(**kw))
     r.output_token_ids = list(output)
     return r
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_dists_are_the_host_samplers_distributions(seed):
+    """The speculative graphs' row-wise distributions (per-row temperature, top-k, top-p, min-p on one
+    sort) against softmax(filter_logits(row / temperature)) on fresh random rows, ties included."""
+    g = torch.Generator().manual_seed(seed)
+    n, v = 24, 300
+    x = torch.randn(n, v, generator=g) * 3
+    x[::3, :40] = x[::3, :1]  # a block of equal logits: top-k keeps every tie, as filter_logits does
+    settings = torch.stack([torch.rand(n, generator=g) * 1.5 + 0.2,
+                            torch.randint(-1, 60, (n,), generator=g).clamp(min=0).float(),
+                            torch.where(torch.rand(n, generator=g) < 0.3, 1.0, torch.rand(n, generator=g) * 0.9 + 0.05),
+                            torch.where(torch.rand(n, generator=g) < 0.5, 0.0, torch.rand(n, generator=g) * 0.2)], 1)
+    got = device_dists(x, settings.double())
+    for i in range(n):
+        t, k, p, m = settings[i].tolist()
+        want = torch.softmax(filter_logits(x[i] / t, int(k), p, m), dim=-1)
+        assert torch.equal(got[i] > 0, want > 0), i  # the same tokens kept
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-7)
+
+
+def test_inverse_cdf_draws_by_the_cumulative_mass():
+    p = torch.tensor([[0.2, 0.0, 0.5, 0.3], [0.0, 0.0, 2.0, 2.0]])  # (rows need not be normalized)
+    for u, want in [(0.0, [0, 2]), (0.1, [0, 2]), (0.21, [2, 2]), (0.69, [2, 3]), (0.71, [3, 3]), (0.999, [3, 3])]:
+        assert inverse_cdf(p, torch.full((2,), u)).tolist() == want, u
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(inverse_cdf(p[:1].expand(len(u), -1), u), minlength=4).double() / len(u)
+    torch.testing.assert_close(counts, p[0].double(), atol=5e-3, rtol=0)  # zero mass: never drawn
 
 
 def test_apply_penalties_as_defined():

@@ -35,7 +35,7 @@ from engine_helpers import make_llm
 
 from dsv4.canary import default_model_dir
 from dsv4.canary.tokenizer import CharCodec
-from dsv4.engine import speculative
+from dsv4.engine import spec_graphs, speculative
 from dsv4.engine.sampler import filter_logits
 from dsv4.engine.sampling_params import SamplingParams
 
@@ -56,14 +56,18 @@ def prompt_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def llms():
-    """Without and with speculation (k=2); batched paged attention (its torch ops: under the suite's
-    ``TRITON_INTERPRET=1`` the registry would pick the interpreted kernels), the default cache dtype."""
+    """Without speculation, with it (k=2) and with it as graph steps (emulated on the CPU: the rule,
+    the residual draw and the drafts' draws on the device); batched paged attention (its torch ops:
+    under the suite's ``TRITON_INTERPRET=1`` the registry would pick the interpreted kernels), the
+    default cache dtype."""
     base = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048, attention="batched",
                 backend="torch")
     plain = make_llm(default_model_dir(), "auto", **base)
-    spec = make_llm(default_model_dir(), "auto", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                    **base)
-    return plain, spec
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = make_llm(default_model_dir(), "auto", speculative_config=mtp, **base)
+    graphs = make_llm(default_model_dir(), "auto", speculative_config=mtp, **base)
+    graphs.engine.capture_spec_graphs()
+    return {"plain": plain, "mtp": spec, "mtp-graphs": graphs}
 
 
 def exact_sequences(model, prompt_ids: list[int], length: int, top_k: int = 0,
@@ -91,7 +95,7 @@ def exact_sequences(model, prompt_ids: list[int], length: int, top_k: int = 0,
 
 @pytest.fixture(scope="module")
 def target(llms, prompt_ids) -> dict[tuple[int, ...], float]:
-    return exact_sequences(llms[0].engine.model, prompt_ids, LENGTH, top_p=TOP_P)
+    return exact_sequences(llms["plain"].engine.model, prompt_ids, LENGTH, top_p=TOP_P)
 
 
 def sample_counts(llm, prompt_ids, top_k: int = 0, top_p: float = TOP_P,
@@ -132,20 +136,30 @@ def _accept_always(sampler, req, x, draft, q):
     return draft
 
 
-@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def accept_always(monkeypatch) -> None:
+    """Every draft kept, on the host (the eager rule) and on the device (the graphs' rule)."""
+    monkeypatch.setattr(speculative, "_judge", _accept_always)
+    monkeypatch.setattr(spec_graphs, "accept_drafts", lambda u, p, q: torch.ones_like(u, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "mtp-graphs"])
 def test_sampled_sequences_follow_the_target(mode, llms, prompt_ids, target):
-    llm = llms[mode == "mtp"]
+    llm = llms[mode]
     before = llm.engine.spec_stats.num_accepted_tokens
+    replays = getattr(llm.engine.spec_graphs, "replays", 0)
     p = chi_square_p(sample_counts(llm, prompt_ids), target)
     assert p > PASS_P, p
-    if mode == "mtp":  # the drafts were really judged: most of them accepted
+    if mode != "plain":  # the drafts were really judged: most of them accepted
         stats = llm.engine.spec_stats
         assert stats.num_accepted_tokens - before > SAMPLES // 2
+    if mode == "mtp-graphs":  # every request's verify step was a graph step
+        assert llm.engine.spec_graphs.replays - replays >= SAMPLES // 64
 
 
-def test_unverified_drafts_are_rejected(llms, prompt_ids, target, monkeypatch):
-    monkeypatch.setattr(speculative, "_judge", _accept_always)
-    p = chi_square_p(sample_counts(llms[1], prompt_ids), target)
+@pytest.mark.parametrize("mode", ["mtp", "mtp-graphs"])
+def test_unverified_drafts_are_rejected(mode, llms, prompt_ids, target, monkeypatch):
+    accept_always(monkeypatch)
+    p = chi_square_p(sample_counts(llms[mode], prompt_ids), target)
     assert p < REJECT_P, p
 
 
@@ -157,31 +171,44 @@ DSPARK_CONTROL_SAMPLES = 60  # unverified drafts leave the target's support with
 
 
 @pytest.fixture(scope="module")
-def dspark_llm(tiny_dspark_ckpt):
-    """Batched paged attention (its torch ops, as for MTP above), k=2."""
-    return make_llm(tiny_dspark_ckpt, "auto", max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048,
-                    attention="batched", backend="torch",
-                    speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+def dspark_llms(tiny_dspark_ckpt):
+    """Batched paged attention (its torch ops, as for MTP above): k=2 eagerly, and k=1 as graph steps
+    (emulated): a request whose first draft is rejected then has its next draft drawn on the device
+    and judged there against the distribution the graph kept for it."""
+    base = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048, attention="batched",
+                backend="torch")
+    eager = make_llm(tiny_dspark_ckpt, "auto", speculative_config={"method": "dspark", "num_speculative_tokens": 2},
+                     **base)
+    graphs = make_llm(tiny_dspark_ckpt, "auto", speculative_config={"method": "dspark", "num_speculative_tokens": 1},
+                      **base)
+    graphs.engine.capture_spec_graphs()
+    return {"dspark": eager, "dspark-graphs": graphs}
 
 
 @pytest.fixture(scope="module")
-def dspark_target(dspark_llm) -> dict[tuple[int, ...], float]:
-    return exact_sequences(dspark_llm.engine.model, DSPARK_PROMPT, LENGTH, top_k=DSPARK_TOP_K)
+def dspark_target(dspark_llms) -> dict[tuple[int, ...], float]:
+    return exact_sequences(dspark_llms["dspark"].engine.model, DSPARK_PROMPT, LENGTH, top_k=DSPARK_TOP_K)
 
 
-def test_dspark_sampled_sequences_follow_the_target(dspark_llm, dspark_target):
-    stats = dspark_llm.engine.spec_stats
+@pytest.mark.parametrize("mode", ["dspark", "dspark-graphs"])
+def test_dspark_sampled_sequences_follow_the_target(mode, dspark_llms, dspark_target):
+    llm = dspark_llms[mode]
+    stats = llm.engine.spec_stats
     before = stats.since(type(stats)())  # a copy
-    counts = sample_counts(dspark_llm, DSPARK_PROMPT, DSPARK_TOP_K, 1.0, DSPARK_SAMPLES)
+    replays = getattr(llm.engine.spec_graphs, "replays", 0)
+    counts = sample_counts(llm, DSPARK_PROMPT, DSPARK_TOP_K, 1.0, DSPARK_SAMPLES)
     p = chi_square_p(counts, dspark_target)
     assert p > PASS_P, p
     run = stats.since(before)  # the drafts were really judged: accepted and rejected alike
     assert run.num_drafts >= DSPARK_SAMPLES
     assert DSPARK_SAMPLES // 10 < run.num_accepted_tokens < run.num_draft_tokens
+    if mode == "dspark-graphs":  # second graph steps: the drafts the first ones drew on the device
+        assert llm.engine.spec_graphs.replays - replays >= 2 * DSPARK_SAMPLES // 64
 
 
-def test_dspark_unverified_drafts_are_rejected(dspark_llm, dspark_target, monkeypatch):
-    monkeypatch.setattr(speculative, "_judge", _accept_always)
-    p = chi_square_p(sample_counts(dspark_llm, DSPARK_PROMPT, DSPARK_TOP_K, 1.0, DSPARK_CONTROL_SAMPLES),
+@pytest.mark.parametrize("mode", ["dspark", "dspark-graphs"])
+def test_dspark_unverified_drafts_are_rejected(mode, dspark_llms, dspark_target, monkeypatch):
+    accept_always(monkeypatch)
+    p = chi_square_p(sample_counts(dspark_llms[mode], DSPARK_PROMPT, DSPARK_TOP_K, 1.0, DSPARK_CONTROL_SAMPLES),
                      dspark_target)
     assert p < REJECT_P, p

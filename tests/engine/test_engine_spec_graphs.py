@@ -129,6 +129,32 @@ def test_graph_drafts_are_the_eager_proposers(tiny_ckpt, prompts):
     assert 0 < replays < sum(1 for _ in graph_drafts)  # some steps were graphs, some eager
 
 
+def test_sampled_graph_steps_at_top_k_1_give_the_greedy_tokens():
+    """Sampling at top-k 1 makes every distribution one-hot, so the sampled graphs — the rejection
+    rule, the replacement and bonus draws, the drafts drawn on the device and their distributions
+    kept for the next step's rule — must give the greedy tokens exactly; on the canary (a trained MTP
+    layer: drafts accepted and rejected), with async continuation."""
+    from dsv4.canary import CANARY_DIR
+    from dsv4.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 120, (n,), generator=g).tolist() for n in (20, 61, 130)]
+    kw = dict(max_model_len=512, attention="batched", backend="torch")
+    base = make_llm(CANARY_DIR, "auto", **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, greedy(40, logprobs=None))]
+    llm = make_llm(CANARY_DIR, "auto", speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+                   async_scheduling=True, **kw)
+    eng = llm.engine
+    eng.capture_spec_graphs()
+    params = [SamplingParams(temperature=0.8, top_k=1, max_tokens=40, ignore_eos=True, seed=i) for i in range(3)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    sg, st = eng.spec_graphs, eng.spec_stats
+    assert sg.replays >= 10 and sg.continued > 0
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert_no_leaks(llm)
+
+
 def test_async_scheduling_launches_the_next_graph_step_before_reading_one():
     """Async scheduling: while the batch stays the same each graph step is launched from the graph's own
     next inputs before the step before is read; a newcomer's prefill runs eagerly beside the others'

@@ -36,6 +36,23 @@ def test_mtp_greedy_matches_plain_decoding_on_the_gpu(tiny_ckpt, plain_mtp, k, g
     assert checked >= len(LENGTHS) * NEW // 2
 
 
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_sampled_graph_steps_at_top_k_1_agree_with_greedy_on_the_gpu(tiny_ckpt, tiny_dspark_ckpt, plain_mtp, method):
+    """Sampling at top-k 1 (one-hot distributions) through the sampled CUDA graphs: the rejection rule,
+    the device draws and the kept draft distributions give greedy's tokens."""
+    ckpt = tiny_ckpt if method == "mtp" else tiny_dspark_ckpt
+    spec_llm, spec = greedy_run(ckpt, LENGTHS, NEW, seed=7, logprobs=None,
+                                params={"temperature": 0.7, "top_k": 1, "seed": 3},
+                                speculative_config={"method": method, "num_speculative_tokens": 3})
+    eng = spec_llm.engine
+    assert eng.spec_graphs.replays > 0 and eng.spec_stats.num_drafts > 0
+    ref = plain_mtp if method == "mtp" else greedy_run(ckpt, LENGTHS, NEW, seed=7)[1]
+    checked = assert_greedy_agrees(spec, ref, LENGTHS, f"the sampled {method} run (greedy: the second)")
+    print(f"sampled top-k 1 {method}: greedy tokens compared {checked} of {len(LENGTHS) * NEW}; "
+          f"graph steps {eng.spec_graphs.replays}")
+    assert checked >= len(LENGTHS) * NEW // 2
+
+
 @pytest.mark.parametrize("k,graphs", [(1, True), (2, True), (3, True), (4, True), (5, True), (3, False)])
 def test_dspark_greedy_matches_plain_decoding_on_the_gpu(tiny_dspark_ckpt, k, graphs):
     """The tiny DSpark checkpoint (8-token vocabulary): its own drafts, blocks of k = 1..4 and of
