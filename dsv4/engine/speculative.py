@@ -300,16 +300,15 @@ class MTPProposer:
 class DSparkProposer:
     """Drafts from the checkpoint's DSpark stages (``dsv4.model.dspark``).
 
-    Every valid row of the step writes its position's context KV into each stage's window cache
-    (from the target layers' stream means at that row), so those caches hold exactly the verified
-    positions, as a run without rejections would. The paged path also stores the draft block's own
-    KV at the block's positions (its attention reads it from there); they lie past the request's
-    computed tokens, and the context write of the step that verifies them comes before any read. A
-    request that wants drafts then gets one block ``[last token, noise × (k − 1)]`` at the positions
-    after its context; its k rows' logits, each with the Markov bias of the token before it (the last token, then each
-    draft), give the drafts in order. With the confidence head the drafts carry its acceptance
-    probabilities (``Drafts.confidence``), and ``min_confidence`` > 0 ends them before the first
-    draft below it.
+    Every valid row of the step writes its position's context KV into each stage's window cache (from
+    the target layers' stream means at that row), so those caches hold exactly the verified positions,
+    as a run without rejections would. The paged path also stores the draft block's own KV at the
+    block's positions (its attention reads it from there); they lie past the request's computed tokens,
+    and the context write of the step that verifies them comes before any read. A request that wants
+    drafts then gets one block ``[last token, noise × (k − 1)]`` at the positions after its context; its
+    k rows' logits, each with the Markov bias of the token before it (the last token, then each draft),
+    give the drafts in order. With the confidence head the drafts carry its acceptance probabilities
+    (``Drafts.confidence``), and ``min_confidence`` > 0 ends them before the first draft below it.
 
     The block always has ``num_speculative_tokens`` rows (non-causal attention makes a row depend on
     the block's length): a request nearer its max_tokens keeps the first drafts."""
