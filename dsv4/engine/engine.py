@@ -765,7 +765,7 @@ class LLMEngine:
             rid,
             first.prompt,
             first.prompt_token_ids,
-            [r.completion() for r in group],
+            [r.completion(delta=r.params.output_kind == "delta") for r in group],
             finished,
             prompt_logprobs=first.prompt_logprobs,
             exception=failed,

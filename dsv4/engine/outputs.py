@@ -42,3 +42,49 @@ class RequestOutput:
         """What failed the request (its outputs end with ``finish_reason="error"``), or None."""
         e = self.exception
         return None if e is None else f"{type(e).__name__}: {e}"
+
+
+def merge_delta(into: RequestOutput, more: RequestOutput) -> RequestOutput:
+    """``into`` (a delta output, modified in place) followed by the later delta ``more`` of the same
+    request: each completion's token ids, logprobs and text appended, the rest (finish, cumulative
+    logprob, metrics, exception) the later one's. Returns ``into``."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in more.outputs:
+        mine = by_index.get(c.index)
+        if mine is None:
+            into.outputs.append(c)
+            continue
+        mine.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if mine.logprobs is None:
+                mine.logprobs = list(c.logprobs)
+            else:
+                mine.logprobs.extend(c.logprobs)
+        mine.text += c.text
+        mine.cumulative_logprob, mine.finish_reason, mine.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    into.finished, into.metrics, into.exception = more.finished, more.metrics, more.exception
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = more.prompt_logprobs
+    return into
+
+
+class DeltaAccumulator:
+    """The cumulative output of a request from its delta outputs, in O(total output): text pieces are
+    joined once, at ``result()``."""
+
+    def __init__(self):
+        self.out: RequestOutput | None = None
+        self._pieces: dict[int, list[str]] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            self._pieces.setdefault(c.index, []).append(c.text)
+            c.text = ""
+        self.out = delta if self.out is None else merge_delta(self.out, delta)
+
+    def result(self) -> RequestOutput | None:
+        if self.out is not None:
+            for c in self.out.outputs:
+                c.text = "".join(self._pieces.get(c.index, ()))
+        return self.out

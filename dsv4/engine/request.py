@@ -56,6 +56,7 @@ class Request:
         self.drafts = Drafts()  # speculative decoding: tokens proposed after the last one, to be verified
         self.text = ""
         self._emitted_chars = 0
+        self._sent_tokens = 0  # output tokens the deltas returned so far (``completion(delta=True)``)
         self._stop_scanned = 0  # text before this offset was already searched for stop strings
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -146,16 +147,23 @@ class Request:
         self.exception = e
         self.finish("error")
 
-    def completion(self) -> CompletionOutput:
-        """The output so far. While running, text that could still turn into a stop string is held back."""
-        text = self.text
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        """The output so far, or with ``delta`` only what the previous delta did not return (its new
+        token ids, logprobs and text: a step's output then costs what the step added, not the output's
+        length). While running, text that could still turn into a stop string is held back."""
+        end = len(self.text)
         if not self.finished and self.params.stop_strings:
             hold = max(len(s) for s in self.params.stop_strings) - 1
-            text = text[: max(self._emitted_chars, len(text) - hold)]
-        self._emitted_chars = max(self._emitted_chars, len(text))
+            end = max(self._emitted_chars, end - hold)
         logprobs = self.logprobs
-        if logprobs is None:  # (positional: a CompletionOutput per request per step)
-            return CompletionOutput(self.index, text, self.output_token_ids[:], None, None, self.finish_reason,
-                                    self.stop_reason)
-        return CompletionOutput(self.index, text, self.output_token_ids[:], self.cumulative_logprob, list(logprobs),
+        if delta:
+            ids = self.output_token_ids
+            n = len(ids) - (1 if ids and ids[-1] < 0 else 0)  # (never an async step's placeholder)
+            a, text = self._sent_tokens, self.text[self._emitted_chars:end]
+            self._sent_tokens = n
+            ids, logprobs = ids[a:n], None if logprobs is None else logprobs[a:n]
+        else:
+            text, ids, logprobs = self.text[:end], self.output_token_ids[:], None if logprobs is None else list(logprobs)
+        self._emitted_chars = max(self._emitted_chars, end)
+        return CompletionOutput(self.index, text, ids, None if logprobs is None else self.cumulative_logprob, logprobs,
                                 self.finish_reason, self.stop_reason)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .structured import StructuredOutputsParams
 
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # what torch.Generator.manual_seed takes (negative seeds wrap around); the server's own range is the
 # narrower int64 one of vLLM and OpenAI, so that the engine's seed + i for n > 1 stays inside this one
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -35,8 +35,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # "cumulative": ``step()`` returns the whole output so far every step the request advances (a
-    # copy of its token list: O(output length) per step); "final_only": only once it finishes (what
-    # ``LLM.generate`` uses). As vLLM's ``RequestOutputKind``.
+    # copy of its token list: O(output length) per step); "delta": only what the step added (new
+    # token ids, logprobs, text: what the server streams; ``outputs.merge_delta`` joins them);
+    # "final_only": only once it finishes (what ``LLM.generate`` uses). As vLLM's ``RequestOutputKind``.
     output_kind: str = "cumulative"
     # the output must follow this grammar (JSON schema, regex, choice, Lark): dsv4.engine.structured
     structured_outputs: StructuredOutputsParams | None = None

@@ -3,9 +3,9 @@
 HTTP handlers never touch the engine. They send commands (add, abort, call) through a
 thread-safe queue; the engine thread applies them between steps, runs ``step()`` while there is
 work, and hands each request's outputs back to the handler's event loop with
-``loop.call_soon_threadsafe`` onto a per-request asyncio queue. Outputs are cumulative (text,
-token ids and logprobs so far), so a slow consumer may skip to the newest one without losing
-anything.
+``loop.call_soon_threadsafe`` onto a per-request asyncio queue. Outputs are deltas (the text,
+token ids and logprobs a step added: ``SamplingParams.output_kind="delta"``), so a step's output
+costs what it adds; a slow consumer gets the deltas queued for it joined into one.
 
 Failure isolation, because one bad request must not hurt the others:
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..engine.errors import EngineDeadError
-from ..engine.outputs import RequestOutput
+from ..engine.outputs import RequestOutput, merge_delta
 from ..engine.request import Status
 from ..engine.sampling_params import SamplingParams
 
@@ -59,7 +60,8 @@ _ABORTED = object()  # wakes a consumer whose stream was aborted
 
 
 class RequestStream:
-    """The handler's end of one request: ``async for out in stream`` yields cumulative RequestOutputs.
+    """The handler's end of one request: ``async for out in stream`` yields delta RequestOutputs (what
+    was added since the one before; ``outputs.DeltaAccumulator`` rebuilds the whole).
 
     Iteration stops after the finished output; an engine-side failure is raised as
     :class:`EngineRequestError`. ``abort()`` (idempotent) tells the engine to drop the request and
@@ -88,7 +90,8 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not self._queue.empty() and not isinstance(item, EngineRequestError) and item is not _ABORTED:
-            item = self._queue.get_nowait()  # outputs are cumulative: the newest one suffices
+            more = self._queue.get_nowait()  # deltas queued meanwhile: joined into one
+            item = more if isinstance(more, EngineRequestError) or more is _ABORTED else merge_delta(item, more)
         if item is _ABORTED:
             raise StopAsyncIteration
         if isinstance(item, EngineRequestError):
@@ -250,6 +253,7 @@ class AsyncEngine:
                      list(prompt_token_ids)[:n] if n is not None else list(prompt_token_ids))
         stream = RequestStream(rid, asyncio.get_running_loop(), self)
         self._open.add(stream)
+        params = dataclasses.replace(params, output_kind="delta")
         self._cmds.put(("add", stream, prompt, list(prompt_token_ids), params))
         return stream
 
@@ -430,8 +434,7 @@ class AsyncEngine:
         t = self._tracks.get(out.request_id)
         if t is None:
             return
-        n = sum(len(o.token_ids) for o in out.outputs)
-        new = max(0, n - t.generated)
+        new = sum(len(o.token_ids) for o in out.outputs)  # (a delta)
         if new:
             prompt = t.prompt_len if t.first is None else 0  # counted once its prefill is done, as vLLM does
             if self.metrics is not None:
@@ -447,7 +450,8 @@ class AsyncEngine:
                 if t.scheduled is None:
                     t.scheduled = t.arrival
                     self._unscheduled.discard(out.request_id)
-            t.last, t.generated = now, n
+            t.last = now
+            t.generated += new
         if out.finished:
             self._end_track(out.request_id, out.outputs[0].finish_reason or "stop", now)
 

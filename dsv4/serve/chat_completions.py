@@ -85,7 +85,6 @@ class ChoiceAssembler:
         self.parser = DeepseekV4OutputParser(thinking=prompt.thinking, tools=prompt.tools)
         self.report_tools = prompt.report_tools
         self.num_tool_calls = 0
-        self.chars = self.tokens = 0
         self.done = False
         self.pending_logprobs: list = []
 
@@ -266,14 +265,9 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
                     yield chunk(o.index, {"role": "assistant", "content": ""})
                 if a.done:
                     continue
-                new_text = o.text[a.chars :]
-                a.chars = max(a.chars, len(o.text))
-                if req.logprobs:
-                    a.pending_logprobs += chat_logprobs(
-                        tok, o.token_ids[a.tokens :], (o.logprobs or [])[a.tokens :], top_n
-                    )
-                a.tokens = len(o.token_ids)
-                deltas = a.feed(new_text)
+                if req.logprobs:  # (the output is a delta: this step's tokens only)
+                    a.pending_logprobs += chat_logprobs(tok, o.token_ids, o.logprobs or [], top_n)
+                deltas = a.feed(o.text)
                 if o.finish_reason is not None:
                     deltas += a.finish()
                 for d in deltas:
@@ -288,7 +282,7 @@ async def create_chat_completion(request: Request, state: ServerState, req: Chat
 
         def count(out) -> None:
             for o in out.outputs:
-                n_tokens[o.index] = len(o.token_ids)
+                n_tokens[o.index] = n_tokens.get(o.index, 0) + len(o.token_ids)
             info["completion_tokens"] = sum(n_tokens.values())
 
         complete = False

@@ -158,7 +158,7 @@ async def create_completion(request: Request, state: ServerState, req: Completio
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def events():
-        sent: dict[int, list] = {}  # choice index → [chars sent, tokens sent, text offset, finished]
+        sent: dict[int, list] = {}  # choice index → [text offset, finished]
         n_completion = {}
 
         def chunks_for(i: int, out):
@@ -169,24 +169,22 @@ async def create_completion(request: Request, state: ServerState, req: Completio
                 if st is None and req.echo and want_lp and out.prompt_logprobs is None and not out.finished:
                     continue  # chunked prefill still running: echo once the prompt logprobs exist
                 if st is None:
-                    st = sent[idx] = [0, 0, 0, False]
+                    st = sent[idx] = [0, False]
                     if req.echo:
                         prefix = prompt_text(i)
-                        lp, st[2] = prompt_lp(i, out)
-                if st[3]:
+                        lp, st[0] = prompt_lp(i, out)
+                if st[1]:
                     continue
-                text, ids, dicts = gen(o)
-                delta, new_ids = text[st[0]:], ids[st[1]:]
+                delta, new_ids, dicts = gen(o)  # (the output is a delta: this step's text and tokens)
                 if want_lp:
-                    body, st[2] = _logprobs_block(tok, new_ids, dicts[st[1]:], st[2])
+                    body, st[0] = _logprobs_block(tok, new_ids, dicts, st[0])
                     lp = _join(lp, body)
-                st[0], st[1] = max(st[0], len(text)), len(ids)
-                n_completion[idx] = len(ids)
+                n_completion[idx] = n_completion.get(idx, 0) + len(new_ids)
                 info["completion_tokens"] = sum(n_completion.values())
                 done = o.finish_reason is not None
                 if not (prefix or delta or new_ids or done):
                     continue
-                st[3] = done
+                st[1] = done
                 yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                        "choices": [{"index": idx, "text": prefix + delta, "logprobs": lp,
                                     "finish_reason": ("length" if echo_only else o.finish_reason) if done else None,

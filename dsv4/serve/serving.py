@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from ..engine.outputs import DeltaAccumulator
 from ..engine.sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineRequestError, RequestStream
 from .errors import APIError, bad_request, client_error, from_value_error, internal_error
@@ -198,10 +199,11 @@ async def or_disconnect(request: Request, awaitable):
 
 
 async def last_output(stream: RequestStream):
-    out = None
+    """The request's whole output, from its stream's deltas."""
+    acc = DeltaAccumulator()
     async for out in stream:
-        pass
-    return out
+        acc.add(out)
+    return acc.result()
 
 
 async def collect(request: Request, streams: list[RequestStream]) -> list:

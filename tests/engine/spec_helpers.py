@@ -51,6 +51,22 @@ def run(llm, prompts, params, ids=None):
     return eng.run_to_completion(ids)
 
 
+def record_step_drafts(eng) -> dict:
+    """Wrap the engine's step end: after every step, each live request's drafts (tokens, confidences),
+    keyed (id, tokens so far) — what the eager proposer and the speculative graphs are compared by."""
+    drafts, finish = {}, eng._finish_step
+
+    def recording(schedule, touched):
+        for sc in schedule:
+            r = sc.req
+            if not r.finished:
+                drafts[(r.request_id, r.num_tokens)] = (list(r.drafts.tokens), list(r.drafts.confidence or []))
+        return finish(schedule, touched)
+
+    eng._finish_step = recording
+    return drafts
+
+
 def cache_image(eng, req) -> dict:
     """Everything of ``req`` a later query can read, by kind (and each draft layer's window: the
     MTP layer's, or the DSpark stages')."""

@@ -419,8 +419,40 @@ def test_output_kind_final_only_reports_once_with_the_cumulative_result(llm, pro
     assert len(fin) == 1 and fin[0].finished
     assert signature(fin[0]) == signature(cum[-1]) and fin[0].outputs[0].logprobs == cum[-1].outputs[0].logprobs
     assert_no_leaks(llm)
-    with pytest.raises(ValueError, match="SamplingParams.output_kind must be one of cumulative, final_only"):
-        SamplingParams(output_kind="delta")
+    with pytest.raises(ValueError, match="SamplingParams.output_kind must be one of cumulative, delta, final_only"):
+        SamplingParams(output_kind="cumulativ")
+
+
+@pytest.mark.parametrize("stop", [None, "ZZ"])
+def test_output_kind_delta_adds_up_to_the_cumulative_output(llm, prompts, stop):
+    """``delta`` (what the server streams): each step returns only what it added — token ids,
+    logprobs, text (held back near a possible stop string, as the cumulative text is) — and the
+    deltas joined (``DeltaAccumulator``, ``merge_delta``) are the cumulative kind's last output, for
+    n = 2 seeded samples."""
+    from dsv4.engine.outputs import DeltaAccumulator
+
+    eng = llm.engine
+    outs = {}
+    for kind in ("cumulative", "delta"):
+        params = SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=10, logprobs=2, ignore_eos=True,
+                                stop=[stop] if stop else None, output_kind=kind)
+        rid = eng.add_request(prompt_token_ids=prompts[2], params=params)
+        seen = []
+        while eng.has_unfinished_requests():
+            seen += [o for o in eng.step() if o.request_id == rid]
+        outs[kind] = seen
+    cum, deltas = outs["cumulative"], outs["delta"]
+    assert len(deltas) == len(cum) and all(len(o.outputs[0].token_ids) <= 1 for o in deltas)
+    acc = DeltaAccumulator()
+    for d in deltas:
+        acc.add(d)
+    whole, last = acc.result(), cum[-1]
+    assert whole.finished
+    fields = ("index", "text", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+    assert [[getattr(c, f) for f in fields] for c in whole.outputs] == \
+        [[getattr(c, f) for f in fields] for c in last.outputs]
+    assert sum(len(c.text) for c in last.outputs) > 0
+    assert_no_leaks(llm)
 
 
 def test_generate_leaves_the_callers_params_cumulative(llm, prompts):
