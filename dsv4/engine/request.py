@@ -163,7 +163,8 @@ class Request:
             self._sent_tokens = n
             ids, logprobs = ids[a:n], None if logprobs is None else logprobs[a:n]
         else:
-            text, ids, logprobs = self.text[:end], self.output_token_ids[:], None if logprobs is None else list(logprobs)
+            text, ids = self.text[:end], self.output_token_ids[:]
+            logprobs = None if logprobs is None else list(logprobs)
         self._emitted_chars = max(self._emitted_chars, end)
         return CompletionOutput(self.index, text, ids, None if logprobs is None else self.cumulative_logprob, logprobs,
                                 self.finish_reason, self.stop_reason)
