@@ -203,7 +203,7 @@ class LLMEngine:
                                            spec.dspark_min_confidence, paged)
         elif spec is not None:
             self.proposer = MTPProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens, paged)
-        self.spec_graphs = None  # SpecGraphs: the greedy speculative steps as CUDA graphs
+        self.spec_graphs = None  # SpecGraphs: the plain speculative steps as CUDA graphs
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self._inflight: overlap.InFlight | None = None  # async scheduling: the launched step not yet read
@@ -294,8 +294,8 @@ class LLMEngine:
             self.runner.graphs.capture()
 
     def capture_spec_graphs(self) -> None:
-        """CUDA graphs of the greedy speculative step (``engine.spec_graphs``); on the CPU emulated, as
-        the decode graphs are."""
+        """CUDA graphs of the speculative step (``engine.spec_graphs``); on the CPU emulated, as the
+        decode graphs are."""
         if not self.runner.paged_attention or self.proposer is None:
             raise RuntimeError("speculative graphs need speculative decoding and the batched paged attention")
         self.spec_graphs = self._spec_graphs()
@@ -632,8 +632,9 @@ class LLMEngine:
                 req.fail(e)
 
     def _graph_part(self, schedule) -> tuple[list, list]:
-        """(the chunks a speculative graph step takes: plain greedy decodes with drafts within the graphs'
-        reach, their window pages taken for the draft chain; the others, for the eager path)."""
+        """(the chunks a speculative graph step takes: plain decodes (greedy, or sampled when the sampled
+        graphs exist) with drafts within the graphs' reach, their window pages taken for the drafter;
+        the others, for the eager path)."""
         g, kv = self.spec_graphs, self.kv
         k = g.k
         part, rest = [], []
@@ -641,8 +642,8 @@ class LLMEngine:
             req = sc.req
             s = req.alloc.num_computed
             ok = (s == req.num_tokens - 1 and 1 <= sc.num_tokens <= k + 1 and sc.num_tokens - 1 <= len(req.drafts)
-                  and plain(req) and (g.sampled or req.params.greedy) and req.guide is None
-                  and req.params.prompt_logprobs is None and s + g.reach <= self.max_model_len
+                  and plain(req) and (g.sampled or req.params.greedy) and req.params.prompt_logprobs is None
+                  and s + g.reach <= self.max_model_len
                   and (req.params.greedy or req.drafts.probs is not None or sc.num_tokens == 1))
             (part if ok else rest).append(sc)
         # the drafter writes its windows up to ``reach`` positions past the computed tokens
@@ -696,10 +697,9 @@ class LLMEngine:
             if a.num_computed + ahead > self.max_model_len or not self.kv.try_allocate(a, ahead):
                 return None
         self.kv.wait_copies()
-        sampled = prev.probs is not None
-        sampling = [Sampling((), self._uniforms(sc.req), []) if sampled and not sc.req.params.greedy else None
+        uniforms = [self._uniforms(sc.req) if prev.sampled and not sc.req.params.greedy else None
                     for sc in prev.schedule]
-        return g.continue_step(prev.schedule, sampling, sampled)
+        return g.continue_step(prev.schedule, uniforms, prev.sampled)
 
     def _read_spec(self, launched) -> list[RequestOutput]:
         """Apply a graph step's results: each request's verified tokens (``verify_picks``: the eager

@@ -87,7 +87,8 @@ def plain(req: Request) -> bool:
 def device_dists(x: torch.Tensor, settings: torch.Tensor) -> torch.Tensor:
     """fp32 [n, V] on ``x``'s device: each row's sampling distribution, the softmax of
     ``filter_logits(row / temperature, top_k, top_p, min_p)`` (the host sampler's), for rows x [n, V]
-    with ``settings`` [n, 4] = (temperature > 0, top_k, top_p, min_p). Fixed shapes, no host sync
+    with ``settings`` [n, 4] = (temperature, top_k (0: off), top_p, min_p); a row of temperature 0 (a
+    greedy lane) gets a distribution nobody reads. Fixed shapes, no host sync
     (CUDA-graph capturable): the filters act on one descending stable sort of each row."""
     t, top_k, top_p, min_p = (settings[:, i:i + 1].to(torch.float32) for i in range(4))
     s, order = torch.sort(x.float() / t.clamp(min=1e-6), dim=-1, descending=True, stable=True)

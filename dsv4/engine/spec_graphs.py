@@ -70,6 +70,11 @@ class Launched:
     consistent: set = field(default_factory=set)
     probs: torch.Tensor | None = None  # sampled steps: the new drafts' distributions [n, k, V] (device)
 
+    @property
+    def sampled(self) -> bool:
+        """Whether the step ran the sampled graph (a continuation must run the same one)."""
+        return self.probs is not None
+
     def rows(self) -> list[list[int]]:
         if self.done is not None:
             self.done.synchronize()
@@ -365,7 +370,8 @@ class SpecGraphs:
         settings = _bits([v for x in sampling for v in (x.settings if x is not None else (0.0,) * 4)]
                          + [0.0] * (4 * pad))
         t = b * (k + 1)
-        self.staging.upload(rows + [(self._uniforms(sampling, b), (b, self.uniforms)), (ids, (t,)), (pos, (t,)),
+        uniforms = [None if x is None else x.uniforms for x in sampling]
+        self.staging.upload(rows + [(self._uniform_bits(uniforms, b), (b, self.uniforms)), (ids, (t,)), (pos, (t,)),
                                     (nd, (b,)), (lf, (b,)), (settings, (b, 4))], into=self.inputs[b])
         if sampled:  # the drafts' distributions, for the rule (the eager proposer's, or an earlier step's)
             q = self.q[b]
@@ -374,26 +380,26 @@ class SpecGraphs:
                     q[i, :len(x.probs)].copy_(torch.stack([r.to(q.device) for r in x.probs]), non_blocking=True)
         return self._replay(schedule, b, sampled)
 
-    def continue_step(self, schedule, sampling: list[Sampling | None] | None = None,
+    def continue_step(self, schedule, uniforms: list[list[float] | None] | None = None,
                       sampled: bool = False) -> Launched | None:
         """Replay the step after ``schedule``'s last one (of the ``sampled`` family) from the graph's
         own next inputs (the host has not read that step yet); only the page tables and the sampled
-        requests' new uniforms are staged, the requests' pages must cover the chunks and drafts of
-        both steps. None if the graph cannot take it."""
+        requests' new ``uniforms`` are staged, the requests' pages must cover the chunks and drafts
+        of both steps. None if the graph cannot take it."""
         b = self.bucket(len(schedule))
         rows = None if b is None or (b, sampled) not in self.graphs else self._rows(schedule, b)
         if rows is None:
             return None
-        sampling = sampling or [None] * len(schedule)
-        self.staging.upload(rows + [(self._uniforms(sampling, b), (b, self.uniforms))],
+        uniforms = uniforms or [None] * len(schedule)
+        self.staging.upload(rows + [(self._uniform_bits(uniforms, b), (b, self.uniforms))],
                             into=self.inputs[b][:self._staged_len(b)])
         self.continued += 1
         return self._replay(schedule, b, sampled)
 
-    def _uniforms(self, sampling: list, b: int) -> array.array:
+    def _uniform_bits(self, uniforms: list[list[float] | None], b: int) -> array.array:
         u = self.uniforms
-        return _bits([v for x in sampling for v in (x.uniforms if x is not None else [0.0] * u)]
-                     + [0.0] * (u * (b - len(sampling))))
+        return _bits([v for x in uniforms for v in (x if x is not None else [0.0] * u)]
+                     + [0.0] * (u * (b - len(uniforms))))
 
     def _rows(self, schedule, b: int):
         return request_rows([sc.req.alloc for sc in schedule], b, self.n_swa, self.n_blk, self.kvc)
