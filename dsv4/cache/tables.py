@@ -216,15 +216,18 @@ class StepTables:
         if self.static_closing is not None:
             return self.static_closing
         if r not in self._emitting:
-            start, length, offset = (torch.tensor(v, dtype=torch.long) for v in
-                                     zip(*((c.start, c.length, c.offset) for c in self.chunks)))
-            first = (start + r) // r * r - 1  # first position ≥ start with (p + 1) % r == 0
-            count = ((start + length - first + r - 1) // r).clamp(min=0)  # closing positions per chunk
-            seq = torch.repeat_interleave(torch.arange(len(self.chunks)), count)
-            k = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
-            t = torch.stack([offset[seq] + first[seq] + k * r - start[seq], start[seq], offset[seq], seq])
-            if t.shape[1] and self.kvc.device.type == "cuda":
-                t = t.pin_memory().to(self.kvc.device, non_blocking=True)
-            self._emitting[r] = t if t.shape[1] else None
+            cols = [array.array("q") for _ in range(4)]  # token index, chunk start, chunk offset, request row
+            for i, c in enumerate(self.chunks):
+                first = (c.start + r) // r * r - 1  # first position ≥ start with (p + 1) % r == 0
+                tokens = range(c.offset + first - c.start, c.offset + c.length, r)
+                cols[0].extend(tokens)
+                for col, v in zip(cols[1:], (c.start, c.offset, i)):
+                    col.extend(array.array("q", [v]) * len(tokens))
+            t = None
+            if cols[0]:
+                t = torch.frombuffer(cols[0] + cols[1] + cols[2] + cols[3], dtype=torch.long).view(4, -1)
+                cuda = self.kvc.device.type == "cuda"
+                t = t.pin_memory().to(self.kvc.device, non_blocking=True) if cuda else t.clone()
+            self._emitting[r] = t
         return self._emitting[r]
 

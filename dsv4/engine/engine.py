@@ -610,6 +610,7 @@ class LLMEngine:
                                                                    self.model_config.vocab_size)))
         rest = [r for row, _, _ in rows if row not in on_device for r in span[row]]
         host = dict(zip(rest, logits[rest].float().cpu())) if rest else {}
+        kept = {}  # verified chunks: schedule index → tokens its cache keeps
         for row, req, si in rows:
             touched[req.request_id] = None
             if req.finished:  # failed earlier this step (its prompt logprobs)
@@ -623,13 +624,15 @@ class LLMEngine:
                     else:
                         n_ok = verify(self.sampler, req, torch.stack([host[r] for r in span[row]]), drafts,
                                       self.model_config.vocab_size, self.spec_stats)
-                    self.runner.commit(batch, si, n_ok)
+                    kept[si] = n_ok
                 elif row in on_device:
                     req.append_token(picked[row], None, None)
                 else:
                     req.append_token(*self.sampler.sample(req, host[row], mask=masks.get(row)))
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 req.fail(e)
+        if kept:
+            self.runner.commit(batch, kept)
 
     def _graph_part(self, schedule) -> tuple[list, list]:
         """(the chunks a speculative graph step takes: plain decodes (greedy, or sampled when the sampled

@@ -16,6 +16,7 @@ import torch
 from ..cache.manager import KVCacheManager
 from ..cache.tables import StepTables, decode_tables, host_tables
 from ..model.attention import SeqChunk
+from ..model.cache import advance_all
 from .scheduler import ScheduledChunk
 from .staging import HostStaging
 
@@ -165,14 +166,13 @@ class ModelRunner:
             extra["advance"] = False
         out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
         if batch.draft_counts:
-            for si, c in enumerate(batch.chunks):
-                if si not in batch.draft_counts:
-                    c.cache.advance(c.length)
+            advance_all((c.cache, c.length) for si, c in enumerate(batch.chunks) if si not in batch.draft_counts)
         if self.keep_streams:
             batch.streams = out.aux if self.aux_layers else out.streams
         return out.logits
 
     @staticmethod
-    def commit(batch: StepBatch, si: int, num_tokens: int) -> None:
-        """A verified chunk keeps its first ``num_tokens`` tokens (its last token and the accepted drafts)."""
-        batch.chunks[si].cache.advance(num_tokens)
+    def commit(batch: StepBatch, kept: dict[int, int]) -> None:
+        """Verified chunks keep their first tokens (schedule index → its last token and the accepted
+        drafts), committed together."""
+        advance_all((batch.chunks[si].cache, n) for si, n in kept.items())

@@ -146,3 +146,19 @@ class DenseSequenceCache:
             r = self.config.compress_ratio(layer)
             block_start = (end // r) * r
             rows.trim(block_start - r if r == 4 else block_start)
+
+
+def advance_all(pairs) -> None:
+    """``advance(n)`` of each (sequence cache, n) after one step, through the cache type's
+    ``advance_many`` where it has one (the paged views commit all requests' state rows together)."""
+    by_type: dict[type, list] = {}
+    for cache, n in pairs:
+        if hasattr(cache, "advance"):
+            by_type.setdefault(type(cache), []).append((cache, n))
+    for cls, items in by_type.items():
+        many = getattr(cls, "advance_many", None)
+        if many is not None:
+            many(items)
+        else:
+            for cache, n in items:
+                cache.advance(n)

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import Attention, SeqChunk
-from .cache import CacheNumerics, DenseSequenceCache
+from .cache import CacheNumerics, DenseSequenceCache, advance_all
 from .dspark import DSparkDrafter
 from .moe import MoE
 from .opset import OpSet, reference_ops
@@ -146,8 +146,7 @@ class ReferenceModel:
             if hook is not None:
                 hook(f"layers.{b.layer}", streams)
         if advance:
-            for c in chunks:
-                c.cache.advance(c.length) if hasattr(c.cache, "advance") else None
+            advance_all((c.cache, c.length) for c in chunks)
         return streams
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
