@@ -201,13 +201,14 @@ def bench_pick(tab, dev):
 
 
 def bench_group(tab, dev):
-    """The MoE slot grouping at decode sizes: the torch version (~25 small kernels) vs the one
-    Triton launch ``moe_experts`` uses up to DECODE_MAX_ROWS tokens; checked for identical tensors."""
+    """The MoE slot grouping: the torch version (~25 small kernels) vs the one Triton launch
+    ``moe_experts`` uses up to GROUP_KERNEL_MAX_ROWS tokens, at decode and eager-step sizes; checked
+    for identical tensors."""
     from dsv4.ops import torch_ops
     from dsv4.ops.triton import moe as tmoe
 
     g = torch.Generator(device=dev).manual_seed(4)
-    for t in (1, 8, 64):
+    for t in (1, 8, 64, 256, 512, 2048):
         ids, _ = torch_ops.moe_route(torch.randn(t, N_EXP, device=dev, generator=g) * 2, None, TOPK, 1.5, True)
         ids = ids.to(torch.int32)
         for bm in (16, 32):
