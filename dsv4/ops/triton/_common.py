@@ -24,7 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..platform import interpreting  # noqa: F401  (the kernels' modules take it from here)
+from ..platform import interpreting as _interpreting_now
+
+# triton.jit reads TRITON_INTERPRET when it decorates a kernel, so this process's kernels run interpreted
+# or compiled for good once these modules are imported: read once here, not on every launch
+_INTERPRETED = _interpreting_now()
+
+
+def interpreting() -> bool:
+    """Whether this process's kernels run in Triton's CPU interpreter (the kernels' modules take it from here)."""
+    return _INTERPRETED
 
 
 @functools.lru_cache(maxsize=None)
