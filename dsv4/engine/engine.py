@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import re
 import time
 import weakref
 from pathlib import Path
@@ -23,7 +22,7 @@ from ..cache.paged import PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
 from ..model.opset import reference_ops
 from . import overlap
-from .errors import EngineDeadError, RequestError
+from .errors import EngineDeadError, NonFiniteLogitsError, RequestError
 from .outputs import RequestOutput
 from .request import Drafts, Request
 from .runner import ModelRunner
@@ -408,15 +407,10 @@ class LLMEngine:
         return schedule
 
     def _fail_step(self, e: Exception) -> list[RequestOutput]:
-        """Finish the requests a failed step belongs to with an error: the request the error names,
+        """Finish the requests a failed step belongs to with an error: those a ``RequestError`` carries,
         else every request of this call's schedules (for a failure inside ``schedule()``: the running
         requests and the first waiting one)."""
-        rid = getattr(e, "request_id", None)
-        names = (
-            [rid]
-            if rid in self.requests
-            else [r for r in self.requests if re.search(r"request " + re.escape(r) + r"\b", str(e))]
-        )
+        names = [rid for rid in e.request_ids if rid in self.requests] if isinstance(e, RequestError) else []
         if not names:
             names = [sc.req.request_id for schedule in self._stepping for sc in schedule]
         if not names:
@@ -513,11 +507,7 @@ class LLMEngine:
             if req.finished:  # aborted (or failed) while in flight
                 continue
             if not fins[row]:
-                req.fail(
-                    FloatingPointError(
-                        f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
-                    )
-                )
+                req.fail(NonFiniteLogitsError.at(req.request_id, len(req.output_token_ids)))
             else:
                 req.append_token(toks[row], None, None)
             touched[req.request_id] = None
@@ -718,8 +708,7 @@ class LLMEngine:
             drafts, req.drafts = req.drafts, Drafts()  # (the ones this step verified: the scheduler's cut)
             d = len(drafts)
             if not all(fins[:d + 1]):
-                req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
-                                            f"{len(req.output_token_ids)}"))
+                req.fail(NonFiniteLogitsError.at(req.request_id, len(req.output_token_ids)))
                 continue
             try:
                 n_ok = verify_picks(req, picks[:d + 1], drafts, self.spec_stats)
