@@ -8,6 +8,7 @@ sampling failure fails its own request, a failed forward the requests of its ste
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -24,7 +25,7 @@ from ..model.opset import reference_ops
 from . import overlap
 from .errors import EngineDeadError, NonFiniteLogitsError, RequestError
 from .outputs import RequestOutput
-from .request import Drafts, Request
+from .request import Drafts, Request, Status
 from .runner import ModelRunner
 from .sampler import Sampler, greedy_picks, plain, plain_greedy
 from .sampling_params import SamplingParams
@@ -32,6 +33,7 @@ from .scheduler import Scheduler
 from .settings import EngineConfig
 from .spec_graphs import Sampling
 from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify, verify_picks
+from .stats import EngineStats
 from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
@@ -137,6 +139,7 @@ class LLMEngine:
                               or ("cuda" if torch.cuda.is_available() else "cpu"))
         fp8_format = config.fp8_format if config.fp8_format != "auto" else detect_platform().fp8_format or "ocp"
         self.config = config = config.resolved(device, fp8_format, resolve_async_scheduling(config, device))
+        self.device = device
         self.numerics = numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)  # the one instance
         dtype = config.torch_dtype(device)
         self.executor = executor
@@ -378,6 +381,26 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._inflight_live() or bool(self._carried)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The queues and counters as of now (after a ``step()``: that step's), read from where they are
+        kept, so a counter reset or changed between steps shows at once."""
+        kv, sched, requests = self.kv, self.scheduler, self.requests
+        host = kv.host
+        queued = {r.request_id for r in sched.waiting}
+        budget = kv.kvc.budget
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting),
+            waiting_ids=frozenset(rid for rid in queued
+                                  if rid in requests and all(r.status is Status.WAITING for r in requests[rid])),
+            kv_cache_usage=kv.usage(), kv_blocks=budget.num_blocks, kv_capacity_tokens=budget.capacity_tokens,
+            prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits, preemptions=sched.num_preemptions,
+            host_kv_cache_usage=len(host) / host.num_slots if host is not None else 0.0,
+            host_prefix_cache_queries=kv.host_queries, host_prefix_cache_hits=kv.host_hits,
+            host_offloaded_bytes=host.offloaded_bytes if host is not None else 0,
+            host_restored_bytes=host.restored_bytes if host is not None else 0,
+            spec_decode=copy.deepcopy(self.spec_stats) if self.proposer is not None else None)
 
     def _inflight_live(self) -> bool:
         """An in-flight step with a request still running (a step computed only for requests that
