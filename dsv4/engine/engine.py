@@ -23,7 +23,7 @@ from ..cache.paged import PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
 from ..model.opset import reference_ops
 from . import overlap
-from .errors import EngineDeadError, NonFiniteLogitsError, RequestError
+from .errors import EngineDeadError, NonFiniteLogitsError, RequestError, context_budget
 from .outputs import RequestOutput
 from .request import Drafts, Request, Status
 from .runner import ModelRunner
@@ -344,12 +344,7 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if t < 0 or t >= vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max(max_new, 1) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
-                f"max_model_len={self.max_model_len}"
-            )
+        max_new = context_budget(len(ids), params.max_tokens, self.max_model_len)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

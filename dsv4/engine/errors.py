@@ -45,3 +45,32 @@ class NonFiniteLogitsError(RequestError, FloatingPointError):
 
 class GrammarError(RequestError, ValueError):
     """A request's structured-output grammar leaves no token to sample."""
+
+
+class ContextLengthError(ValueError):
+    """A request's prompt and ``max_tokens`` do not fit in ``max_model_len`` (the fields let the server
+    say which, in its own words)."""
+
+    def __init__(self, prompt_len: int, max_tokens: int | None, max_model_len: int):
+        wanted = max_tokens if max_tokens is not None else max_model_len - prompt_len
+        super().__init__(f"prompt has {prompt_len} tokens and max_tokens={wanted}: together more than "
+                         f"max_model_len={max_model_len}")
+        self.prompt_len, self.max_tokens, self.max_model_len = prompt_len, max_tokens, max_model_len
+
+    @property
+    def prompt_too_long(self) -> bool:
+        """The prompt alone leaves no room for a token."""
+        return self.prompt_len >= self.max_model_len
+
+    def __reduce__(self):  # (a data-parallel rank's refusal crosses processes)
+        return type(self), (self.prompt_len, self.max_tokens, self.max_model_len)
+
+
+def context_budget(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The tokens a request may generate: ``max_tokens``, or when None what the prompt leaves of
+    ``max_model_len``. The one place a request's length is checked (the engine when it adds a request,
+    the server before it sends one): raises ``ContextLengthError`` when they do not fit. A ``max_tokens``
+    below 1 is returned as it is, for ``SamplingParams`` to refuse."""
+    if prompt_len >= max_model_len or (max_tokens is not None and prompt_len + max(max_tokens, 1) > max_model_len):
+        raise ContextLengthError(prompt_len, max_tokens, max_model_len)
+    return max_model_len - prompt_len if max_tokens is None else max_tokens

@@ -199,3 +199,18 @@ def test_request_errors_keep_their_ids_across_processes():
     assert str(NonFiniteLogitsError.at("r1", 3)) == "request r1: non-finite logits at output token 3"
     assert isinstance(NonFiniteLogitsError.at("r1", 3), FloatingPointError)
     assert isinstance(GrammarError.of("r2", "no token"), ValueError)
+
+
+def test_context_length_is_checked_in_one_place():
+    """``context_budget``: max_tokens, or what the prompt leaves; a refusal carries the lengths (and pickles)."""
+    import pickle
+
+    from dsv4.engine.errors import ContextLengthError, context_budget
+
+    assert context_budget(10, None, 16) == 6 and context_budget(10, 6, 16) == 6 and context_budget(10, 0, 16) == 0
+    for n, m in ((16, None), (16, 1), (10, 7), (20, 0)):
+        with pytest.raises(ContextLengthError) as e:
+            context_budget(n, m, 16)
+        back = pickle.loads(pickle.dumps(e.value))
+        assert (back.prompt_len, back.max_tokens, back.max_model_len, str(back)) == (n, m, 16, str(e.value))
+        assert back.prompt_too_long == (n >= 16)
