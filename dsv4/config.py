@@ -280,8 +280,9 @@ def _check_dspark(d: dict[str, Any], n_layers: int, vocab: int, n_stages: int) -
                           f"num_hidden_layers ({n_layers}): no DSpark stages")
 
 
-def config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    """Validate a config.json dict and build a :class:`ModelConfig`."""
+def _required_ints(d: dict[str, Any]) -> dict[str, int]:
+    """The shape fields every checkpoint has: ints, positive (a model with no hash layers or no shared
+    experts may say 0)."""
     mt = d.get("model_type")
     if mt is not None and mt != "deepseek_v4":
         raise ConfigError(f"config.json: field 'model_type' must be 'deepseek_v4', found {mt!r}")
@@ -289,9 +290,13 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     for k, v in ints.items():
         if v < 0 or (v == 0 and k not in ("num_hash_layers", "n_shared_experts")):
             raise ConfigError(f"config.json: field '{k}' must be positive, found {v}")
-    n_layers = ints["num_hidden_layers"]
-    n_mtp = _get(d, "num_nextn_predict_layers", int, 0)
+    return ints
 
+
+def _layer_schedule(d: dict[str, Any], n_layers: int) -> tuple[int, list[int], list[int]]:
+    """(MTP layers, main layers' compress ratios, the entries past them): a ratio picks a layer's
+    attention kind, so one the model does not know must fail here, not in a kernel."""
+    n_mtp = _get(d, "num_nextn_predict_layers", int, 0)
     ratios = d.get("compress_ratios")
     if ratios is None:
         raise ConfigError("config.json: missing required field 'compress_ratios'")
@@ -309,7 +314,12 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     if any(r != 0 for r in extra):
         raise ConfigError(f"config.json: field 'compress_ratios' entries past layer {n_layers} (MTP) must be 0, "
                           f"found {extra}")
+    return n_mtp, ratios[:n_layers], extra
 
+
+def _check_attention(d: dict[str, Any], ints: dict[str, int]) -> None:
+    """The attention's head split (RoPE part, indexer, output groups, one shared KV head): the kernels
+    and the cache record assume these shapes."""
     head_dim, rope_dim = ints["head_dim"], ints["qk_rope_head_dim"]
     if rope_dim % 2 or rope_dim >= head_dim:
         raise ConfigError(
@@ -328,14 +338,20 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"config.json: field 'num_key_value_heads' must be 1 (shared-KV MQA), found {d['num_key_value_heads']}"
         )
+
+
+def _routing(d: dict[str, Any], ints: dict[str, int]) -> dict[str, str]:
+    """The MoE's routing (top-k within the experts, hash layers within the layers, the one activation
+    and scoring the model implements): its ``scoring_func`` and ``topk_method``."""
     if ints["num_experts_per_tok"] > ints["n_routed_experts"]:
         raise ConfigError(
             f"config.json: field 'num_experts_per_tok' ({ints['num_experts_per_tok']}) exceeds n_routed_experts "
             f"({ints['n_routed_experts']})"
         )
-    if ints["num_hash_layers"] > n_layers:
+    if ints["num_hash_layers"] > ints["num_hidden_layers"]:
         raise ConfigError(
-            f"config.json: field 'num_hash_layers' ({ints['num_hash_layers']}) exceeds num_hidden_layers ({n_layers})"
+            f"config.json: field 'num_hash_layers' ({ints['num_hash_layers']}) exceeds num_hidden_layers "
+            f"({ints['num_hidden_layers']})"
         )
     act = d.get("hidden_act", "silu")
     if act != "silu":
@@ -343,9 +359,12 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     scoring = _get(d, "scoring_func", str, "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
         raise ConfigError(f"config.json: field 'scoring_func' must be 'sqrtsoftplus', found {scoring!r}")
-    topk_method = _get(d, "topk_method", str, "noaux_tc")
+    return {"scoring_func": scoring, "topk_method": _get(d, "topk_method", str, "noaux_tc")}
 
-    # RoPE: main = plain rope_theta; compress = compress_rope_theta with YaRN from rope_scaling.
+
+def _rope(d: dict[str, Any], rope_dim: int) -> tuple[RopeParams, RopeParams]:
+    """(main, compress) RoPE: the main layers' plain ``rope_theta``; the compressed layers'
+    ``compress_rope_theta`` with YaRN from ``rope_scaling`` (or ``rope_parameters.compress``)."""
     rope_theta = _get(d, "rope_theta", float, 10000.0)
     compress_theta = _get(d, "compress_rope_theta", float, 160000.0)
     rs = d.get("rope_scaling")
@@ -376,8 +395,12 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         beta_fast=float(rs.get("beta_fast", 32)),
         beta_slow=float(rs.get("beta_slow", 1)),
     )
+    return rope_main, rope_compress
 
-    # Experts: FP4 (instruct) or FP8 (Base; expert_dtype absent or "fp8").
+
+def _quantization(d: dict[str, Any], ints: dict[str, int]) -> tuple[str, QuantConfig]:
+    """(expert dtype, the block-FP8 settings): experts in FP4 (instruct) or FP8 (Base; ``expert_dtype``
+    absent or "fp8"), the rest 128×128 block FP8 — the only layouts the readers and kernels decode."""
     if d.get("quantization_config") is not None and not isinstance(d["quantization_config"], dict):
         raise ConfigError(
             f"config.json: field 'quantization_config' must be an object, found {d['quantization_config']!r}"
@@ -411,32 +434,57 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
                 raise ConfigError(
                     f"config.json: field '{k}' ({ints[k]}) must be a multiple of 32 when expert_dtype is 'fp4'"
                 )
+    return expert_dtype, QuantConfig(block_size=(128, 128), scale_fmt=scale_fmt,
+                                     activation_scheme=qc.get("activation_scheme", "dynamic"))
 
+
+def _dspark_fields(d: dict[str, Any], n_layers: int, vocab: int, n_stages: int) -> dict[str, Any]:
+    """The ``dspark_*`` fields (the 0731 release's drafter), checked when there are any: empty for a
+    checkpoint without DSpark stages."""
     dspark = {k: v for k, v in d.items() if k.startswith("dspark_")}
     if dspark:
-        _check_dspark(d, n_layers, ints["vocab_size"], len(extra))
+        _check_dspark(d, n_layers, vocab, n_stages)
+    return dspark
+
+
+def _defaulted_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields with a default that need only their type checked (read after the structural checks,
+    whose errors say more)."""
+    return {
+        "routed_scaling_factor": _get(d, "routed_scaling_factor", float, 1.5),
+        "norm_topk_prob": _get(d, "norm_topk_prob", bool, True),
+        "swiglu_limit": _get(d, "swiglu_limit", float, 10.0),
+        "hc_eps": _get(d, "hc_eps", float, 1e-6),
+        "rms_norm_eps": _get(d, "rms_norm_eps", float, 1e-6),
+        "max_position_embeddings": _get(d, "max_position_embeddings", int, 1048576),
+        "bos_token_id": _get(d, "bos_token_id", int, 0),
+        "eos_token_id": _get(d, "eos_token_id", int, 1),
+        "tie_word_embeddings": _get(d, "tie_word_embeddings", bool, False),
+    }
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """Validate a config.json dict and build a :class:`ModelConfig`, one concern per helper, in the
+    order that decides which of several problems is reported."""
+    ints = _required_ints(d)
+    n_layers = ints["num_hidden_layers"]
+    n_mtp, ratios, extra = _layer_schedule(d, n_layers)
+    _check_attention(d, ints)
+    routing = _routing(d, ints)
+    rope_main, rope_compress = _rope(d, ints["qk_rope_head_dim"])
+    expert_dtype, quant = _quantization(d, ints)
+    dspark = _dspark_fields(d, n_layers, ints["vocab_size"], len(extra))
     return ModelConfig(
         **ints,
-        compress_ratios=tuple(ratios[:n_layers]),
+        compress_ratios=tuple(ratios),
         mtp_compress_ratios=tuple(extra),
         num_nextn_predict_layers=n_mtp,
-        routed_scaling_factor=_get(d, "routed_scaling_factor", float, 1.5),
-        norm_topk_prob=_get(d, "norm_topk_prob", bool, True),
-        scoring_func=scoring,
-        topk_method=topk_method,
-        swiglu_limit=_get(d, "swiglu_limit", float, 10.0),
-        hc_eps=_get(d, "hc_eps", float, 1e-6),
-        rms_norm_eps=_get(d, "rms_norm_eps", float, 1e-6),
+        **routing,
         rope_main=rope_main,
         rope_compress=rope_compress,
-        max_position_embeddings=_get(d, "max_position_embeddings", int, 1048576),
         expert_dtype=expert_dtype,
-        quant=QuantConfig(
-            block_size=(128, 128), scale_fmt=scale_fmt, activation_scheme=qc.get("activation_scheme", "dynamic")
-        ),
-        bos_token_id=_get(d, "bos_token_id", int, 0),
-        eos_token_id=_get(d, "eos_token_id", int, 1),
-        tie_word_embeddings=_get(d, "tie_word_embeddings", bool, False),
+        quant=quant,
+        **_defaulted_fields(d),
         dspark=dspark,
         raw=dict(d),
     )

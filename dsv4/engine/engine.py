@@ -8,11 +8,11 @@ sampling failure fails its own request, a failed forward the requests of its ste
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import itertools
 import logging
-import re
 import time
 import weakref
 from pathlib import Path
@@ -24,9 +24,9 @@ from ..cache.paged import PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
 from ..model.opset import reference_ops
 from . import overlap
-from .errors import EngineDeadError, RequestError
+from .errors import EngineDeadError, NonFiniteLogitsError, RequestError, context_budget
 from .outputs import RequestOutput
-from .request import Drafts, Request
+from .request import Drafts, Request, Status
 from .runner import ModelRunner
 from .sampler import Sampler, greedy_picks, plain, plain_greedy
 from .sampling_params import SamplingParams
@@ -34,6 +34,7 @@ from .scheduler import Scheduler
 from .settings import EngineConfig
 from .spec_graphs import Sampling
 from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify, verify_picks
+from .stats import EngineStats
 from .structured import GrammarCompiler, bitmask_rows
 
 log = logging.getLogger("dsv4.engine")
@@ -139,6 +140,7 @@ class LLMEngine:
                               or ("cuda" if torch.cuda.is_available() else "cpu"))
         fp8_format = config.fp8_format if config.fp8_format != "auto" else detect_platform().fp8_format or "ocp"
         self.config = config = config.resolved(device, fp8_format, resolve_async_scheduling(config, device))
+        self.device = device
         self.numerics = numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)  # the one instance
         dtype = config.torch_dtype(device)
         self.executor = executor
@@ -353,12 +355,7 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if t < 0 or t >= vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max(max_new, 1) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens and max_tokens={max_new}: together more than "
-                f"max_model_len={self.max_model_len}"
-            )
+        max_new = context_budget(len(ids), params.max_tokens, self.max_model_len)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -391,6 +388,26 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._inflight_live() or bool(self._carried)
 
+    @property
+    def stats(self) -> EngineStats:
+        """The queues and counters as of now (after a ``step()``: that step's), read from where they are
+        kept, so a counter reset or changed between steps shows at once."""
+        kv, sched, requests = self.kv, self.scheduler, self.requests
+        host = kv.host
+        queued = {r.request_id for r in sched.waiting}
+        budget = kv.kvc.budget
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting),
+            waiting_ids=frozenset(rid for rid in queued
+                                  if rid in requests and all(r.status is Status.WAITING for r in requests[rid])),
+            kv_cache_usage=kv.usage(), kv_blocks=budget.num_blocks, kv_capacity_tokens=budget.capacity_tokens,
+            prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits, preemptions=sched.num_preemptions,
+            host_kv_cache_usage=len(host) / host.num_slots if host is not None else 0.0,
+            host_prefix_cache_queries=kv.host_queries, host_prefix_cache_hits=kv.host_hits,
+            host_offloaded_bytes=host.offloaded_bytes if host is not None else 0,
+            host_restored_bytes=host.restored_bytes if host is not None else 0,
+            spec_decode=copy.deepcopy(self.spec_stats) if self.proposer is not None else None)
+
     def _inflight_live(self) -> bool:
         """An in-flight step with a request still running (a step computed only for requests that
         have stopped since has nothing left to report)."""
@@ -419,15 +436,10 @@ class LLMEngine:
         return schedule
 
     def _fail_step(self, e: Exception) -> list[RequestOutput]:
-        """Finish the requests a failed step belongs to with an error: the request the error names,
+        """Finish the requests a failed step belongs to with an error: those a ``RequestError`` carries,
         else every request of this call's schedules (for a failure inside ``schedule()``: the running
         requests and the first waiting one)."""
-        rid = getattr(e, "request_id", None)
-        names = (
-            [rid]
-            if rid in self.requests
-            else [r for r in self.requests if re.search(r"request " + re.escape(r) + r"\b", str(e))]
-        )
+        names = [rid for rid in e.request_ids if rid in self.requests] if isinstance(e, RequestError) else []
         if not names:
             names = [sc.req.request_id for schedule in self._stepping for sc in schedule]
         if not names:
@@ -524,11 +536,7 @@ class LLMEngine:
             if req.finished:  # aborted (or failed) while in flight
                 continue
             if not fins[row]:
-                req.fail(
-                    FloatingPointError(
-                        f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
-                    )
-                )
+                req.fail(NonFiniteLogitsError.at(req.request_id, len(req.output_token_ids)))
             else:
                 req.append_token(toks[row], None, None)
             touched[req.request_id] = None
@@ -732,8 +740,7 @@ class LLMEngine:
             drafts, req.drafts = req.drafts, Drafts()  # (the ones this step verified: the scheduler's cut)
             d = len(drafts)
             if not all(fins[:d + 1]):
-                req.fail(FloatingPointError(f"request {req.request_id}: non-finite logits at output token "
-                                            f"{len(req.output_token_ids)}"))
+                req.fail(NonFiniteLogitsError.at(req.request_id, len(req.output_token_ids)))
                 continue
             try:
                 n_ok = verify_picks(req, picks[:d + 1], drafts, self.spec_stats)

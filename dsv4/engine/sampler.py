@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import GrammarError, NonFiniteLogitsError
 from .outputs import Logprob
 from .request import Request
 from .structured import apply_bitmask
@@ -157,9 +158,7 @@ class Sampler:
         """The row as float32; a non-finite one fails the request, naming it."""
         raw = logits.float()
         if not torch.isfinite(raw).all():
-            raise FloatingPointError(
-                f"request {req.request_id}: non-finite logits at output token {len(req.output_token_ids)}"
-            )
+            raise NonFiniteLogitsError.at(req.request_id, len(req.output_token_ids))
         return raw
 
     def target_logits(self, req: Request, raw: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,10 +175,10 @@ class Sampler:
         if mask is not None:
             x = apply_bitmask(x[None], mask[None])[0]
             if not torch.isfinite(x).any():
-                raise ValueError(
-                    f"request {req.request_id}: the structured output's grammar allows no token at output token "
-                    f"{len(req.output_token_ids)} (with min_tokens={p.min_tokens}, EOS and the stop ids are banned "
-                    f"until then)"
+                raise GrammarError.of(
+                    req.request_id,
+                    f"the structured output's grammar allows no token at output token {len(req.output_token_ids)} "
+                    f"(with min_tokens={p.min_tokens}, EOS and the stop ids are banned until then)",
                 )
         if p.greedy:
             return x

@@ -122,8 +122,8 @@ class Scheduler:
             if short or not self.kv.can_allocate(req.alloc, n):
                 if not self.running and not out:
                     # nothing else holds pages: the request cannot fit at all
-                    raise RequestError(req.request_id, f"{req.num_tokens} tokens do not fit in the KV cache "
-                                       f"({self.kv.blocks.n} blocks of 256 tokens)")
+                    raise RequestError.of(req.request_id, f"{req.num_tokens} tokens do not fit in the KV cache "
+                                          f"({self.kv.blocks.n} blocks of 256 tokens)")
                 if req.alloc.blocks and req.num_computed > 0 and (short or not req.output_token_ids):
                     self.kv.free(req.alloc)  # give back the prefix hit: retried next step
                 break

@@ -3,7 +3,7 @@
 :class:`DPEngine` is what ``LLM`` and ``dsv4 serve`` drive when ``data_parallel_size`` N > 1. It
 presents ``LLMEngine``'s interface (``add_request``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``run_to_completion``, ``requests``, ``tokenizer``, ``model_config``,
-``max_model_len``, ``config``, ``shutdown`` and the stats the server reads), and behind it:
+``max_model_len``, ``config``, ``shutdown`` and ``stats``: its ranks' ``EngineStats`` summed), and behind it:
 
 - rank 0's engine core lives in this process; ranks 1 … N−1 are spawned processes
   (``dsv4.parallel.dp_rank``), every rank on its own device (``cuda:<rank>``, or the CPU);
@@ -25,49 +25,16 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
+from ..engine.stats import EngineStats
 from .balance import RankBalancer
 from .dp_rank import Command, Layout, build_rank_engine, handle, make_groups, rank_state, worker_main
 from .group import DistSpec, TPGroup, init_distributed
 from .ranks import RankProcesses, free_port
 
 log = logging.getLogger("dsv4.parallel")
-
-
-class _Queues:
-    """What the server reads of ``engine.scheduler`` (``len(waiting)``, ``len(running)``): the sums
-    of the ranks' last reports — the requests themselves live in the ranks' engines."""
-
-    def __init__(self, ranks: list[dict]):
-        self.waiting = range(sum(s["waiting"] for s in ranks))
-        self.running = range(sum(s["running"] for s in ranks))
-        self.num_preemptions = sum(s["preemptions"] for s in ranks)
-
-
-class _Caches:
-    """What the server and tools read of ``engine.kv`` / ``engine.kv_cache``, summed over the ranks:
-    usage (the share of all ranks' blocks in use), prefix-cache hits and queries, the capacity."""
-
-    def __init__(self, ranks: list[dict]):
-        blocks = [s["kv_blocks"] for s in ranks]
-        self._usage = sum(s["kv_cache_usage"] * b for s, b in zip(ranks, blocks)) / max(1, sum(blocks))
-        self.hits = sum(s["prefix_cache_hits"] for s in ranks)
-        self.queries = sum(s["prefix_cache_queries"] for s in ranks)
-        self.budget = _Capacity(sum(s["kv_tokens"] for s in ranks), sum(blocks))
-        # a host tier is each rank's own; its counters are not gathered from the ranks
-        self.host, self.host_queries, self.host_hits = None, 0, 0
-
-    def usage(self) -> float:
-        return self._usage
-
-
-@dataclass(frozen=True)
-class _Capacity:
-    capacity_tokens: int
-    num_blocks: int
 
 
 class DPEngine:
@@ -142,8 +109,8 @@ class DPEngine:
             dev = "" if s["device_peak_mib"] is None else f", peak device memory {s['device_peak_mib']:.0f} MiB"
             who = (f"data-parallel rank {s['rank']}" if layout.tp == 1 else
                    f"data-parallel rank {s['rank']} tensor-parallel rank {s['process'] % layout.tp}")
-            kv = (f", KV cache {s['kv_tokens']} tokens ({s['kv_cache_mib']:.0f} MiB)" if "kv_tokens" in s else
-                  " (its KV cache mirrors its leader's)")
+            kv = (f", KV cache {s['kv_capacity_tokens']} tokens ({s['kv_cache_mib']:.0f} MiB)"
+                  if "kv_cache_mib" in s else " (its KV cache mirrors its leader's)")
             log.info("dsv4 parallel: %s (pid %d, %s, experts [%d, %d)) started in %.1f s: weights %.0f MiB%s, peak "
                      "host RSS %.0f MiB%s", who, s["pid"], s["device"], *s["experts"], s["load_s"], s["weights_mib"],
                      kv, s["host_peak_mib"], dev)
@@ -166,16 +133,9 @@ class DPEngine:
                              "engine's steps run them (rank 0's engine core: DPEngine.engine0)")
 
     @property
-    def scheduler(self) -> _Queues:
-        return _Queues(self.rank_stats)
-
-    @property
-    def kv(self) -> _Caches:
-        return _Caches(self.rank_stats)
-
-    @property
-    def kv_cache(self) -> _Caches:
-        return _Caches(self.rank_stats)
+    def stats(self) -> EngineStats:
+        """The ranks' snapshots as of their last replies, summed (each rank's in ``ranks``)."""
+        return EngineStats.total([EngineStats.from_dict(s) for s in self.rank_stats])
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt=None, params=None, request_id: str | None = None,
@@ -228,12 +188,6 @@ class DPEngine:
             self.engine0.abort_request(request_id)
         else:  # told with the next command (before that rank steps again)
             self._aborts.setdefault(rank, []).append(request_id)
-
-    def left_waiting(self, request_id: str) -> bool:
-        """Whether a request has left its rank's waiting queue (or is gone), as of the ranks' last
-        reports: what the server reads of ``LLMEngine.requests`` for the queue-time metric."""
-        rank = self.requests.get(request_id)
-        return rank is None or request_id not in self.rank_stats[rank].get("waiting_ids", ())
 
     def _take_aborts(self) -> dict[int, list[str]]:
         out, self._aborts = self._aborts, {}

@@ -216,10 +216,8 @@ def build_rank_engine(config, layout: Layout, g: int, device, groups: Groups, to
         driver.send(StepPlan("report"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    budget = engine.kv_cache.budget
     report = {**process_report(layout, g, device, ep, round(time.monotonic() - t0, 2)),
-              "kv_tokens": budget.capacity_tokens, "kv_blocks": budget.num_blocks,
-              "kv_cache_mib": round(budget.total_bytes / 2**20, 1), **rank_state(engine)}
+              "kv_cache_mib": round(engine.kv_cache.budget.total_bytes / 2**20, 1), **rank_state(engine)}
     return engine, report
 
 
@@ -246,15 +244,11 @@ def rank_step(engine) -> list:
 
 
 def rank_state(engine) -> dict:
-    """What the front end keeps of a rank after each command (its load, /metrics, the tests)."""
-    from ..engine.request import Status
-
-    s, kv, g = engine.scheduler, engine.kv, engine.runner.graphs
-    queued = [rid for rid, group in engine.requests.items() if all(r.status is Status.WAITING for r in group)]
-    return {"waiting": len(s.waiting), "running": len(s.running), "kv_cache_usage": kv.usage(),
-            "waiting_ids": queued,  # requests none of whose sequences has been scheduled yet (serve's queue time)
-            "prefix_cache_hits": kv.hits, "prefix_cache_queries": kv.queries, "preemptions": s.num_preemptions,
-            "graph_replays": getattr(g, "replays", 0), "spare_replays": getattr(g, "spare_replays", 0)}
+    """What the front end keeps of a rank after each command (its load, /metrics, the tests): the
+    engine's ``EngineStats`` fields (``EngineStats.from_dict`` reads them back) and its graphs' replays."""
+    g = engine.runner.graphs
+    return {**engine.stats.as_dict(), "graph_replays": getattr(g, "replays", 0),
+            "spare_replays": getattr(g, "spare_replays", 0)}
 
 
 def _portable(e: BaseException) -> BaseException:

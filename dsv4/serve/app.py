@@ -91,12 +91,11 @@ def build_app(engine, *, served_model_name: str | list[str] | None = None, api_k
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [Path(model_path).resolve().name]
     root = model_root or model_path
-    metrics = ServerMetrics(names[0], engine.max_model_len,
-                            0 if engine.proposer is None else engine.proposer.num_speculative_tokens)
-    device = getattr(getattr(engine, "kv_cache", None), "device", None)
+    spec = engine.config.speculative
+    metrics = ServerMetrics(names[0], engine.max_model_len, spec.num_speculative_tokens if spec is not None else 0)
     stats_log = None
     if opts.log_stats:
-        stats_log = StatsLog(opts.log_stats_interval, "CPU" if str(device) == "cpu" else "GPU")
+        stats_log = StatsLog(opts.log_stats_interval, "CPU" if str(engine.device) == "cpu" else "GPU")
     aengine = AsyncEngine(engine, metrics, stats_log=stats_log, stall_timeout=opts.engine_stall_timeout,
                           log_prompts=opts.log_prompts, max_log_len=opts.max_log_len)
     cfg = engine.model_config
@@ -197,7 +196,7 @@ def serve(args, config, options: ServeOptions, sock: socket.socket, model_root: 
         host, port = sock.getsockname()[:2]
         log.info(
             "dsv4 serve: model %s served as %s, KV cache %d tokens (max_model_len %d), listening on http://%s:%d",
-            args.model, ", ".join(state.model_names), engine.kv_cache.budget.capacity_tokens, engine.max_model_len,
+            args.model, ", ".join(state.model_names), engine.stats.kv_capacity_tokens, engine.max_model_len,
             f"[{host}]" if ":" in host else host, port,
         )
         aengine = app.state.async_engine

@@ -36,13 +36,13 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine.errors import EngineDeadError
 from ..engine.outputs import RequestOutput, merge_delta
-from ..engine.request import Status
 from ..engine.sampling_params import SamplingParams
+from ..engine.stats import EngineStats
 
 log = logging.getLogger("dsv4.serve")
 
@@ -128,15 +128,24 @@ class _Track:
 
 
 @dataclass
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (read by /health and tests)."""
+class LoopStats:
+    """What the engine thread counts of its own (read by tests), and the engine's last snapshot."""
 
-    waiting: int = 0
-    running: int = 0
-    cache_usage: float = 0.0
+    engine: EngineStats = field(default_factory=EngineStats)  # published after every loop pass
     steps: int = 0
     aborted: int = 0
     failed: int = 0
+
+
+def _counters(s: EngineStats) -> tuple[int, ...]:
+    """Prefix-cache queries and hits, preemptions; the host tier's queries, hits, bytes out and in."""
+    return (s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions, s.host_prefix_cache_queries,
+            s.host_prefix_cache_hits, s.host_offloaded_bytes, s.host_restored_bytes)
+
+
+def _increments(now: tuple[int, ...], before: tuple[int, ...]) -> list[int]:
+    """Counter increments; a counter that went down was reset (a warm-up): counted from zero."""
+    return [c - p if c >= p else c for c, p in zip(now, before)]
 
 
 class AsyncEngine:
@@ -155,7 +164,7 @@ class AsyncEngine:
         self.log_prompts, self.max_log_len = log_prompts, max_log_len
         self.max_model_len = max_model_len or engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self.stats = EngineStats()
+        self.stats = LoopStats()
         self.dead: str | None = None  # set if the loop itself died, or the engine did (EngineDeadError)
         self.on_dead: Callable[[], None] | None = None  # called once the engine is dead (serve: exit)
         self.draining = False  # shutting down: new requests are refused
@@ -168,9 +177,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
         self._newly_scheduled = 0
-        self._counters = (0,) * 7  # the engine's counters at the last publish (``_engine_counters``)
-        # prefix-cache queries, hits and preemptions per data-parallel rank at the last publish
-        self._rank_counters: list[tuple[int, int, int]] | None = None
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -280,11 +286,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         log.debug("engine loop started")
-        self._counters = self._engine_counters()
-        ranks = getattr(self.engine, "rank_stats", None)
-        if ranks is not None:
-            self._rank_counters = [(st["prefix_cache_queries"], st["prefix_cache_hits"], st["preemptions"])
-                                   for st in ranks]
+        self.stats.engine = self.engine.stats  # (counters count from here)
         while True:
             try:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):
@@ -294,8 +296,8 @@ class AsyncEngine:
                 self._publish()
                 self._beat = now = time.monotonic()
                 if self.stats_log is not None:
-                    s = self.stats
-                    self.stats_log.maybe_log(now, s.running, s.waiting, s.cache_usage)
+                    s = self.stats.engine
+                    self.stats_log.maybe_log(now, s.running, s.waiting, s.kv_cache_usage)
             except EngineDeadError as e:  # a tensor-parallel rank is gone: nothing can run any more
                 self._engine_died(e)
                 break
@@ -366,7 +368,7 @@ class AsyncEngine:
 
     def _abort(self, rid: str) -> None:
         self._streams.pop(rid, None)
-        if rid in self.engine.requests:
+        if rid in self._tracks:  # added and not yet finished
             self.engine.abort_request(rid)
             self.stats.aborted += 1
             self._end_track(rid, "abort", time.monotonic())
@@ -414,15 +416,9 @@ class AsyncEngine:
         """Requests a step took out of the waiting queue: their queue time ends at the step's start."""
         if not self._unscheduled:
             return
-        requests, n = self.engine.requests, 0
-        left = getattr(self.engine, "left_waiting", None)  # a data-parallel engine: its ranks hold the requests
+        waiting, n = self.engine.stats.waiting_ids, 0
         for rid in list(self._unscheduled):
-            if left is not None:
-                gone = left(rid)
-            else:
-                group = requests.get(rid)
-                gone = group is None or any(r.status is not Status.WAITING for r in group)
-            if gone:
+            if rid not in waiting:
                 self._unscheduled.discard(rid)
                 t = self._tracks.get(rid)
                 if t is not None:
@@ -467,46 +463,27 @@ class AsyncEngine:
             prefill=((t.first if t.first is not None else now) - t.scheduled) if ran else None,
             decode=(now - t.first) if t.first is not None else None)
 
-    def _engine_counters(self) -> tuple[int, ...]:
-        """Prefix-cache queries and hits, preemptions; the host tier's queries, hits, bytes out and in."""
-        kv, sched = self.engine.kv, self.engine.scheduler
-        host = kv.host
-        moved = (host.offloaded_bytes, host.restored_bytes) if host is not None else (0, 0)
-        return kv.queries, kv.hits, sched.num_preemptions, kv.host_queries, kv.host_hits, *moved
-
-    def _publish_ranks(self, ranks: list[dict]) -> None:
-        """/metrics of a data-parallel engine: each rank's queues, KV-cache usage and counters under
-        its own ``engine`` label (as vLLM's ``--data-parallel-size``)."""
-        last = self._rank_counters or [(0, 0, 0)] * len(ranks)
-        now = []
-        for r, st in enumerate(ranks):
-            cur = (st["prefix_cache_queries"], st["prefix_cache_hits"], st["preemptions"])
-            self.metrics.scheduler_state(st["waiting"], st["running"], st["kv_cache_usage"], engine=r)
-            self.metrics.engine_counters(*[c - p if c >= p else c for c, p in zip(cur, last[r])], engine=r)
-            now.append(cur)
-        self._rank_counters = now
-
     def _publish(self) -> None:
         try:
-            sched = self.engine.scheduler
-            s = self.stats
-            s.waiting, s.running, s.cache_usage = len(sched.waiting), len(sched.running), self.engine.kv.usage()
-            current = self._engine_counters()
-            # a counter that went down was reset (a warm-up): count from zero
-            delta = [c - p if c >= p else c for c, p in zip(current, self._counters)]
-            self._counters = current
+            before, now = self.stats.engine, self.engine.stats
+            self.stats.engine = now
+            delta = _increments(_counters(now), _counters(before))
             if self.stats_log is not None:
                 self.stats_log.prefix(self._newly_scheduled, delta[0], delta[1])
             self._newly_scheduled = 0
-            if self.metrics is not None:
-                ranks = getattr(self.engine, "rank_stats", None)  # a data-parallel engine: one engine label per rank
-                if ranks is None:
-                    host = self.engine.kv.host
-                    self.metrics.scheduler_state(s.waiting, s.running, s.cache_usage,
-                                                 len(host) / host.num_slots if host is not None else 0.0)
-                    self.metrics.engine_counters(*delta)
-                    self.metrics.spec_decode(self.engine.spec_stats)
-                else:
-                    self._publish_ranks(ranks)
+            if self.metrics is None:
+                return
+            if not now.ranks:
+                self.metrics.scheduler_state(now.waiting, now.running, now.kv_cache_usage, now.host_kv_cache_usage)
+                self.metrics.engine_counters(*delta)
+                if now.spec_decode is not None:
+                    self.metrics.spec_decode(now.spec_decode)
+                return
+            # a data-parallel engine: each rank's queues, KV-cache usage and counters under its own ``engine``
+            # label (as vLLM's ``--data-parallel-size``)
+            for r, st in enumerate(now.ranks):
+                prev = before.ranks[r] if r < len(before.ranks) else EngineStats()
+                self.metrics.scheduler_state(st.waiting, st.running, st.kv_cache_usage, engine=r)
+                self.metrics.engine_counters(*_increments(_counters(st)[:3], _counters(prev)[:3]), engine=r)
         except Exception:  # noqa: BLE001 - metrics must never stop the loop
             log.exception("publishing engine stats failed")

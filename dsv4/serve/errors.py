@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.errors import ContextLengthError
+
 log = logging.getLogger("dsv4.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -82,6 +84,21 @@ def from_value_error(e: ValueError) -> APIError:
     m = re.match(r"SamplingParams\.(\w+)", msg) or re.match(r"(messages\[\d+\](?:\.\w+)*)", msg) \
         or re.match(r"(tools|reasoning_effort|response_format)\b", msg)
     return bad_request(msg, param=m.group(1) if m else None)
+
+
+def context_length_exceeded(e: ContextLengthError, field_name: str, prompt_field: str) -> APIError:
+    """The engine's ``ContextLengthError`` as OpenAI words it: the prompt alone too long, or with the
+    completion (``field_name``: the request's max_tokens field, ``prompt_field``: its prompt's)."""
+    L, n, m = e.max_model_len, e.prompt_len, e.max_tokens
+    if e.prompt_too_long:
+        return bad_request(
+            f"This model's maximum context length is {L} tokens. However, your prompt has {n} tokens, "
+            f"which leaves no room for the completion. Please reduce the length of the {prompt_field}.",
+            param=prompt_field, code="context_length_exceeded")
+    return bad_request(
+        f"This model's maximum context length is {L} tokens. However, you requested {n + m} "
+        f"tokens ({n} in the {prompt_field}, {m} in the completion). Please reduce the "
+        f"length of the {prompt_field} or {field_name}.", param=field_name, code="context_length_exceeded")
 
 
 def field_path(loc) -> str:

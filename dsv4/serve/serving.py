@@ -19,10 +19,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from ..engine.errors import ContextLengthError, context_budget
 from ..engine.outputs import DeltaAccumulator
 from ..engine.sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineRequestError, RequestStream
-from .errors import APIError, bad_request, client_error, from_value_error, internal_error
+from .errors import APIError, bad_request, client_error, context_length_exceeded, from_value_error, internal_error
 from .metrics import ServerMetrics
 
 MAX_BODY_BYTES = 32 << 20
@@ -67,22 +68,13 @@ class ServerState:
             raise bad_request(f"{field_name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                               param=field_name)
 
-    def max_tokens(self, prompt_len: int, requested: int | None, field_name: str, prompt_field: str) -> int | None:
-        """The generation budget: the request's, or what is left of max_model_len; 400 if it cannot fit."""
-        L = self.max_model_len
-        if prompt_len >= L:
-            raise bad_request(
-                f"This model's maximum context length is {L} tokens. However, your prompt has {prompt_len} tokens, "
-                f"which leaves no room for the completion. Please reduce the length of the {prompt_field}.",
-                param=prompt_field, code="context_length_exceeded")
-        if requested is None:
-            return L - prompt_len
-        if isinstance(requested, int) and requested >= 1 and prompt_len + requested > L:
-            raise bad_request(
-                f"This model's maximum context length is {L} tokens. However, you requested {prompt_len + requested} "
-                f"tokens ({prompt_len} in the {prompt_field}, {requested} in the completion). Please reduce the "
-                f"length of the {prompt_field} or {field_name}.", param=field_name, code="context_length_exceeded")
-        return requested
+    def max_tokens(self, prompt_len: int, requested: int | None, field_name: str, prompt_field: str) -> int:
+        """The generation budget (the engine's ``context_budget``: the request's, or what is left of
+        max_model_len), checked before the request is sent; a request that cannot fit is a 400."""
+        try:
+            return context_budget(prompt_len, requested, self.max_model_len)
+        except ContextLengthError as e:
+            raise context_length_exceeded(e, field_name, prompt_field) from None
 
 
 def sampling_params(build, rename: dict[str, str] | None = None) -> SamplingParams:

@@ -150,3 +150,67 @@ def test_a_request_that_fails_in_the_engine_fails_alone(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="scripted sampling failure"):  # LLM.generate raises what failed it
         llm.generate([prompts[0]], greedy(3))
     assert_no_leaks(llm)
+
+
+def test_a_step_failure_fails_the_requests_it_carries_whatever_its_message_says(llm):
+    """A ``RequestError`` escaping a step fails exactly its ``request_ids``: its message names another
+    request and not the failed one, and the step's other requests go on to the tokens a clean run gives."""
+    from dsv4.engine.errors import RequestError
+
+    eng = llm.engine
+    prompts = rand_prompts(47, [12, 18, 25])
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(4))]
+    execute = eng.runner.execute
+    failed = []
+
+    def fail_once(batch):
+        if not failed:
+            failed.append(True)
+            raise RequestError("a fault in the row beside request a", ["b"])
+        return execute(batch)
+
+    for rid, p in zip("abc", prompts):
+        eng.add_request(prompt_token_ids=p, params=greedy(4), request_id=rid)
+    eng.runner.execute = fail_once
+    try:
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        eng.runner.execute = execute
+    assert failed and sorted(done) == ["a", "b", "c"]
+    assert done["b"].outputs[0].finish_reason == "error" and "a fault in the row" in done["b"].error
+    assert [done[r].outputs[0].token_ids for r in "ac"] == [want[0], want[2]]
+    assert done["a"].error is None and done["c"].error is None
+    assert_no_leaks(llm)
+
+
+def test_request_errors_keep_their_ids_across_processes():
+    """A data-parallel rank pickles a failed request's error into its reply: type, message and ids survive."""
+    import pickle
+
+    from dsv4.engine.errors import GrammarError, NonFiniteLogitsError, RequestError
+
+    for e in (NonFiniteLogitsError.at("r1", 3), GrammarError.of("r2", "no token"), RequestError("x", ["a", "b"])):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.request_ids == e.request_ids
+    assert str(NonFiniteLogitsError.at("r1", 3)) == "request r1: non-finite logits at output token 3"
+    assert isinstance(NonFiniteLogitsError.at("r1", 3), FloatingPointError)
+    assert isinstance(GrammarError.of("r2", "no token"), ValueError)
+
+
+def test_context_length_is_checked_in_one_place():
+    """``context_budget``: max_tokens, or what the prompt leaves; a refusal carries the lengths (and pickles)."""
+    import pickle
+
+    from dsv4.engine.errors import ContextLengthError, context_budget
+
+    assert context_budget(10, None, 16) == 6 and context_budget(10, 6, 16) == 6 and context_budget(10, 0, 16) == 0
+    for n, m in ((16, None), (16, 1), (10, 7), (20, 0)):
+        with pytest.raises(ContextLengthError) as e:
+            context_budget(n, m, 16)
+        back = pickle.loads(pickle.dumps(e.value))
+        assert (back.prompt_len, back.max_tokens, back.max_model_len, str(back)) == (n, m, 16, str(e.value))
+        assert back.prompt_too_long == (n >= 16)

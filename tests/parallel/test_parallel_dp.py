@@ -43,7 +43,7 @@ def test_dp2_expert_parallel_matches_one_process_then_a_killed_rank_kills_the_en
     eng = llm.engine
     pids = eng.worker_pids
     try:
-        assert eng.kv_cache.budget.capacity_tokens == 2 * 768  # KV capacity adds up over the ranks
+        assert eng.stats.kv_capacity_tokens == 2 * 768  # KV capacity adds up over the ranks
         eng.capture_decode_graphs()
         assert eng.engine0.runner.graphs.buckets == [1, 2, 4, 8]
         got = greedy_llm(llm)  # (7, 150, 300) spread 0, 1, 0; then the prefix prompt alone on rank 0

@@ -37,7 +37,7 @@ def test_tp2_inside_dp2_matches_one_process_then_a_killed_tp_rank_kills_the_engi
     pids = eng.worker_pids
     try:
         assert sorted(pids) == [1, 2, 3]
-        assert eng.kv_cache.budget.capacity_tokens == 2 * 768  # two ranks' caches (each mirrored in its group)
+        assert eng.stats.kv_capacity_tokens == 2 * 768  # two ranks' caches (each mirrored in its group)
         assert [s["experts"] for s in eng.startup_reports] == [[0, 4], [4, 8], [8, 12], [12, 16]]
         eng.capture_decode_graphs()  # (emulated on CPU: every process runs the graphs' static inputs eagerly)
         assert eng.engine0.runner.graphs.buckets == [1, 2, 4, 8]
