@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import itertools
 import logging
 import time
@@ -246,12 +245,6 @@ class LLMEngine:
             phases["warm_up"] = time.perf_counter() - t
             if digest is not None:
                 precompile.record_built(digest)
-        self._gc_frozen = device.type == "cuda"
-        if self._gc_frozen:
-            # what start-up made (weights, graphs, kernel caches) lives as long as the engine: frozen out of
-            # the collector's scans, a full collection in the request path walks only what requests made
-            gc.collect()
-            gc.freeze()
         self.startup = {**{k: round(v, 2) for k, v in phases.items()}, "total": round(time.perf_counter() - t0, 2),
                         "kernels_built": compiles.count()}
         log.info("dsv4 engine started in %.1f s (%s); %d kernel specializations built (kernel cache %s)",
@@ -324,13 +317,9 @@ class LLMEngine:
         return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
 
     def shutdown(self) -> None:
-        """Stop a multi-process engine's workers and leave the process group; give what start-up froze
-        back to the garbage collector."""
+        """Stop a multi-process engine's workers and leave the process group (nothing to do otherwise)."""
         if self.executor is not None:
             self._finalizer()
-        if getattr(self, "_gc_frozen", False):
-            self._gc_frozen = False
-            gc.unfreeze()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(

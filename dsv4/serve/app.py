@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import socket
@@ -188,6 +189,11 @@ def serve(args, config, options: ServeOptions, sock: socket.socket, model_root: 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     generation_defaults(config.model, options.generation_config)  # a bad --generation-config fails before loading
     engine = build_engine(config)
+    # the engine lives as long as the server: what start-up made (weights, graphs, kernel caches) is frozen
+    # out of the garbage collector's scans, so a full collection while serving walks only what requests
+    # made (vLLM does the same; the canary engine with MTP: 183K objects, a 37 ms pause on the dev CPU)
+    gc.collect()
+    gc.freeze()
     try:
         api_key = args.api_key or env.api_key()
         app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, options=options,
