@@ -214,3 +214,25 @@ def test_compressor_state_rows_in_one_launch_are_the_two_calls_bitwise(tiny_ckpt
     key = next(k for k in model.w.t if k.endswith("compressor.wkv.weight"))
     comps += [b.attn.idx_compressor for b in model.blocks if getattr(b.attn, "idx_compressor", None) is not None]
     assert model.w[key].data_ptr() in {c.wkv.data_ptr() for c in comps}
+
+
+@pytest.mark.parametrize("m", [1, 9, 20])
+def test_split_fixup_gives_sum_in_orders_bits(monkeypatch, m):
+    """Split mode summed by each tile's last program (``_common.SPLIT_FIXUP``) gives the bits of the
+    ``sum_in_order`` launch (the same additions in the same order), twice in a row (the arrival
+    counters go back to 0); rows past the last program's first 8 included (m = 9, 20)."""
+    from dsv4.ops.triton import _common
+
+    g = gen(50 + m)
+    x, other = randn((m, 200), g, dtype=FP32), randn((m, 200), g, dtype=FP32)
+    for wdt, out in ((BF16, None), (FP32, None), (BF16, FP32)):
+        w = randn((100, 200), g, scale=200 ** -0.5, dtype=wdt)
+        plain = td.dense_linear(x, w, config={"chunk": 128}, mode="split", out_dtype=out)
+        for _ in range(2):
+            td.dense_linear(other, w, config={"chunk": 128}, mode="split", out_dtype=out)  # (a stale workspace)
+            monkeypatch.setattr(_common, "SPLIT_FIXUP", True)
+            fixed = td.dense_linear(x, w, config={"chunk": 128}, mode="split", out_dtype=out)
+            monkeypatch.setattr(_common, "SPLIT_FIXUP", False)
+            assert torch.equal(fixed, plain), (wdt, out)
+        assert int(_common.split_counters(x.device, 1).abs().sum()) == 0
+    assert_fp32_accum_close(fixed, x.to(BF16).float() @ w.float().T, _absprod(x, w))

@@ -283,3 +283,30 @@ def test_long_prefills_of_chunked_weights_take_the_w16_tile():
     y = tfl.fp8_linear(x, wq, s, config=tile)
     assert torch.equal(y[:64], tfl.fp8_linear(x[:64], wq, s))
     assert torch.equal(y[-3:], tfl.fp8_linear(x[-3:], wq, s))
+
+
+@pytest.mark.parametrize("m", [1, 3, 9, 64])
+def test_split_fixup_gives_sum_in_orders_bits(monkeypatch, m):
+    """Split-K summed by each tile's last program (``_common.SPLIT_FIXUP``) adds the same partials in
+    the same order as the ``sum_in_order`` launch: the same bits (the GEMM part is one code path; in
+    the interpreter its dot is k by k, so this holds on any CPU), twice in a row (the arrival counters
+    go back to 0), within the fp32 tolerance of the torch op."""
+    from dsv4.ops.triton import _common
+
+    g = gen(40 + m)
+    n, k = 192, 640  # 2 column tiles, 5 K blocks
+    wq, s = _weights(n, k, g)
+    x, other = randn((m, k), g, dtype=torch.bfloat16), randn((m, k), g, dtype=torch.bfloat16)
+    for over in ({"split_k": 2}, {"split_k": 5}, None):
+        plain = tfl.fp8_linear(x, wq, s, config=over)
+        for _ in range(2):
+            tfl.fp8_linear(other, wq, s, config=over)  # its partials in the freed workspace the next call may get
+            monkeypatch.setattr(_common, "SPLIT_FIXUP", True)
+            fixed = tfl.fp8_linear(x, wq, s, config=over)
+            monkeypatch.setattr(_common, "SPLIT_FIXUP", False)
+            assert torch.equal(fixed, plain), over
+        assert int(_common.split_counters(x.device, 1).abs().sum()) == 0
+    monkeypatch.setattr(_common, "SPLIT_FIXUP", True)
+    y32 = tfl.fp8_linear(x, wq, s, out_dtype=torch.float32, config={"split_k": 5})
+    monkeypatch.setattr(_common, "SPLIT_FIXUP", False)
+    assert_fp32_accum_close(y32, torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32), _absprod(x, wq, s))

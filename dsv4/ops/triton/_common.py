@@ -288,6 +288,54 @@ def _sum_in_order_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr,
     tl.store(y_ptr + offs, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
+# Split-K partials summed by each tile's last program in the GEMM's own launch (``split_sum_last``)
+# instead of by a second launch (``sum_in_order``): the same additions in the same order, one launch
+# fewer per split GEMM (~17 a layer in a decode step). Off until an H200 A/B and the GPU tests run
+# it (``bench/kernels.py --only linear`` times both and checks their bits; ``bench/e2e.py --set
+# dsv4.ops.triton._common.SPLIT_FIXUP=true`` times a decode step with it).
+SPLIT_FIXUP = False
+FIXUP_ROWS = tl.constexpr(8)  # output rows the last program sums at a time (8 × BLOCK_N fp32 per partial in flight)
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``split_sum_last``, one per output tile. A tile's last
+    program puts its counter back to 0, so one buffer serves every launch of the device's stream
+    (CUDA-graph replays included); it is made outside any capture (the warm-up's first launch) and
+    replaced by a larger one only if a launch has more tiles (the old one stays alive for the graphs
+    that captured it)."""
+    key = (device.type, device.index)
+    bufs = _COUNTERS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < tiles:
+        bufs.append(torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+@triton.jit
+def split_sum_last(part_ptr, out_ptr, cnt_ptr, tile, m0, M, offs_n, n_mask, stride_s, stride_pm, stride_pn,
+                   stride_om, stride_on, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ROWS: tl.constexpr, INTERP: tl.constexpr):
+    """After each program of a split GEMM stored its fp32 partial of output tile ``tile`` (rows m0..,
+    columns ``offs_n``): the last to arrive (an acq_rel counter) adds the N_PARTS partials from
+    s = 0 upward, ``sum_in_order``'s order and so its bits, rounds them into ``out_ptr`` and puts the
+    counter back to 0. The partials are read through L2 (``.cg``): they were written by other SMs."""
+    tl.debug_barrier()  # every thread's share of the partial stored before the arrival counts
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == N_PARTS - 1:
+        m_end = tl.minimum(m0 + BLOCK_M, M)
+        r = tl.arange(0, ROWS)
+        for r0 in range(m0, m_end, ROWS):
+            rows = (r0 + r).to(tl.int64)
+            mask = (rows < m_end)[:, None] & n_mask[None, :]
+            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(N_PARTS):  # unrolled: the N_PARTS loads in flight together
+                acc += tl.load(part_ptr + s * stride_s + rows[:, None] * stride_pm + offs_n[None, :] * stride_pn,
+                               mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
+                     cast(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
 def sum_in_order(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = Σ_s parts[s], added from s = 0 upward in fp32 (split-K / K-chunk partials).
 

@@ -16,7 +16,8 @@ so the chunking can be run two ways with bitwise the same result:
 * fused (many tiles, e.g. prefill): one program per output tile loops over the chunks, keeping
   the chunk's accumulator apart and adding it to the total at the end of the chunk;
 * split (few tiles, e.g. decode with small N): one program per (tile, chunk) writes P_c in fp32,
-  and ``_common.sum_in_order`` adds them in chunk order from 0 and rounds.
+  and ``_common.sum_in_order`` adds them in chunk order from 0 and rounds (with
+  ``_common.SPLIT_FIXUP``: the tile's last program does, in the same launch).
 
 The mode depends on M (performance), the arithmetic does not. x is rounded to the weight dtype in
 the kernel (``linear`` casts x first). fp32 weights use an IEEE fp32 dot (never TF32). The
@@ -36,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, grouped_tile, interpreting, sum_in_order
+from . import _common
+from ._common import FIXUP_ROWS, cast, grouped_tile, interpreting, split_counters, split_sum_last, sum_in_order
 
 __all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS", "rms_factor",
            "norm_launch"]
@@ -119,8 +121,10 @@ def _chunk_dot(x_ptr, w_ptr, c, CHUNK, K, offs_m, offs_n, m_mask, n_mask,
 @triton.jit(do_not_specialize=["M", "stride_yc"])
 def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
                   stride_xm, stride_xk, stride_wn, stride_wk, stride_yc, stride_ym, stride_yn,
+                  out_ptr, cnt_ptr, stride_om, stride_on,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  SPLIT: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
+                  SPLIT: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+                  FIXUP: tl.constexpr = False, N_PARTS: tl.constexpr = 1):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -134,6 +138,9 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
         part = _chunk_dot(x_ptr, w_ptr, tl.program_id(1), CHUNK, K, offs_m, offs_n, m_mask, n_mask,
                           stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, INTERP)
         tl.store(y_ptrs + tl.program_id(1) * stride_yc, part, mask=mask)
+        if FIXUP:  # the tile's last program sums the partials into out (no sum_in_order launch)
+            split_sum_last(y_ptr, out_ptr, cnt_ptr, pid, pid_m * BLOCK_M, M, offs_n, n_mask, stride_yc, stride_ym,
+                           stride_yn, stride_om, stride_on, N_PARTS, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERP)
     else:  # ((0 + P_0) + P_1) + …: the same sum in one program
         total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for c in range(0, tl.cdiv(K, CHUNK)):
@@ -192,13 +199,16 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     dst = torch.empty((n_chunks, m, n), dtype=torch.float32, device=x.device) if split else y
     ys = dst.stride() if split else (0, *y.stride())
+    fixup = split and _common.SPLIT_FIXUP
+    cnt = split_counters(x.device, tiles) if fixup else y  # (unread unless fixup)
     _dense_kernel[(tiles, n_chunks if split else 1)](
         x2, w, dst, m, n, k, chunk,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), ys[0], ys[1], ys[2],
+        y, cnt, y.stride(0), y.stride(1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        SPLIT=split, IEEE=w.dtype == torch.float32, INTERP=interp,
+        SPLIT=split, IEEE=w.dtype == torch.float32, INTERP=interp, FIXUP=fixup, N_PARTS=n_chunks if fixup else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split:
+    if split and not fixup:
         sum_in_order(dst, y)
     return y.reshape(*lead, n)
 

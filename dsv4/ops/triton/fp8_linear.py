@@ -19,7 +19,8 @@ Per K step (BLOCK_K = 128 = one scale block column):
 Batch invariance (the default, ``dsv4.ops.invariance``): K is reduced in chunks whose width depends
 on the weight shape alone (``invariant_chunk``), each chunk accumulated from 0 and the chunks added
 in order, y = round(((0 + P_0) + P_1) + …). Decode sizes (M ≤ 64) use one tile shape and one
-program per chunk (the fp32 partials added in order by ``sum_in_order``); prefill sizes use their
+program per chunk (the fp32 partials added in order by ``sum_in_order``, or with
+``_common.SPLIT_FIXUP`` by each tile's last program in the same launch); prefill sizes use their
 fastest tiles and fold the chunks in one program. The bits of a row are the same for every M (on
 the H200 the MMA tile shape does not change them, ``tests/gpu``), so a prompt's logits do not
 depend on the other requests of its step, its chunking or prefix-cache hits.
@@ -48,7 +49,9 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
+from . import _common
 from ._common import (
+    FIXUP_ROWS,
     cast,
     fake_quant_rows,
     fp8_to_f32,
@@ -58,6 +61,8 @@ from ._common import (
     native_fp8,
     num_sms,
     scale_kind,
+    split_counters,
+    split_sum_last,
     sum_in_order,
     ue8m0_to_f32,
 )
@@ -171,6 +176,10 @@ def _fp8_linear_kernel(
     stride_ys,
     stride_ym,
     stride_yn,
+    out_ptr,
+    cnt_ptr,
+    stride_om,
+    stride_on,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -186,6 +195,8 @@ def _fp8_linear_kernel(
     MIN_E: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     W16: tl.constexpr = False,
+    FIXUP: tl.constexpr = False,
+    N_PARTS: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -283,6 +294,9 @@ def _fp8_linear_kernel(
             )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
+    if FIXUP:  # split mode, y the fp32 partials: the tile's last program sums them into out
+        split_sum_last(y_ptr, out_ptr, cnt_ptr, pid, pid_m * BLOCK_M, M, offs_n, n_mask, stride_ys, stride_ym,
+                       stride_yn, stride_om, stride_on, N_PARTS, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERP)
 
 
 def _decode_block_n(n: int) -> int:
@@ -503,13 +517,18 @@ def fp8_linear(
         wb = w16
     dot_f32 = interpreting() or x.dtype == torch.float32
     s = cfg["split_k"]
+    grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
+    fixup = s > 1 and _common.SPLIT_FIXUP
     if s > 1:
         y = torch.empty((s, m, n), dtype=torch.float32, device=x.device)
         ys = y.stride()
     else:
         y = torch.empty((m, n), dtype=out_dtype, device=x.device)
         ys = (0, *y.stride())
-    grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
+    out, cnt = y, y  # (unread unless fixup)
+    if fixup:
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+        cnt = split_counters(x.device, grid[0])
     _fp8_linear_kernel[grid](
         x2,
         wb,
@@ -530,6 +549,10 @@ def fp8_linear(
         ys[0],
         ys[1],
         ys[2],
+        out,
+        cnt,
+        out.stride(-2),
+        out.stride(-1),
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=BLOCK,
@@ -545,9 +568,13 @@ def fp8_linear(
         MIN_E=min_e,
         ONE_CHUNK=cfg["chunks_per_program"] == 1,
         W16=w16 is not None,
+        FIXUP=fixup,
+        N_PARTS=s if fixup else 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if s > 1:
+    if fixup:
+        y = out
+    elif s > 1:
         y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))
     return y.reshape(*lead, n)
