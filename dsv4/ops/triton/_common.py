@@ -307,6 +307,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     key = (device.type, device.index)
     bufs = _COUNTERS.setdefault(key, [])
     if not bufs or bufs[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split_counters: the arrival counters must be made before a CUDA graph captures "
+                               "a split GEMM (run it once uncaptured first, as the graph warm-up does)")
         bufs.append(torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device))
     return bufs[-1]
 
