@@ -188,7 +188,8 @@ def test_async_default_is_on_for_cuda_engines_without_data_parallelism():
     default for its multiprocessing executor), off on the CPU and with data parallelism; an explicit
     choice stands (True with data parallelism is refused)."""
     from dsv4.cli import build_parser
-    from dsv4.engine.engine import EngineConfig, resolve_async_scheduling
+    from dsv4.engine.build import resolve_async_scheduling
+    from dsv4.engine.engine import EngineConfig
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert EngineConfig(model="m").async_scheduling is None
