@@ -33,7 +33,7 @@ class ModelBackend(Protocol):
 class HostInputs:
     """A step's token ids and logits rows as built on the host, for an executor that ships the step
     to other processes without reading the device tensors (which would wait for the step before).
-    ``token_ids`` holds ``overlap.PENDING`` where a placeholder is filled on the device."""
+    ``token_ids`` holds ``request.PENDING`` where a pending token is filled on the device."""
     token_ids: array.array
     logits_rows: array.array
     # async scheduling: (token-id row, picks row) filled from the previous deferred step's greedy picks
