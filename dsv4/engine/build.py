@@ -18,6 +18,7 @@ from ..cache.manager import KVCacheManager
 from ..cache.paged import CacheBudget, PagedKVCache, plan_budget
 from ..model.cache import CacheNumerics
 from ..model.opset import OpSet, reference_ops
+from .executor import Executor, LocalExecutor
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -30,7 +31,7 @@ log = logging.getLogger("dsv4.engine")
 @dataclass
 class EngineParts:
     """An engine's parts (``build_parts``). ``config`` is resolved (device, FP8 format, async
-    scheduling made definite); ``executor`` is the multi-process one handed in, else None;
+    scheduling made definite); ``executor`` runs ``model`` (a ``LocalExecutor`` unless one was handed in);
     ``phases`` the seconds each start-up phase took so far, from ``started`` (``time.perf_counter``)."""
 
     config: EngineConfig
@@ -47,7 +48,7 @@ class EngineParts:
     tokenizer: object
     sampler: Sampler
     proposer: Proposer | None
-    executor: object = None
+    executor: Executor
     started: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -147,9 +148,9 @@ def kv_cache_memory(config: EngineConfig, device: torch.device) -> int:
 
 def build_parts(config: EngineConfig, model=None, tokenizer=None, executor=None) -> EngineParts:
     """An engine's parts. ``model``: a model to run instead of loading ``config.model`` (tests, tools:
-    its device and op set are used). ``executor``: a multi-process model runner
-    (``dsv4.parallel.TPDriver``) handed in by the caller when ``config`` is parallel; its workers
-    allocate the same caches here."""
+    its device and op set are used). ``executor``: a multi-process executor (``dsv4.parallel.TPDriver``)
+    handed in by the caller when ``config`` is parallel; its workers allocate the same caches here.
+    Without one the model runs in this process (``LocalExecutor``)."""
     from ..model.model import ReferenceModel
     from ..ops import compiles
     from ..ops.platform import detect_platform
@@ -173,10 +174,12 @@ def build_parts(config: EngineConfig, model=None, tokenizer=None, executor=None)
     dtype = config.torch_dtype(device)
     if executor is not None:
         model = executor.model
-    elif model is None:
-        model = ReferenceModel(config.model, dtype=dtype, device=device, numerics=numerics,
-                               act_quant=config.act_quant,
-                               ops=resolve_op_set(config.backend, config.attention, device))
+    else:
+        if model is None:
+            model = ReferenceModel(config.model, dtype=dtype, device=device, numerics=numerics,
+                                   act_quant=config.act_quant,
+                                   ops=resolve_op_set(config.backend, config.attention, device))
+        executor = LocalExecutor(model)
     phases["weights"] = time.perf_counter() - t0
     ops = getattr(model, "ops", None) or reference_ops()
     if config.attention == "batched" and not ops.paged_attention:
@@ -199,8 +202,7 @@ def build_parts(config: EngineConfig, model=None, tokenizer=None, executor=None)
     if host is not None:
         phases["host_tier"] = time.perf_counter() - t
     kv = KVCacheManager(kv_cache, config.enable_prefix_caching, host=host)
-    if executor is not None:  # the workers allocate the same caches; prefix-cache restores and host-tier
-        executor.start_caches(budget, numerics, kv)  # transfers are mirrored
+    executor.start_caches(budget, numerics, kv)  # other processes allocate the same caches and mirror its writes
     if spec is not None:
         check_draft_model(cfg, spec, config.speculative_config)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -208,7 +210,8 @@ def build_parts(config: EngineConfig, model=None, tokenizer=None, executor=None)
     paged = ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
     dspark = spec is not None and spec.method == "dspark"
     runner = ModelRunner(model, kv, paged, keep_streams=spec is not None,
-                         aux_layers=cfg.dspark_target_layer_ids if dspark else ())
+                         aux_layers=cfg.dspark_target_layer_ids if dspark else (),
+                         host_inputs=executor.takes_host_inputs)
     tokenizer = tokenizer or load_tokenizer(config)
     tok = tokenizer  # captured, not the engine: a dropped engine is freed at once, not at the next gc
     sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))

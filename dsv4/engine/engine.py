@@ -21,6 +21,7 @@ import torch
 from . import overlap
 from .build import EngineParts, build_parts
 from .errors import EngineDeadError, NonFiniteLogitsError, RequestError, context_budget
+from .executor import Executor
 from .outputs import RequestOutput
 from .request import Drafts, Request, Status
 from .runner import ModelRunner
@@ -51,7 +52,7 @@ def _kernel_cache() -> str:
     return str(env.kernel_cache_dir())
 
 
-def _shutdown_executor(runner: ModelRunner, executor) -> None:
+def _shutdown_executor(runner: ModelRunner, executor: Executor) -> None:
     """A multi-process engine's teardown: captured NCCL launches go before the process group does (a
     live graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
     if runner.graphs is not None:
@@ -63,7 +64,8 @@ def _shutdown_executor(runner: ModelRunner, executor) -> None:
 class LLMEngine:
     """Runs an engine's parts (``build.EngineParts``): add, abort, step. ``LLMEngine(config, model=...,
     tokenizer=..., executor=...)`` builds them (``build.build_parts`` says what each argument is);
-    ``parts`` hands in parts already built."""
+    ``parts`` hands in parts already built. Its model runs through ``executor`` (``executor.Executor``:
+    this process alone, or a multi-process one)."""
 
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer=None, executor=None, *,
                  parts: EngineParts | None = None):
@@ -77,7 +79,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.kv_cache, self.kv, self.scheduler, self.runner = parts.kv_cache, parts.kv, parts.scheduler, parts.runner
         self.tokenizer, self.sampler, self.proposer = parts.tokenizer, parts.sampler, parts.proposer
-        if self.executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
+        if not self.executor.one_process:  # also when the engine is dropped or the interpreter exits without shutdown()
             self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, self.executor)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_id)
         self.spec_stats = SpecStats()
@@ -100,7 +102,7 @@ class LLMEngine:
                      and _graph_capturable(self.ops))
         spec = self.proposer is not None
         capture = graphable and not spec  # (with speculation a step verifies drafts: the MTP step's graphs)
-        capture_spec = graphable and spec and self.executor is None
+        capture_spec = graphable and spec and self.executor.one_process
         self.warm_up_report = self.precompile_report = None
         digest = None
         # (one process: data-parallel ranks and TP groups build in their warm-ups, each rank its own)
@@ -143,17 +145,12 @@ class LLMEngine:
                  compiles.count(), _kernel_cache())
 
     def capture_decode_graphs(self) -> None:
-        """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank
-        captures its own and each replay is announced to the workers. On the CPU the graphs are
-        emulated (the same static inputs, run eagerly): how tests reach the path."""
+        """CUDA graphs of the decode forward (``engine.cuda_graphs``), captured by the executor: with
+        several processes every rank captures its own and each replay is announced to the workers. On
+        the CPU the graphs are emulated (the same static inputs, run eagerly): how tests reach the path."""
         if not self.runner.paged_attention:
             raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
-        if self.executor is not None:
-            self.runner.graphs = self.executor.capture_graphs(self.kv_cache, self.config.max_num_seqs,
-                                                              self.max_model_len)
-        else:
-            self.runner.graphs = self._decode_graphs()
-            self.runner.graphs.capture()
+        self.runner.graphs = self.executor.capture_graphs(self.kv_cache, self.config.max_num_seqs, self.max_model_len)
 
     def capture_spec_graphs(self) -> None:
         """CUDA graphs of the speculative step (``engine.spec_graphs``); on the CPU emulated, as the
@@ -172,6 +169,7 @@ class LLMEngine:
                           min_confidence=self.proposer.min_confidence if dspark else 0.0)
 
     def _decode_graphs(self):
+        """A one-process engine's decode graphs, not captured (``precompile`` lists their launches)."""
         from .cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
@@ -179,7 +177,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop a multi-process engine's workers and leave the process group; give what start-up froze
         back to the garbage collector."""
-        if self.executor is not None:
+        if not self.executor.one_process:
             self._finalizer()
         if getattr(self, "_gc_frozen", False):
             self._gc_frozen = False

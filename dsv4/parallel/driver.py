@@ -29,6 +29,11 @@ log = logging.getLogger("dsv4.parallel")
 
 
 class TPDriver:
+    """The engine's executor at TP > 1 (``dsv4.engine.executor.Executor``)."""
+
+    one_process = False
+    takes_host_inputs = True  # TPModel.forward builds the plan from the runner's HostInputs
+
     def __init__(self, config, device: torch.device):
         from ..config import load_config
 
@@ -198,8 +203,6 @@ class TPModel:
                 "run the sharded model (use a separate single-process model as an oracle)"
             )
         return getattr(self.inner, name)
-
-    takes_host_inputs = True  # the runner hands over the step's host-side inputs (``HostInputs``)
 
     def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, advance: bool = True, **kw):
         """``advance=False`` (a speculative verify step) leaves rank 0's views for the engine to commit
