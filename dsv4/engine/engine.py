@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from ..model.opset import ATTENTION_OPS
 from . import overlap
 from .build import EngineParts, build_parts
 from .errors import EngineDeadError, NonFiniteLogitsError, RequestError, context_budget
@@ -37,13 +38,10 @@ log = logging.getLogger("dsv4.engine")
 
 
 def _graph_capturable(ops) -> bool:
-    """Whether a CUDA graph can capture the batched attention with this op set: the torch attention
-    ops (``dsv4.ops.torch_*``, ``backend="torch"``) check page bounds on the host, a synchronization
-    that stream capture forbids, so their decode steps run eagerly."""
-    return ops.paged_attention and not any(
-        getattr(getattr(ops, op), "__module__", "").startswith("dsv4.ops.torch")
-        for op in ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer",
-                   "indexer_q_rope_quant"))
+    """Whether a CUDA graph can capture the batched attention with this op set: none of its ops is
+    marked ``eager_only`` (``dsv4.model.opset.eager_only``: the torch ones, which read device values
+    on the host), so with those the decode steps run eagerly."""
+    return ops.paged_attention and not any(getattr(getattr(ops, op), "eager_only", False) for op in ATTENTION_OPS)
 
 
 def _kernel_cache() -> str:
