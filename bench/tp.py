@@ -135,7 +135,8 @@ def _parts(engine):
     if hasattr(engine, "engine0"):  # DPEngine
         return engine.device, engine.startup_reports, engine.engine0.executor.ep
     ex = engine.executor
-    return engine.model.device, (ex.rank_stats if ex is not None else None), (ex.tp if ex is not None else None)
+    multi = not ex.one_process
+    return engine.model.device, (ex.rank_stats if multi else None), (ex.tp if multi else None)
 
 
 def _ranks(engine) -> int:

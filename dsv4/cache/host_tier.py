@@ -125,15 +125,15 @@ class HostKVTier:
     """Which block is in which host slot: chain hash → slot, least recently used first out.
 
     ``offload`` and ``restore`` queue transfers; ``flush`` issues what is queued, ``wait`` also makes
-    the next step's compute wait for it. ``mirror``, when set, is called with every queued transfer
-    (a tensor-parallel driver replays them on the other ranks in the same order)."""
+    the next step's compute wait for it. Each queued transfer is also handed to every function in
+    ``listeners`` (the KV cache manager's, which publishes it: ``KVCacheManager.add_listener``)."""
 
     def __init__(self, store: HostKVStore):
         self.store = store
         self.entries: OrderedDict[int, int] = OrderedDict()  # chain hash → slot, LRU order (oldest first)
         self.free: list[int] = list(range(store.num_slots - 1, -1, -1))  # pop() gives the lowest slot first
         self.pending: list[HostTransfer] = []
-        self.mirror = None
+        self.listeners: list = []
         self._unwaited = False  # transfers issued since the last wait()
         # statistics: blocks and bytes moved each way, blocks dropped from the tier
         self.offloaded_blocks = self.restored_blocks = self.evicted_blocks = 0
@@ -181,8 +181,8 @@ class HostKVTier:
 
     def _queue(self, t: HostTransfer) -> None:
         self.pending.append(t)
-        if self.mirror is not None:
-            self.mirror(t)
+        for fn in self.listeners:
+            fn(t)
 
     def flush(self) -> None:
         """Issue the queued transfers, in order."""

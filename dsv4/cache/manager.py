@@ -11,16 +11,36 @@ With a host tier (``dsv4.cache.host_tier``) an evicted cached block is copied ou
 first, and the match walks the chain block by block: a block cached on the device is taken as it is,
 one held only by the host tier is restored into fresh pages (and cached on the device again). Every
 entry of either tier keeps its window pages, so a hit may end at any of them.
+
+The cache writes the manager makes outside a forward — host-tier offloads and restores
+(``HostTransfer``) and a prefix hit's boundary rows put back into a state ring (``BoundaryRestore``) —
+are published, in the order they are made, to the functions registered with ``add_listener`` (a
+tensor-parallel engine replays them on every rank's own cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from .host_tier import HostTransfer
 from .paged import BLOCK, RETAINED_SWA, SWA_PAGE, CacheAllocation, PagedKVCache, PagedSequenceView
 from .pool import PagePool
 
-__all__ = ["KVCacheManager", "RETAINED_SWA"]
+__all__ = ["KVCacheManager", "RETAINED_SWA", "BoundaryRestore", "CacheEvent"]
+
+
+@dataclass(frozen=True)
+class BoundaryRestore:
+    """A prefix hit's boundary compressor rows restored into state ring ``slot``: those kept with
+    block ``block``, the hit's block number ``index`` (its last)."""
+
+    slot: int
+    index: int
+    block: int
+
+
+CacheEvent = HostTransfer | BoundaryRestore  # what listeners receive
 
 
 @dataclass
@@ -52,6 +72,17 @@ class KVCacheManager:
         self.host = host if enable_prefix_caching else None
         # prefix-cache statistics, in tokens: queries, and hits served by the device / the host tier
         self.hits = self.queries = self.host_hits = self.host_queries = 0
+        self._listeners: list[Callable[[CacheEvent], None]] = []
+        if self.host is not None:
+            self.host.listeners.append(self._publish)
+
+    def add_listener(self, fn: Callable[[CacheEvent], None]) -> None:
+        """Call ``fn`` with every cache write made outside a forward (``CacheEvent``), in order."""
+        self._listeners.append(fn)
+
+    def _publish(self, event: CacheEvent) -> None:
+        for fn in self._listeners:
+            fn(event)
 
     # ---- accounting ----------------------------------------------------------------------
     def usage(self) -> float:
@@ -309,4 +340,6 @@ class KVCacheManager:
         alloc.registered_blocks = len(hit)
         alloc.block_hashes = self.chain_hashes(token_ids, len(hit))
         self.view(alloc).restore_boundary(len(hit) - 1)
+        if self._listeners:
+            self._publish(BoundaryRestore(alloc.slot, len(hit) - 1, alloc.blocks[len(hit) - 1]))
         return p

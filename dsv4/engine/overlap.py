@@ -5,8 +5,9 @@ step be scheduled and its inputs built, so the GPU idles for the host's whole sh
 ``EngineConfig.async_scheduling`` (vLLM's ``--async-scheduling``) a step whose sampled rows are all
 plain greedy leaves its picks on the device (``InFlight``); the next ``step()`` call then
 
-1. gives every request of the in-flight step that may continue a placeholder token (``PENDING``),
-   so the scheduler counts and allocates the token that is being computed;
+1. gives every request of the in-flight step that may continue a pending token
+   (``Request.pending_tokens``, outside its output), so the scheduler counts and allocates the token
+   that is being computed;
 2. schedules, builds the inputs on the host, and copies each placeholder's real token into the
    step's token ids on the device, from the in-flight step's picks (``device_token_plan``);
 3. launches it, and only then waits for the in-flight step's picks and applies them (the engine:
@@ -34,8 +35,6 @@ import torch
 from .request import Request
 from .runner import ModelRunner, StepBatch
 from .sampler import device_picks, plain_greedy
-
-PENDING = -1  # placeholder output token of a request whose next token is still on the device
 
 
 @dataclass
@@ -65,8 +64,8 @@ def deferrable(schedule: list, sampler) -> bool:
 
 
 def add_placeholders(prev: InFlight) -> None:
-    """A ``PENDING`` output token for each request of ``prev`` that samples and may continue (not
-    finished, and not at its last token: a request whose pick reaches max_tokens ends there)."""
+    """A pending token for each request of ``prev`` that samples and may continue (not finished, and
+    not at its last token: a request whose pick reaches max_tokens ends there)."""
     for _, si in prev.batch.sample_rows:
         req = prev.schedule[si].req
         if req.finished:
@@ -74,7 +73,7 @@ def add_placeholders(prev: InFlight) -> None:
         n_after = len(req.output_token_ids) + 1
         if req.params.max_tokens is not None and n_after >= req.params.max_tokens:
             continue
-        req.output_token_ids.append(PENDING)
+        req.pending_tokens += 1
 
 
 def device_token_plan(schedule: list, prev: InFlight | None) -> list[tuple[int, int]] | None:
@@ -85,7 +84,7 @@ def device_token_plan(schedule: list, prev: InFlight | None) -> list[tuple[int, 
     plan, off = [], 0
     for sc in schedule:
         req = sc.req
-        if req.output_token_ids and req.output_token_ids[-1] == PENDING:
+        if req.pending_tokens:
             last = req.num_tokens - 1  # the placeholder's position
             start = req.alloc.num_computed
             if start <= last < start + sc.num_tokens:
@@ -143,8 +142,8 @@ def read_picks(step: InFlight) -> tuple[list[int], list[int]]:
 
 
 def drop_placeholder(req: Request) -> None:
-    if req.output_token_ids and req.output_token_ids[-1] == PENDING:
-        req.output_token_ids.pop()
+    if req.pending_tokens:
+        req.pending_tokens -= 1
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -12,6 +12,8 @@ from ..cache.paged import CacheAllocation
 from .outputs import CompletionOutput, Logprob
 from .sampling_params import SamplingParams
 
+PENDING = -1  # the token id of a position whose token is still on the device (``Request.pending_tokens``)
+
 
 @dataclass
 class Drafts:
@@ -47,7 +49,10 @@ class Request:
         self.request_id, self.index = request_id, index
         self.prompt, self.prompt_token_ids = prompt, list(prompt_token_ids)
         self.params = params
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # sampled tokens, read back: never a placeholder
+        # async scheduling: tokens after output_token_ids that the in-flight step computes and the host
+        # has not read yet; the scheduler and the runner count their positions (their ids: PENDING)
+        self.pending_tokens = 0
         self.status = Status.WAITING
         self.alloc = CacheAllocation()
         self.eos_token_id = eos_token_id
@@ -75,7 +80,9 @@ class Request:
     # ---- token bookkeeping ---------------------------------------------------------------
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The prompt, the output and a ``PENDING`` id per pending token."""
+        ids = self.prompt_token_ids + self.output_token_ids
+        return ids + [PENDING] * self.pending_tokens if self.pending_tokens else ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list (a step needs a few tokens
@@ -84,13 +91,21 @@ class Request:
         n = len(p)
         if end <= n:
             return p[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return p[start:] + self.output_token_ids[:end - n]
+        out = self.output_token_ids
+        ids = out[start - n:end - n] if start >= n else p[start:] + out[:end - n]
+        if self.pending_tokens:
+            m = n + len(out)
+            ids += [PENDING] * max(0, min(end, m + self.pending_tokens) - max(start, m))
+        return ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens so far, the pending ones included (the index of the next token sampled)."""
+        return len(self.output_token_ids) + self.pending_tokens
 
     @property
     def num_computed(self) -> int:
@@ -158,7 +173,7 @@ class Request:
         logprobs = self.logprobs
         if delta:
             ids = self.output_token_ids
-            n = len(ids) - (1 if ids and ids[-1] < 0 else 0)  # (never an async step's placeholder)
+            n = len(ids)
             a, text = self._sent_tokens, self.text[self._emitted_chars:end]
             self._sent_tokens = n
             ids, logprobs = ids[a:n], None if logprobs is None else logprobs[a:n]

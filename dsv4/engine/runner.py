@@ -33,7 +33,7 @@ class ModelBackend(Protocol):
 class HostInputs:
     """A step's token ids and logits rows as built on the host, for an executor that ships the step
     to other processes without reading the device tensors (which would wait for the step before).
-    ``token_ids`` holds ``overlap.PENDING`` where a placeholder is filled on the device."""
+    ``token_ids`` holds ``request.PENDING`` where a pending token is filled on the device."""
     token_ids: array.array
     logits_rows: array.array
     # async scheduling: (token-id row, picks row) filled from the previous deferred step's greedy picks
@@ -63,12 +63,14 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False,
-                 keep_streams: bool = False, aux_layers: tuple[int, ...] = ()):
+                 keep_streams: bool = False, aux_layers: tuple[int, ...] = (), host_inputs: bool = False):
         """``paged_attention``: build the step's page tables for the model's batched attention
         (``dsv4.model.paged_attention``); False keeps the reference's per-request attention.
         ``keep_streams``: each batch keeps the forward's pre-hc_head streams (a proposer's input),
-        or with ``aux_layers`` the stream means of those layers' outputs (DSpark's input)."""
-        self.backend, self.kv = backend, kv
+        or with ``aux_layers`` the stream means of those layers' outputs (DSpark's input).
+        ``host_inputs``: the backend's forward takes the step's ``HostInputs`` (``host=``: a
+        multi-process executor's model, ``Executor.takes_host_inputs``)."""
+        self.backend, self.kv, self.host_inputs = backend, kv, host_inputs
         self.keep_streams = keep_streams or bool(aux_layers)
         self.aux_layers = tuple(aux_layers)
         self.device = backend.device
@@ -160,7 +162,7 @@ class ModelRunner:
         extra = {} if batch.tables is None else {"tables": batch.tables}
         if self.aux_layers:
             extra["aux_layers"] = self.aux_layers
-        if getattr(self.backend, "takes_host_inputs", False):  # a multi-process executor's model
+        if self.host_inputs:
             extra["host"] = batch.host
         if batch.draft_counts:
             extra["advance"] = False

@@ -82,7 +82,7 @@ def plain(req: Request) -> bool:
     tokens came before it in the step."""
     p = req.params
     return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.adjusts_logits and len(req.output_token_ids) >= p.min_tokens)
+            and not p.adjusts_logits and req.num_output_tokens >= p.min_tokens)
 
 
 def device_dists(x: torch.Tensor, settings: torch.Tensor) -> torch.Tensor:

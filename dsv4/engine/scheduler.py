@@ -124,7 +124,7 @@ class Scheduler:
                     # nothing else holds pages: the request cannot fit at all
                     raise RequestError.of(req.request_id, f"{req.num_tokens} tokens do not fit in the KV cache "
                                           f"({self.kv.blocks.n} blocks of 256 tokens)")
-                if req.alloc.blocks and req.num_computed > 0 and (short or not req.output_token_ids):
+                if req.alloc.blocks and req.num_computed > 0 and (short or not req.num_output_tokens):
                     self.kv.free(req.alloc)  # give back the prefix hit: retried next step
                 break
             self.waiting.popleft()

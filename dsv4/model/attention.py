@@ -119,7 +119,8 @@ class Compressor:
 
 
 class Attention:
-    def __init__(self, w, layer: int, cfg: ModelConfig, ops, prefix: str | None = None, act_quant: bool = False):
+    def __init__(self, w, layer: int, cfg: ModelConfig, ops, prefix: str | None = None, act_quant: bool = False,
+                 tp=None):
         p = prefix or f"layers.{layer}.attn"
         self.cfg, self.layer, self.act_quant, self.ops = cfg, layer, act_quant, ops
         self.type = cfg.layer_type(layer)
@@ -138,7 +139,7 @@ class Attention:
             self.idx_compressor = Compressor(w, f"{p}.indexer.compressor", cfg, 4, cfg.index_head_dim, "index",
                                              layer, ops)
         self.hooks = None  # optional callback(name, tensor) for --validate style checks
-        self.tp = None  # tensor parallelism (dsv4/parallel): this rank holds a share of the heads and groups
+        self.tp = tp  # tensor parallelism (dsv4/parallel): this rank holds a share of the heads and groups
 
     def _check(self, name, t):
         if self.hooks is not None:

@@ -28,15 +28,16 @@ from .weights import ModelWeights
 
 
 class Block:
-    """One decoder block; ``prefix`` is 'layers.N' or 'mtp.M'."""
+    """One decoder block; ``prefix`` is 'layers.N' or 'mtp.M'; ``tp`` / ``ep``: the model's groups."""
 
-    def __init__(self, w: ModelWeights, prefix: str, layer: int, cfg: ModelConfig, act_quant: bool, ops: OpSet):
+    def __init__(self, w: ModelWeights, prefix: str, layer: int, cfg: ModelConfig, act_quant: bool, ops: OpSet,
+                 tp=None, ep=None):
         self.cfg, self.layer, self.prefix, self.ops = cfg, layer, prefix, ops
         self.attn_norm, self.ffn_norm = w[f"{prefix}.attn_norm.weight"], w[f"{prefix}.ffn_norm.weight"]
         self.hc_attn = (w[f"{prefix}.hc_attn_fn"], w[f"{prefix}.hc_attn_base"], w[f"{prefix}.hc_attn_scale"])
         self.hc_ffn = (w[f"{prefix}.hc_ffn_fn"], w[f"{prefix}.hc_ffn_base"], w[f"{prefix}.hc_ffn_scale"])
-        self.attn = Attention(w, layer, cfg, ops, prefix=f"{prefix}.attn", act_quant=act_quant)
-        self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant, ops)
+        self.attn = Attention(w, layer, cfg, ops, prefix=f"{prefix}.attn", act_quant=act_quant, tp=tp)
+        self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant, ops, tp=tp, ep=ep)
 
     def attn_pre(self, streams: torch.Tensor):
         """The attention's mHC pre: (collapsed, post, comb) of ``streams``."""
@@ -103,8 +104,9 @@ class ReferenceModel:
         self.dtype, self.device = self.w.dtype, self.w.device
         self.numerics = numerics or CacheNumerics()
         cfg = self.cfg
-        self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant, ops) for i in range(cfg.num_hidden_layers)]
-        self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant, ops)
+        self.blocks = [Block(self.w, f"layers.{i}", i, cfg, act_quant, ops, tp, ep)
+                       for i in range(cfg.num_hidden_layers)]
+        self.mtp = [Block(self.w, f"mtp.{m}", cfg.num_hidden_layers + m, cfg, act_quant, ops, tp, ep)
                     for m in range(cfg.num_mtp_layers + cfg.num_dspark_stages)]
         self.dspark = DSparkDrafter(self.w, cfg, ops, self.mtp, act_quant) if cfg.is_dspark else None
         self.embed, self.head, self.norm = self.w["embed.weight"], self.w["head.weight"], self.w["norm.weight"]
@@ -112,7 +114,7 @@ class ReferenceModel:
         self.tp, self.ep = tp, ep
         for group in (tp, ep):
             if group is not None:
-                group.install(self)
+                group.check(cfg)
 
     def set_hooks(self, fn) -> None:
         """Install a callback(name, tensor) on every attention (used by finite checks)."""

@@ -51,7 +51,8 @@ def route(ops, x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, bias: to
 
 
 class MoE:
-    def __init__(self, weights, prefix: str, cfg: ModelConfig, hash_layer: bool, act_quant: bool, ops):
+    def __init__(self, weights, prefix: str, cfg: ModelConfig, hash_layer: bool, act_quant: bool, ops, tp=None,
+                 ep=None):
         self.wts, self.prefix, self.cfg, self.act_quant, self.ops = weights, prefix, cfg, act_quant, ops
         self.gate = weights[f"{prefix}.gate.weight"]
         self.bias = None if hash_layer else weights[f"{prefix}.gate.bias"]
@@ -62,10 +63,10 @@ class MoE:
             self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
         # tensor parallelism (dsv4/parallel): this rank holds its experts (EP) or a slice of each
         # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
-        self.tp = None
+        self.tp = tp
         # expert parallelism over data-parallel ranks (dsv4/parallel/expert.py): this rank holds its
         # share of the routed experts, everything else whole; ``ep.exchange`` reaches the others
-        self.ep = None
+        self.ep = ep
         self.grouped = weights.keep_quantized and ops.moe_experts is not None  # the fast path's grouped experts
         if self.grouped:
             # stacked now, not at the first forward: the engine sizes its KV cache from the memory

@@ -24,6 +24,14 @@ SAMPLER_OPS = ("greedy_pick",)  # the sampler's batched pick of plain greedy row
 OPS = WEIGHT_OPS + BLOCK_OPS + ATTENTION_OPS + SAMPLER_OPS
 
 
+def eager_only(fn: Callable) -> Callable:
+    """Mark an op implementation that a CUDA graph must not capture (``fn.eager_only``): the torch
+    backend of the batched attention reads device values on the host (page bounds, per-sequence key
+    counts), a synchronization stream capture forbids, so an engine with it runs its steps eagerly."""
+    fn.eager_only = True
+    return fn
+
+
 class OpSet:
     """``fns``: op name → function. Building blocks not given run the oracle's torch code; weight,
     attention and sampler ops not given are None (dequantized weights, the per-request attention, the

@@ -19,6 +19,7 @@ import torch
 from ..formats import RECORD_BYTES, get_fp8_format, read_kv, write_kv
 from ..model.attention import left_align, sparse_attention
 from ..model.norms import rms_norm
+from ..model.opset import eager_only
 from ..model.rope import apply_rope
 
 __all__ = ["kv_insert", "kv_norm_rope_insert", "paged_sparse_attention", "gather_attention_keys", "swa_block_size"]
@@ -26,6 +27,7 @@ __all__ = ["kv_insert", "kv_norm_rope_insert", "paged_sparse_attention", "gather
 QUERY_BLOCK = 64  # queries gathered at a time (each gets its own copy of its keys)
 
 
+@eager_only
 def kv_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor, fmt=None,
               block_size: int | None = None, round_bf16: bool = False) -> None:
     """Store x [T, D] at (page_ids[t], offsets[t]); tokens with a negative page id or offset are skipped.
@@ -48,6 +50,7 @@ def kv_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor
     pages[page_ids[keep].long(), offsets[keep].long()] = x[keep].to(pages.dtype)
 
 
+@eager_only
 def kv_norm_rope_insert(pages: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor, kv_raw: torch.Tensor,
                         norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, fmt=None,
                         block_size: int | None = None) -> None:
@@ -111,6 +114,7 @@ def gather_attention_keys(positions, seq_ids, swa_pages, swa_table, comp_pages, 
     return keys.reshape(T * L, -1), idx
 
 
+@eager_only
 def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table,
                            entries_per_block, comp_idx, sink, scale, window, fmt) -> torch.Tensor:
     """out [T, H, 512] in q's dtype: the oracle's sparse attention over each query's paged keys.

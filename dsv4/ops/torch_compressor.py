@@ -29,11 +29,13 @@ from ..formats.indexer_record import _scale_start as _idx_scale_start
 from ..formats.kv_record import DATA_BYTES
 from ..formats.kv_record import _scale_start as _kv_scale_start
 from ..model.norms import rms_norm
+from ..model.opset import eager_only
 from ..model.rope import apply_rope, cos_sin
 
 __all__ = ["compressor_pool_insert", "pool", "insert_entries", "insert_dense", "spare_ids"]
 
 
+@eager_only
 def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                            seq_ids: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                            closing: torch.Tensor | None, norm: torch.Tensor, eps: float, rope, ratio: int,

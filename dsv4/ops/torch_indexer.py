@@ -14,11 +14,13 @@ import torch
 
 from ..formats import fake_quant_fp8_pow2, get_fp8_format, read_indexer_k
 from ..model.linear import linear, stable_topk
+from ..model.opset import eager_only
 from ..model.rope import apply_rope
 
 __all__ = ["indexer_logits", "indexer_topk", "paged_indexer_topk", "indexer_q_rope_quant"]
 
 
+@eager_only
 def indexer_q_rope_quant(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fmt=None) -> torch.Tensor:
     """The indexer query as the scorer reads it (float32 [T, H, D]): RoPE on the trailing dims
     (``apply_rope``, rounded to q's dtype); with an FP8 cache (``fmt`` not None) also rounded to bf16
@@ -90,6 +92,7 @@ def ascending_picks(sel: torch.Tensor, n_cols: int) -> torch.Tensor:
     return torch.where(order >= n_cols, -1, order)
 
 
+@eager_only
 def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
                        n_cols: int, k: int, fmt, *, ascending: bool = False, **_) -> torch.Tensor:
     """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded;

@@ -84,7 +84,11 @@ class EPExecutor:
     ranks agree on each step's graph in. ``driver``: with tensor parallelism inside the rank, rank
     0 of its group (``TPDriver.for_group``): every forward (the dummy one too) is first sent to the
     group's other ranks as a step plan, and their caches mirror this one's; else the cache is the
-    rank's own and nothing is mirrored."""
+    rank's own and nothing is mirrored. (``dsv4.engine.executor.Executor``; its forward takes no host
+    inputs: a plan sent from here reads the step's tensors.)"""
+
+    one_process = False
+    takes_host_inputs = False
 
     def __init__(self, model, ep, agree, driver=None):
         self.model, self.ep, self.agree, self.driver = EPModel(model, ep, driver), ep, agree, driver

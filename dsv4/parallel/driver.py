@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from ..cache.paged import BLOCK
 from .group import DistSpec, TPGroup, init_distributed
 from .plan import StepPlan, plan_mtp, plan_step
 from .ranks import RankProcesses, free_port
@@ -30,6 +29,11 @@ log = logging.getLogger("dsv4.parallel")
 
 
 class TPDriver:
+    """The engine's executor at TP > 1 (``dsv4.engine.executor.Executor``)."""
+
+    one_process = False
+    takes_host_inputs = True  # TPModel.forward builds the plan from the runner's HostInputs
+
     def __init__(self, config, device: torch.device):
         from ..config import load_config
 
@@ -107,18 +111,7 @@ class TPDriver:
         host = kv.host
         self.send(StepPlan("cache", budget=budget, numerics=numerics,
                            host_slots=0 if host is None else host.num_slots))
-        if host is not None:  # each rank copies its own cache's blocks to and from its own host slots
-            host.mirror = self.restores.append
-        inner = kv.apply_prefix
-
-        def apply_prefix(alloc, hit, token_ids):
-            got = inner(alloc, hit, token_ids)
-            n = got // BLOCK  # (a host-tier hit may be cut short)
-            if n:  # it wrote boundary rows into rank 0's state ring: the workers replay it
-                self.restores.append((alloc.slot, n - 1, alloc.blocks[n - 1]))
-            return got
-
-        kv.apply_prefix = apply_prefix
+        kv.add_listener(self.restores.append)  # each rank replays them on its own cache and host slots
 
     def capture_graphs(self, kvc, max_num_seqs: int, max_model_len: int) -> "TPDecodeGraphs":
         """Every rank captures the decode CUDA graphs of its shard at once (the all-reduces inside
@@ -210,8 +203,6 @@ class TPModel:
                 "run the sharded model (use a separate single-process model as an oracle)"
             )
         return getattr(self.inner, name)
-
-    takes_host_inputs = True  # the runner hands over the step's host-side inputs (``HostInputs``)
 
     def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, advance: bool = True, **kw):
         """``advance=False`` (a speculative verify step) leaves rank 0's views for the engine to commit

@@ -94,13 +94,11 @@ class EPGroup(CommTimer):
         self.read_bytes += t.numel() * t.element_size()
         return t
 
-    def install(self, model) -> None:
-        """Hand this group to every MoE layer of a ReferenceModel (called from its constructor)."""
-        self.expert_range(model.cfg.n_routed_experts)
+    def check(self, cfg) -> None:
+        """A model of ``cfg`` can be split this way (the ReferenceModel built with this group asks)."""
+        self.expert_range(cfg.n_routed_experts)
         if self.tp is not None:
-            self.tp.shard_plan(model.cfg)
-        for b in model.blocks + model.mtp:
-            b.moe.ep = self
+            self.tp.shard_plan(cfg)
 
     # ---- one MoE layer ---------------------------------------------------------------------
     def exchange(self, x: torch.Tensor, ids: torch.Tensor, pairs, slots) -> torch.Tensor:

@@ -148,12 +148,9 @@ class TPGroup(CommTimer):
             self._plan = ShardPlan(cfg, self)
         return self._plan
 
-    def install(self, model) -> None:
-        """Hand this group to every sharded layer of a ReferenceModel (called from its constructor)."""
-        self.shard_plan(model.cfg)
-        for b in model.blocks + model.mtp:
-            b.attn.tp = self
-            b.moe.tp = self
+    def check(self, cfg) -> None:
+        """A model of ``cfg`` can be split this way (the ReferenceModel built with this group asks)."""
+        self.shard_plan(cfg)
 
     # ---- what ModelWeights calls (the ``shard`` hook) ------------------------------------
     def read(self, ckpt, name: str) -> torch.Tensor:

@@ -5,9 +5,9 @@ and indexer are replicated), so a step is fully described by what the engine's r
 model — token ids, and per chunk its start, length and the request's block / SWA page ids, state
 slot and computed-token count — plus the rows that need logits. The cache writes outside a forward
 are a prefix-cache hit restoring boundary compressor rows into the request's state ring
-(``KVCacheManager.apply_prefix``) and the host tier's transfers (``dsv4.cache.host_tier``: every
-rank copies its own cache's blocks to and from its own host slots, the slots rank 0 chose); those
-are recorded on rank 0 and replayed first, in the order rank 0 made them.
+(``BoundaryRestore``) and the host tier's transfers (``HostTransfer``: every rank copies its own
+cache's blocks to and from its own host slots, the slots rank 0 chose); rank 0's cache manager
+publishes them (``KVCacheManager.add_listener``), and every worker replays them first, in that order.
 
 Async scheduling: a deferred step's token ids include placeholders whose tokens are the previous
 step's greedy picks, still on rank 0's device. Every rank holds the same full logits (the head is
@@ -60,8 +60,7 @@ class StepPlan:
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ChunkPlan] = field(default_factory=list)
     logits_rows: list[int] | None = None
-    # cache writes before the forward, in order: (slot, block index, block id) boundary-row restores and
-    # host-tier transfers (HostTransfer)
+    # cache writes before the forward, in order (``dsv4.cache.manager.CacheEvent``)
     restores: list = field(default_factory=list)
     paged: bool = False  # the runner used the batched paged attention: build the same tables
     graph: bool = False  # rank 0 replays its decode CUDA graph of this batch: replay yours
@@ -116,9 +115,8 @@ def replay_restores(kvc, restores, host: HostKVStore | None = None) -> None:
             host.execute(transfers)
             host.wait()
             transfers = []
-        slot, index, block = op
-        alloc = CacheAllocation(blocks=[-1] * index + [block], slot=slot)
-        PagedSequenceView(kvc, alloc).restore_boundary(index)
+        alloc = CacheAllocation(blocks=[-1] * op.index + [op.block], slot=op.slot)
+        PagedSequenceView(kvc, alloc).restore_boundary(op.index)
     if transfers:
         host.execute(transfers)
     if host is not None:

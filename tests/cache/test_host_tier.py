@@ -127,7 +127,7 @@ def test_the_tier_is_lru_and_a_held_block_costs_no_copy(cfg):
     kvc = _cache(cfg, "auto")
     tier = HostKVTier(HostKVStore(kvc, 3, CopyEngine()))
     seen = []
-    tier.mirror = seen.append
+    tier.listeners.append(seen.append)
     for h, b in ((11, 0), (12, 1), (13, 2)):
         tier.offload(h, b, (2 * b, 2 * b + 1))
     assert [t.slot for t in tier.pending] == [0, 1, 2] and list(tier.entries) == [11, 12, 13]
@@ -137,7 +137,7 @@ def test_the_tier_is_lru_and_a_held_block_costs_no_copy(cfg):
     n = len(tier.pending)
     tier.offload(13, 4, (8, 9))  # already held (restored from here and evicted again): no copy
     assert len(tier.pending) == n and list(tier.entries) == [11, 14, 13]
-    assert seen == tier.pending  # every queued transfer went to the mirror, in order
+    assert seen == tier.pending  # every queued transfer went to the listener, in order
     tier.wait()
     assert tier.pending == []
     s = tier.stats()

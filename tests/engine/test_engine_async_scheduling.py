@@ -100,7 +100,7 @@ def test_async_under_preemption(tiny_ckpt):
     sched = asy.engine.scheduler
     held = []
     preempt = sched._preempt
-    sched._preempt = lambda victim: held.append(victim.output_token_ids[-1:] == [-1]) or preempt(victim)
+    sched._preempt = lambda victim: held.append(victim.pending_tokens > 0) or preempt(victim)
     got = _results(asy.generate(prompts, params))
     assert sync.engine.scheduler.num_preemptions > 0 and any(held), held
     assert got == want
@@ -188,7 +188,8 @@ def test_async_default_is_on_for_cuda_engines_without_data_parallelism():
     default for its multiprocessing executor), off on the CPU and with data parallelism; an explicit
     choice stands (True with data parallelism is refused)."""
     from dsv4.cli import build_parser
-    from dsv4.engine.engine import EngineConfig, resolve_async_scheduling
+    from dsv4.engine.build import resolve_async_scheduling
+    from dsv4.engine.engine import EngineConfig
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert EngineConfig(model="m").async_scheduling is None

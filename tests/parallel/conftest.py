@@ -13,7 +13,7 @@ def tp1_reference(tiny_ckpt):
     from dsv4 import LLM
 
     llm = LLM(str(tiny_ckpt), **ENGINE)
-    assert llm.engine.executor is None  # TP=1: no process group, no workers
+    assert llm.engine.executor.one_process  # TP=1: no process group, no workers
     ids = greedy_llm(llm)
     tok = llm.get_tokenizer()
     return ids, [[tok.decode([t]) for t in seq] for seq in ids]
