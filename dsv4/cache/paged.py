@@ -374,9 +374,11 @@ def _commit_rings(kvc: PagedKVCache, commits: dict) -> None:
     for key, entries in commits.items():
         size = kvc.ring[key].shape[1]
         at = len(flat)
-        for slot, p0, rows in entries:
-            base = slot * size
-            flat.extend(base + (p % size) for p in range(p0, p0 + rows.shape[0]))
+        for slot, p0, rows in entries:  # ≤ size positions from p0: at most two runs of ring rows
+            base, first = slot * size, p0 % size
+            end = first + rows.shape[0]
+            flat.extend(range(base + first, base + min(end, size)))
+            flat.extend(range(base, base + end - size))  # (the wrap; empty when there is none)
         parts.append((key, at, len(flat)))
     idx = torch.frombuffer(flat, dtype=torch.long)
     if kvc.device.type == "cuda":
