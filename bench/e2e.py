@@ -181,6 +181,7 @@ def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> tuple[dict, 
         print(f"   {ms:9.4f} ms {n:7.1f}x  {name}", flush=True)
     groups = {k: round(v, 3) for k, v in groups.items()}
     groups["device total"] = round(sum(groups.values()), 3)
+    groups["kernels per step"] = round(sum(n for _, n, _ in kernels), 1)
     return groups, rows
 
 
