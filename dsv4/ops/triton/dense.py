@@ -16,8 +16,8 @@ so the chunking can be run two ways with bitwise the same result:
 * fused (many tiles, e.g. prefill): one program per output tile loops over the chunks, keeping
   the chunk's accumulator apart and adding it to the total at the end of the chunk;
 * split (few tiles, e.g. decode with small N): one program per (tile, chunk) writes P_c in fp32,
-  and ``_common.sum_in_order`` adds them in chunk order from 0 and rounds (with
-  ``_common.SPLIT_FIXUP``: the tile's last program does, in the same launch).
+  and the tile's last program adds them in chunk order from 0 and rounds, in the same launch
+  (``_common.SPLIT_FIXUP``; off: a second launch, ``_common.sum_in_order``, the same additions).
 
 The mode depends on M (performance), the arithmetic does not. x is rounded to the weight dtype in
 the kernel (``linear`` casts x first). fp32 weights use an IEEE fp32 dot (never TF32). The

@@ -19,8 +19,8 @@ Per K step (BLOCK_K = 128 = one scale block column):
 Batch invariance (the default, ``dsv4.ops.invariance``): K is reduced in chunks whose width depends
 on the weight shape alone (``invariant_chunk``), each chunk accumulated from 0 and the chunks added
 in order, y = round(((0 + P_0) + P_1) + …). Decode sizes (M ≤ 64) use one tile shape and one
-program per chunk (the fp32 partials added in order by ``sum_in_order``, or with
-``_common.SPLIT_FIXUP`` by each tile's last program in the same launch); prefill sizes use their
+program per chunk (the fp32 partials added in order by each tile's last program in the same launch,
+``_common.SPLIT_FIXUP``, or by a second launch, ``sum_in_order``); prefill sizes use their
 fastest tiles and fold the chunks in one program. The bits of a row are the same for every M (on
 the H200 the MMA tile shape does not change them, ``tests/gpu``), so a prompt's logits do not
 depend on the other requests of its step, its chunking or prefix-cache hits.
