@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .paged import SWA_PAGE, PagedKVCache
+from ..model.step import SWA_PAGE
+from .paged import PagedKVCache
 
 Part = tuple[array.array, tuple[int, ...]]  # an int64 array and the shape of its tensor
 

@@ -25,6 +25,7 @@ import torch
 
 from ..cache.tables import StepTables, split
 from ..model.attention import SeqChunk
+from ..model.step import table_widths
 
 log = logging.getLogger("dsv4.engine")
 
@@ -69,8 +70,7 @@ class DecodeGraphs:
     def __init__(self, model, kvc, max_num_seqs: int, max_model_len: int):
         self.model, self.kvc = model, kvc
         self.max_model_len = max_model_len
-        self.n_swa = -(-max_model_len // 64)
-        self.n_blk = -(-max_model_len // 256)
+        self.n_swa, self.n_blk = table_widths(max_model_len)
         self.buckets = buckets_for(max_num_seqs)
         self.graphs: dict[int, tuple] = {}
         self._keep: dict[int, tuple] = {}  # the graphs' other inputs, kept alive

@@ -27,7 +27,7 @@ host copies back the picks, their finite flags, the accepted counts, the drafts 
 confidences) once per step, appends the verified tokens with the same walk as the eager path
 (``speculative.verify_picks``) and advances the caches. Rows past a request's accepted count leave
 writes past its new token count (window KV, compressed entries, ring rows: the rings are sized for
-them, ``cache.paged.ring_rows``), which nothing reads before the position is computed again; the
+them, ``model.step.ring_rows``), which nothing reads before the position is computed again; the
 drafter's windows at those positions are rewritten by the next step's pass before any read, as in
 the eager proposers. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
 step's other requests — prefills, sampled or structured ones, logprobs — take the eager path
@@ -46,7 +46,7 @@ import torch
 
 from ..cache.tables import StepTables, request_rows, split
 from ..model.attention import SeqChunk
-from ..model.cache import SWA_PAGE
+from ..model.step import table_widths, window_slots
 from .cuda_graphs import buckets_for, capture_buckets, record
 from .sampler import device_dists, device_picks, inverse_cdf
 from .staging import HostStaging
@@ -125,8 +125,7 @@ class SpecGraphs:
         self.reach = 2 * k + (self.dspark is not None)
         self.uniforms = 2 * k + 1  # per sampled request and step: k tests, the replacement or bonus, k drafts
         self.max_model_len = max_model_len
-        self.n_swa = -(-max_model_len // SWA_PAGE)
-        self.n_blk = -(-max_model_len // 256)
+        self.n_swa, self.n_blk = table_widths(max_model_len)
         self.buckets = [b for b in buckets_for(max_num_seqs) if b * (k + 1) <= max_tokens] or [1]
         # (bucket, sampled) → (graph or None, result tensor or None, static inputs)
         self.graphs: dict[tuple[int, bool], tuple] = {}
@@ -173,7 +172,7 @@ class SpecGraphs:
         tok = torch.arange(b * per, device=dev)
         closing = torch.stack([tok, start.repeat_interleave(per), seq * per, seq])
         tables = StepTables(self.kvc, [], positions, seq, swa_table, block_table, slots,
-                            *self._window_slots(swa_table, seq, positions), False, self.max_model_len, closing)
+                            *window_slots(swa_table, seq, positions), False, self.max_model_len, closing)
         aux = m.cfg.dspark_target_layer_ids if self.dspark is not None else ()
         out = m.forward(ids, [SeqChunk(None, 0, per) for _ in range(b)], tables=tables, advance=False,
                         aux_layers=aux)
@@ -258,7 +257,7 @@ class SpecGraphs:
         for j in range(1, k):
             pos = start + acc + j
             t = StepTables(self.kvc, [], pos, lanes, swa_table, block_table, slots,
-                           *self._window_slots(swa_table, lanes, pos), True, self.max_model_len)
+                           *window_slots(swa_table, lanes, pos), True, self.max_model_len)
             mo = m.mtp_forward(draft, s, [SeqChunk(None, 0, 1) for _ in range(b)], logits_rows=lanes, tables=t)
             draft = draw(mo.logits, j)
             drafts.append(draft)
@@ -277,7 +276,7 @@ class SpecGraphs:
         ids = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), d.noise_token_id)], 1).view(-1)
         pos = ((start + acc + 1)[:, None] + torch.arange(k, device=dev)).view(-1)
         seq = lanes.repeat_interleave(k)
-        t = StepTables(self.kvc, [], pos, seq, swa_table, block_table, slots, *self._window_slots(swa_table, seq, pos),
+        t = StepTables(self.kvc, [], pos, seq, swa_table, block_table, slots, *window_slots(swa_table, seq, pos),
                        False, self.max_model_len)
         logits, h = m.dspark_block(ids, [SeqChunk(None, 0, k) for _ in range(b)], t)
         prev, drafts, confs = anchor, [], []
@@ -303,12 +302,6 @@ class SpecGraphs:
         if self.confidences:
             conf = list(struct.unpack(f"{k}d", struct.pack(f"{k}q", *row[3 * k + 3:])))
         return row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:3 * k + 3], conf
-
-    def _window_slots(self, swa_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
-        """(window page, offset) of each token: its request's table entry, −1 past the table."""
-        col = pos // SWA_PAGE
-        page = swa_table[seq, col.clamp(max=self.n_swa - 1)]
-        return torch.where(col < self.n_swa, page, -1), pos % SWA_PAGE
 
     def capture(self) -> None:
         self.capture_seconds = capture_buckets(self.buckets, self._capture)

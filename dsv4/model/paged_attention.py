@@ -16,7 +16,7 @@ same work for the whole step, with the attention's op set:
   arithmetic for decode and chunk steps, so an entry never depends on the chunking); invalid writes
   are skipped or go to a spare page, so there is no data-dependent branch and no host sync. A
   speculative verify graph (fixed chunks of k + 1 tokens) pools with a table listing every token
-  and then stores all its rows into the rings (``cache.paged.ring_rows`` sizes them so that a
+  and then stores all its rows into the rings (``model.step.ring_rows`` sizes them so that a
   rejected draft's row never overwrites one still read);
 - the Lightning Indexer's queries are roped (and FP8 fake-quantized like the keys) by one op
   (``indexer_q_rope_quant``) and scored against their own request's paged indexer keys
@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from ..config import LayerType
-from .cache import SWA_PAGE
 from .rope import cos_sin
+from .step import SWA_PAGE
 
 
 def attend(attn, tables, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor | None,

@@ -207,7 +207,7 @@ class TPModel:
     def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, advance: bool = True, **kw):
         """``advance=False`` (a speculative verify step) leaves rank 0's views for the engine to commit
         with the accepted count; a worker's views are rebuilt from the next plan, so it commits every
-        row (the state rings are sized for rejected drafts' rows: ``cache.paged.ring_rows``)."""
+        row (the state rings are sized for rejected drafts' rows: ``model.step.ring_rows``)."""
         if kw:
             raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
         d = self.driver
