@@ -193,7 +193,7 @@ class CacheAllocation:
     registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     swa_released: int = 0  # leading SWA pages already released (every entry below it is -1)
     block_hashes: list[int] = field(default_factory=list)
-    # host copies of ``blocks`` / ``swa`` for the per-step tables (``cache.tables.host_tables``)
+    # host copies of ``blocks`` / ``swa`` for the per-step tables (``model.step.host_tables``)
     block_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
     swa_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
 

@@ -288,7 +288,7 @@ class Diff:
     def _run_side(self, side: Side, prompt: list[int], feed: int | None) -> dict:
         """Prefill (hidden per layer, last logits), one decode step of ``feed`` with every capture,
         then greedy continuation. Returns the captures."""
-        from ..model.attention import SeqChunk
+        from ..model.step import SeqChunk
 
         m = side.model
         cap: dict = {"prefill": {}, "decode": {}, "order": []}
