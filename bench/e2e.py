@@ -366,9 +366,10 @@ def bench_host_tier(ckpt: str, L: int, chunk: int = 8192, device_hits: int = 3, 
     On the CPU (``device="cpu"``) it runs in float32: a dry run of the procedure on a small checkpoint."""
     from dsv4 import LLM, SamplingParams
     from dsv4.cache.host_tier import HostTransfer
-    from dsv4.cache.paged import BLOCK, unit_bytes
+    from dsv4.cache.paged import unit_bytes
     from dsv4.config import load_config
     from dsv4.model.cache import CacheNumerics
+    from dsv4.model.step import BLOCK
 
     seqs = 2
     max_len = L + 64

@@ -62,11 +62,12 @@ from dsv4.canary.model import (  # noqa: E402
 from dsv4.canary.tasks import heldout, make_record_run  # noqa: E402
 from dsv4.canary.tokenizer import CharCodec  # noqa: E402
 from dsv4.config import LayerType, config_from_dict  # noqa: E402
-from dsv4.model.attention import Attention, Compressor, SeqChunk  # noqa: E402
+from dsv4.model.attention import Attention, Compressor  # noqa: E402
 from dsv4.model.cache import CacheNumerics, DenseSequenceCache  # noqa: E402
 from dsv4.model.linear import linear  # noqa: E402
 from dsv4.model.model import ReferenceModel  # noqa: E402
 from dsv4.model.rope import apply_rope, cos_sin  # noqa: E402
+from dsv4.model.step import SeqChunk  # noqa: E402
 
 
 # ---- training-only hooks on the reference model ----------------------------------------------

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.step import BLOCK, RETAINED_SWA
 from .copies import CopyEngine, rows_view
-from .paged import BLOCK, RETAINED_SWA, PagedKVCache
+from .paged import PagedKVCache
 
 
 @dataclass(frozen=True)

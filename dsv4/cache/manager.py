@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..model.step import BLOCK, RETAINED_SWA, SWA_PAGE
 from .host_tier import HostTransfer
-from .paged import BLOCK, RETAINED_SWA, SWA_PAGE, CacheAllocation, PagedKVCache, PagedSequenceView
+from .paged import CacheAllocation, PagedKVCache, PagedSequenceView
 from .pool import PagePool
 
-__all__ = ["KVCacheManager", "RETAINED_SWA", "BoundaryRestore", "CacheEvent"]
+__all__ = ["KVCacheManager", "BoundaryRestore", "CacheEvent"]
 
 
 @dataclass(frozen=True)

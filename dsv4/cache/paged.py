@@ -6,9 +6,10 @@ Units (one id space each, shared by all layers, as in vLLM):
   (64 keys), per HCA layer a compressed page (2 entries), and per CSA layer the compressor rows
   of the block's last 4 tokens (the overlap state a prefix-cache hit at the block end needs).
 The running compressor state lives in per-request *slots* (rings of 8 rows for ratio 4 and
-128 rows for ratio 128, a few more with speculative decoding: ``ring_rows``). With ``fp8_ds_mla``
-the KV pages hold the real 584-byte records in the block-packed layout and every read uses the
-writer's address formula (``dsv4.formats``); with ``auto`` they hold model-dtype rows.
+128 rows for ratio 128, a few more with speculative decoding: ``ring_rows``); the geometry is
+``dsv4.model.step``'s. With ``fp8_ds_mla`` the KV pages hold the real 584-byte records in the
+block-packed layout and every read uses the writer's address formula (``dsv4.formats``); with
+``auto`` they hold model-dtype rows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import LayerType, ModelConfig
+from ..config import ModelConfig
 from ..formats import (
     alloc_indexer_pages,
     alloc_kv_pages,
@@ -30,31 +31,8 @@ from ..formats import (
     write_indexer_k,
     write_kv,
 )
-from ..model.cache import BLOCK, SWA_PAGE, CacheNumerics
-
-BOUNDARY_ROWS = 4  # ratio-4 overlap: entry b needs block b-1's rows
-RETAINED_SWA = 2  # SWA pages before a block end that cover the 128-token window (kept with a cached block)
-
-
-def _kinds(cfg: ModelConfig, layer: int) -> list[tuple[str, int, int]]:
-    """(kind, ratio, state row width) of each compressor of a layer."""
-    lt = cfg.layer_type(layer)
-    if lt == LayerType.CSA:
-        return [("kv", 4, 2 * 2 * cfg.head_dim), ("index", 4, 2 * 2 * cfg.index_head_dim)]
-    if lt == LayerType.HCA:
-        return [("kv", cfg.compress_ratio(layer), 2 * cfg.head_dim)]
-    return []
-
-
-def ring_rows(ratio: int, lookahead: int = 0) -> int:
-    """Rows of a compressor's state ring. An entry closing at position c pools rows c − 2r + 1 .. c
-    (ratio 4, with the overlap) or c − r + 1 .. c, so after a step whose last kept token is at a the
-    rows from a − 2r + 2 (a − r + 2) on must survive. A speculative step run as a CUDA graph stores
-    the rows of all its ``lookahead`` drafts, rejected ones too (the graph cannot know how many
-    are accepted): a draft's row at a + j overwrites a + j − rows, so the ring keeps lookahead − 1
-    more rows than the pooling reads."""
-    base = 2 * ratio if ratio == 4 else ratio
-    return base + max(0, lookahead - 1)
+from ..model.cache import CacheNumerics
+from ..model.step import BLOCK, BOUNDARY_ROWS, SWA_PAGE, compressors, ring_rows
 
 
 @dataclass
@@ -86,7 +64,7 @@ def unit_bytes(cfg: ModelConfig, numerics: CacheNumerics, dtype: torch.dtype,
     swa = n_swa_layers * (page_stride(SWA_PAGE) if q else SWA_PAGE * cfg.head_dim * elt)
     blk = slot = 0
     for layer in range(cfg.num_hidden_layers):
-        for kind, ratio, width in _kinds(cfg, layer):
+        for kind, ratio, width in compressors(cfg, layer):
             per = BLOCK // ratio
             if kind == "kv":
                 blk += page_stride(per) if q else per * cfg.head_dim * elt
@@ -130,7 +108,7 @@ class PagedKVCache:
         q = numerics.quantized
         nl = cfg.num_hidden_layers + cfg.num_draft_layers
         # one spare page past the pool's pages: batched writers send masked-out rows there
-        # instead of branching on the host (dsv4.engine.paged_attention)
+        # instead of branching on the host (dsv4.model.paged_attention)
         P, B, S = budget.num_swa_pages + 1, budget.num_blocks + 1, budget.num_slots
         self.swa = [
             alloc_kv_pages(P, SWA_PAGE, device)
@@ -143,7 +121,7 @@ class PagedKVCache:
         self.ring: dict[tuple[int, str], torch.Tensor] = {}
         self.ratio: dict[tuple[int, str], int] = {}
         for layer in range(cfg.num_hidden_layers):
-            for kind, ratio, width in _kinds(cfg, layer):
+            for kind, ratio, width in compressors(cfg, layer):
                 key = (layer, kind)
                 per = BLOCK // ratio
                 self.ratio[key] = ratio
@@ -215,7 +193,7 @@ class CacheAllocation:
     registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     swa_released: int = 0  # leading SWA pages already released (every entry below it is -1)
     block_hashes: list[int] = field(default_factory=list)
-    # host copies of ``blocks`` / ``swa`` for the per-step tables (PagedBatch.build)
+    # host copies of ``blocks`` / ``swa`` for the per-step tables (``model.step.host_tables``)
     block_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
     swa_row: PageRow = field(default_factory=PageRow, repr=False, compare=False)
 

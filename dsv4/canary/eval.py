@@ -131,7 +131,7 @@ def evaluate_reference(model, examples: list[Example] | None = None, batch_token
     Prompts are prefilled together as one batch of sequence chunks (split to stay under
     ``batch_tokens``), then decoded one token per live sequence per step.
     """
-    from ..model.attention import SeqChunk
+    from ..model.step import SeqChunk
 
     examples = heldout() if examples is None else examples
     codec = CharCodec()

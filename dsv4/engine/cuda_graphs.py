@@ -23,8 +23,7 @@ import time
 
 import torch
 
-from ..cache.tables import StepTables, split
-from ..model.attention import SeqChunk
+from ..model.step import PagedStep, decode_shapes, split, table_widths
 
 log = logging.getLogger("dsv4.engine")
 
@@ -69,8 +68,7 @@ class DecodeGraphs:
     def __init__(self, model, kvc, max_num_seqs: int, max_model_len: int):
         self.model, self.kvc = model, kvc
         self.max_model_len = max_model_len
-        self.n_swa = -(-max_model_len // 64)
-        self.n_blk = -(-max_model_len // 256)
+        self.n_swa, self.n_blk = table_widths(max_model_len)
         self.buckets = buckets_for(max_num_seqs)
         self.graphs: dict[int, tuple] = {}
         self._keep: dict[int, tuple] = {}  # the graphs' other inputs, kept alive
@@ -83,38 +81,36 @@ class DecodeGraphs:
 
     def shapes(self, b: int) -> list[tuple[int, ...]]:
         """The static int64 inputs of bucket ``b`` as laid out in its one buffer: the token ids,
-        then ``cache.tables.decode_tables``' parts."""
-        return [(b,)] * 6 + [(b, self.n_swa), (b, self.n_blk)]
+        then a decode step's tables (``model.step.decode_tables``)."""
+        return [(b,)] + decode_shapes(b, self.n_swa, self.n_blk)
 
     def _static(self, b: int):
-        """Bucket ``b``'s static inputs, every lane spare: (flat buffer, token ids, tables, logits rows, chunks)."""
+        """Bucket ``b``'s static inputs, every lane spare: (flat buffer, token ids, step, logits rows)."""
         kvc, dev = self.kvc, self.kvc.device
         shapes = self.shapes(b)
         flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.long, device=dev)
         ids, *tables = split(flat, [(range(math.prod(s)), s) for s in shapes])
-        static = StepTables.spare(kvc, tables, self.max_model_len)
-        return flat, ids, static, torch.arange(b, device=dev), [SeqChunk(None, 0, 1) for _ in range(b)]
+        return flat, ids, PagedStep.spare(kvc, tables, self.max_model_len), torch.arange(b, device=dev)
 
     def forward_once(self) -> None:
         """Every bucket's forward, eagerly, nothing captured: the launches a capture makes (what
         ``engine.precompile`` lists before building them in parallel)."""
         for b in reversed(self.buckets):
-            _, ids, static, rows, chunks = self._static(b)
-            self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
+            _, ids, static, rows = self._static(b)
+            self.model.forward(ids, static, logits_rows=rows, advance=False)
 
     def _capture(self, b: int, pool):
         dev = self.kvc.device
-        flat, ids, static, rows, chunks = self._static(b)
+        flat, ids, static, rows = self._static(b)
         self.inputs[b] = flat
         if dev.type != "cuda":  # emulation (tests on CPU): the same static inputs, run eagerly at replay
-            self.graphs[b] = (None, static, ids, (chunks, rows))
+            self.graphs[b] = (None, static, ids, rows)
             return pool
-        graph, out = record(lambda: self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False),
-                            pool)
+        graph, out = record(lambda: self.model.forward(ids, static, logits_rows=rows, advance=False), pool)
         # every tensor the graph reads must stay alive with it: a freed input's memory gets reused
         # and the replay would read whatever lives there then (rows did: duplicated logits rows)
         self.graphs[b] = (graph, static, ids, out.logits)
-        self._keep[b] = (rows, chunks)
+        self._keep[b] = rows
         return graph.pool()
 
     def bucket(self, n: int) -> int | None:
@@ -123,7 +119,7 @@ class DecodeGraphs:
     def staging_target(self, n: int, max_end: int):
         """(bucket, its static input buffer, table widths) for a decode step of ``n`` requests
         whose tokens end by ``max_end``, or None if no graph takes it: the runner then stages the
-        step's inputs straight into the graph's tensors (``cache.tables.decode_tables``)."""
+        step's inputs straight into the graph's tensors (``PagedStep.stage_decode``)."""
         b = self.bucket(n)
         if b is None or max_end > self.max_model_len or b not in self.inputs:
             return None
@@ -141,30 +137,29 @@ class DecodeGraphs:
         self.buckets = []
 
     def can_run(self, batch) -> bool:
-        p = batch.tables
-        return (p is not None and p.decode_only and self.bucket(len(batch.chunks)) is not None
-                and batch.logits_rows.numel() == len(batch.chunks)  # one sampled row per request
+        p = batch.step
+        return (isinstance(p, PagedStep) and p.decode_only and self.bucket(len(p.chunks)) is not None
+                and batch.logits_rows.numel() == len(p.chunks)  # one sampled row per request
                 and p.max_end <= self.max_model_len)
 
     def run(self, batch, bucket: int | None = None) -> torch.Tensor:
         """Replay the graph of the batch's bucket (or of ``bucket``, a larger one: data-parallel
         ranks replay the bucket they agreed on) and advance the requests' caches; the logits rows."""
-        n = len(batch.chunks)
+        n = len(batch.step.chunks)
         own = self.bucket(n)
         b = own if bucket is None else bucket
         if b < n:
             raise ValueError(f"a decode step of {n} requests cannot replay the graph of bucket {b}")
         graph, static, ids, logits = self.graphs[b]
         if not (getattr(batch, "graph_staged", False) and b == own):  # else the step's copy put them there
-            static.load(batch.tables)
+            static.load(batch.step)
             ids.zero_()
             ids[:n].copy_(batch.token_ids)
-        if graph is None:
-            chunks, rows = logits
-            logits = self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False).logits
+        if graph is None:  # (emulated: ``logits`` holds the logits rows)
+            logits = self.model.forward(ids, static, logits_rows=logits, advance=False).logits
         else:
             graph.replay()
-        for c in batch.chunks:
+        for c in batch.step.chunks:
             c.cache.advance(c.length)
         return logits[:n]
 
@@ -176,7 +171,6 @@ class DecodeGraphs:
         static.load(None)
         ids.zero_()
         if graph is None:
-            chunks, rows = logits
-            self.model.forward(ids, chunks, logits_rows=rows, tables=static, advance=False)
+            self.model.forward(ids, static, logits_rows=logits, advance=False)
         else:
             graph.replay()

@@ -604,7 +604,7 @@ class LLMEngine:
         sampled = {si for _, si in batch.sample_rows}
         rows = []
         for si, sc in enumerate(schedule):
-            req, c = sc.req, batch.chunks[si]
+            req, c = sc.req, batch.step.chunks[si]
             if req.finished:
                 continue
             n_valid = req.alloc.num_computed - c.start

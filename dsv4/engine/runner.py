@@ -1,7 +1,8 @@
 """Model runner: turn a step's schedule into one batched forward and hand back logits per request.
 
-The batch metadata (token ids, positions, per-request chunks with their cache views, which rows
-need logits) is built once per step; the model is called through the :class:`ModelBackend`
+The batch (token ids, which rows need logits, and the attention's metadata: per-request chunks
+with their cache views, positions and, for the batched attention, the page tables —
+``dsv4.model.step``) is built once per step; the model is called through the :class:`ModelBackend`
 interface, so a GPU backend replaces the torch reference without touching the scheduler.
 """
 
@@ -14,9 +15,8 @@ from typing import Protocol
 import torch
 
 from ..cache.manager import KVCacheManager
-from ..cache.tables import StepTables, decode_tables, host_tables
-from ..model.attention import SeqChunk
 from ..model.cache import advance_all
+from ..model.step import PagedStep, SeqChunk, Step
 from .scheduler import ScheduledChunk
 from .staging import HostStaging
 
@@ -25,8 +25,7 @@ class ModelBackend(Protocol):
     cfg: object
     device: torch.device
 
-    def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
-                tables: StepTables | None = None): ...
+    def forward(self, token_ids: torch.Tensor, step: Step, logits_rows: torch.Tensor | None = None): ...
 
 
 @dataclass
@@ -44,9 +43,8 @@ class HostInputs:
 @dataclass
 class StepBatch:
     token_ids: torch.Tensor  # [T]
-    chunks: list[SeqChunk]
+    step: Step  # the attention's metadata: the chunks (schedule order) and, batched, the page tables
     logits_rows: torch.Tensor  # rows of the batch whose logits are needed
-    tables: StepTables | None = None  # the step's page tables, for the batched attention
     graph_staged: bool = False  # the inputs were copied straight into a decode graph's static tensors
     # who owns each logits row, grouped once in ``build`` so the engine does not scan rows per request:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (logits row, schedule index)
@@ -64,7 +62,7 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, backend: ModelBackend, kv: KVCacheManager, paged_attention: bool = False,
                  keep_streams: bool = False, aux_layers: tuple[int, ...] = (), host_inputs: bool = False):
-        """``paged_attention``: build the step's page tables for the model's batched attention
+        """``paged_attention``: each step is a ``PagedStep``, for the model's batched attention
         (``dsv4.model.paged_attention``); False keeps the reference's per-request attention.
         ``keep_streams``: each batch keeps the forward's pre-hc_head streams (a proposer's input),
         or with ``aux_layers`` the stream means of those layers' outputs (DSpark's input).
@@ -113,23 +111,18 @@ class ModelRunner:
         parts = [(ids, (len(ids),)), (rows, (len(rows),))]
         if not self.paged_attention:
             token_ids, logits_rows = self.staging.upload(parts)
-            return StepBatch(token_ids, chunks, logits_rows, **rowmaps)
+            return StepBatch(token_ids, Step.of(chunks, dev), logits_rows, **rowmaps)
         allocs = [sc.req.alloc for sc in schedule]
         staged = self._stage_for_graph(chunks, allocs, ids, len(rows), off)
         if staged is not None:
-            token_ids, tables = staged
-            n = len(chunks)
-            tables = [t[:n] for t in tables]  # seq_ids (tables[1]) is 0..n-1: also the logits rows
-            return StepBatch(token_ids[:n], chunks, tables[1], StepTables.from_parts(self.kv.kvc, chunks, tables),
-                             graph_staged=True, **rowmaps)
-        token_ids, logits_rows, *tables = self.staging.upload(parts + host_tables(chunks, allocs))
-        return StepBatch(token_ids, chunks, logits_rows, StepTables.from_parts(self.kv.kvc, chunks, tables),
-                         **rowmaps)
+            step, token_ids = staged
+            return StepBatch(token_ids, step, step.seq_ids, graph_staged=True, **rowmaps)  # seq_ids: 0..n-1
+        step, (token_ids, logits_rows) = PagedStep.stage(self.kv.kvc, chunks, allocs, self.staging.upload, parts)
+        return StepBatch(token_ids, step, logits_rows, **rowmaps)
 
     def _stage_for_graph(self, chunks, allocs, ids, n_rows: int, n_tokens: int):
-        """A decode step that a captured graph will run: its token ids and tables, padded to the
-        graph's bucket, copied straight into the graph's static buffer ((ids, tables) views of it);
-        else None."""
+        """A decode step that a captured graph will run: (its step, its token ids), staged straight
+        into the graph's static buffer (``PagedStep.stage_decode``); else None."""
         target = getattr(self.graphs, "staging_target", None)
         if target is None or n_tokens != len(chunks) or n_rows != len(chunks):
             return None  # not a decode step of one sampled row per request
@@ -137,12 +130,7 @@ class ModelRunner:
         if found is None:
             return None
         b, buf, n_swa, n_blk = found
-        tables = decode_tables(chunks, allocs, b, n_swa, n_blk, self.kv.kvc)
-        if tables is None:
-            return None
-        ids = ids + array.array("q", [0]) * (b - len(chunks))
-        token_ids, *tables = self.staging.upload([(ids, (b,))] + tables, into=buf)
-        return token_ids, tables
+        return PagedStep.stage_decode(self.kv.kvc, chunks, allocs, self.staging.upload, ids, b, n_swa, n_blk, buf)
 
     def run(self, schedule: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor]:
         """The step's batch and its logits rows [rows, V], left on the model's device in its dtype
@@ -159,16 +147,17 @@ class ModelRunner:
         self.kv.wait_copies()
         if self.graphs is not None and not self.keep_streams and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        extra = {} if batch.tables is None else {"tables": batch.tables}
+        extra = {}
         if self.aux_layers:
             extra["aux_layers"] = self.aux_layers
         if self.host_inputs:
             extra["host"] = batch.host
         if batch.draft_counts:
             extra["advance"] = False
-        out = self.backend.forward(batch.token_ids, batch.chunks, logits_rows=batch.logits_rows, **extra)
+        out = self.backend.forward(batch.token_ids, batch.step, logits_rows=batch.logits_rows, **extra)
         if batch.draft_counts:
-            advance_all((c.cache, c.length) for si, c in enumerate(batch.chunks) if si not in batch.draft_counts)
+            chunks = batch.step.chunks
+            advance_all((c.cache, c.length) for si, c in enumerate(chunks) if si not in batch.draft_counts)
         if self.keep_streams:
             batch.streams = out.aux if self.aux_layers else out.streams
         return out.logits
@@ -177,4 +166,4 @@ class ModelRunner:
     def commit(batch: StepBatch, kept: dict[int, int]) -> None:
         """Verified chunks keep their first tokens (schedule index → its last token and the accepted
         drafts), committed together."""
-        advance_all((batch.chunks[si].cache, n) for si, n in kept.items())
+        advance_all((batch.step.chunks[si].cache, n) for si, n in kept.items())

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager
-from ..cache.paged import BLOCK
+from ..model.step import BLOCK
 from .errors import RequestError
 from .request import Request, Status
 

@@ -27,7 +27,7 @@ host copies back the picks, their finite flags, the accepted counts, the drafts 
 confidences) once per step, appends the verified tokens with the same walk as the eager path
 (``speculative.verify_picks``) and advances the caches. Rows past a request's accepted count leave
 writes past its new token count (window KV, compressed entries, ring rows: the rings are sized for
-them, ``cache.paged.ring_rows``), which nothing reads before the position is computed again; the
+them, ``model.step.ring_rows``), which nothing reads before the position is computed again; the
 drafter's windows at those positions are rewritten by the next step's pass before any read, as in
 the eager proposers. Lanes past B are spare (positions 0 .., the spare page, block and slot). The
 step's other requests — prefills, sampled or structured ones, logprobs — take the eager path
@@ -44,9 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.tables import StepTables, request_rows, split
-from ..model.attention import SeqChunk
-from ..model.cache import SWA_PAGE
+from ..model.step import PagedStep, SeqChunk, request_rows, split, table_widths, window_slots
 from .cuda_graphs import buckets_for, capture_buckets, record
 from .sampler import device_dists, device_picks, inverse_cdf
 from .staging import HostStaging
@@ -125,8 +123,7 @@ class SpecGraphs:
         self.reach = 2 * k + (self.dspark is not None)
         self.uniforms = 2 * k + 1  # per sampled request and step: k tests, the replacement or bonus, k drafts
         self.max_model_len = max_model_len
-        self.n_swa = -(-max_model_len // SWA_PAGE)
-        self.n_blk = -(-max_model_len // 256)
+        self.n_swa, self.n_blk = table_widths(max_model_len)
         self.buckets = [b for b in buckets_for(max_num_seqs) if b * (k + 1) <= max_tokens] or [1]
         # (bucket, sampled) → (graph or None, result tensor or None, static inputs)
         self.graphs: dict[tuple[int, bool], tuple] = {}
@@ -172,11 +169,9 @@ class SpecGraphs:
         start = positions.view(b, per)[:, 0]
         tok = torch.arange(b * per, device=dev)
         closing = torch.stack([tok, start.repeat_interleave(per), seq * per, seq])
-        tables = StepTables(self.kvc, [], positions, seq, swa_table, block_table, slots,
-                            *self._window_slots(swa_table, seq, positions), False, self.max_model_len, closing)
+        step = self._step(positions, seq, st, False, static_closing=closing)
         aux = m.cfg.dspark_target_layer_ids if self.dspark is not None else ()
-        out = m.forward(ids, [SeqChunk(None, 0, per) for _ in range(b)], tables=tables, advance=False,
-                        aux_layers=aux)
+        out = m.forward(ids, step, advance=False, aux_layers=aux)
         both = device_picks(out.logits, self.pick)  # [2, b·per]
         picks = both[0].view(b, per)
         drafted = ids.view(b, per)[:, 1:]
@@ -188,9 +183,9 @@ class SpecGraphs:
             acc, tokens, nxt = self._judge(b, out.logits, picks, drafted, within, n_drafts, uni, settings)
         draw = self._drawer(b, sampled, uni, settings)
         if self.dspark is not None:
-            drafts, extra, n_ok = self._dspark_drafts(b, out.aux, tables, nxt, acc, start, st, draw)
+            drafts, extra, n_ok = self._dspark_drafts(b, out.aux, step, nxt, acc, start, st, draw)
         else:
-            drafts, extra, n_ok = self._mtp_drafts(b, out, tables, tokens.reshape(-1), acc, start, st, draw), None, None
+            drafts, extra, n_ok = self._mtp_drafts(b, out, step, tokens.reshape(-1), acc, start, st, draw), None, None
         parts = [tokens, both[1].view(b, per), acc[:, None], drafts]
         res = torch.cat(parts + ([extra] if extra is not None else []), 1)
         # the next step's inputs: the chunk after the kept tokens, its bonus token and the new drafts
@@ -243,43 +238,35 @@ class SpecGraphs:
 
         return draw
 
-    def _mtp_drafts(self, b: int, out, tables: StepTables, tokens: torch.Tensor, acc: torch.Tensor,
+    def _mtp_drafts(self, b: int, out, step: PagedStep, tokens: torch.Tensor, acc: torch.Tensor,
                     start: torch.Tensor, st: list[torch.Tensor], draw) -> torch.Tensor:
         """[b, k] drafts: the MTP layer over every verify row (row j's next token: ``tokens`` at j),
         then k − 1 passes of one row each."""
-        slots, swa_table, block_table = st[:3]
         k, m, per = self.k, self.model, self.k + 1
         lanes = torch.arange(b, device=tokens.device)
         last = lanes * per + acc
-        mo = m.mtp_forward(tokens, out.streams, [SeqChunk(None, 0, per) for _ in range(b)], logits_rows=last,
-                           tables=tables)
+        mo = m.mtp_forward(tokens, out.streams, step, logits_rows=last)
         draft = draw(mo.logits, 0)
         drafts, s = [draft], mo.streams[last]
         for j in range(1, k):
-            pos = start + acc + j
-            t = StepTables(self.kvc, [], pos, lanes, swa_table, block_table, slots,
-                           *self._window_slots(swa_table, lanes, pos), True, self.max_model_len)
-            mo = m.mtp_forward(draft, s, [SeqChunk(None, 0, 1) for _ in range(b)], logits_rows=lanes, tables=t)
+            mo = m.mtp_forward(draft, s, self._step(start + acc + j, lanes, st, True), logits_rows=lanes)
             draft = draw(mo.logits, j)
             drafts.append(draft)
             s = mo.streams
         return torch.stack(drafts, 1)
 
-    def _dspark_drafts(self, b: int, aux: torch.Tensor, tables: StepTables, anchor: torch.Tensor, acc: torch.Tensor,
+    def _dspark_drafts(self, b: int, aux: torch.Tensor, step: PagedStep, anchor: torch.Tensor, acc: torch.Tensor,
                        start: torch.Tensor, st: list[torch.Tensor], draw):
         """([b, k] drafts, their confidences' float64 bits [b, k] and the confident drafts per request
         [b], or None and None): every verify row's context KV, then one block pass per request from
         its ``anchor`` (the token after the kept ones)."""
-        slots, swa_table, block_table = st[:3]
         k, m, d, dev = self.k, self.model, self.dspark, anchor.device
         lanes = torch.arange(b, device=dev)
-        m.dspark_context(aux, [], tables)
+        m.dspark_context(aux, step)
         ids = torch.cat([anchor[:, None], anchor.new_full((b, k - 1), d.noise_token_id)], 1).view(-1)
         pos = ((start + acc + 1)[:, None] + torch.arange(k, device=dev)).view(-1)
-        seq = lanes.repeat_interleave(k)
-        t = StepTables(self.kvc, [], pos, seq, swa_table, block_table, slots, *self._window_slots(swa_table, seq, pos),
-                       False, self.max_model_len)
-        logits, h = m.dspark_block(ids, [SeqChunk(None, 0, k) for _ in range(b)], t)
+        block = self._step(pos, lanes.repeat_interleave(k), st, False, [SeqChunk(None, 0, k) for _ in range(b)])
+        logits, h = m.dspark_block(ids, block)
         prev, drafts, confs = anchor, [], []
         for i in range(k):
             rows = lanes * k + i
@@ -304,11 +291,16 @@ class SpecGraphs:
             conf = list(struct.unpack(f"{k}d", struct.pack(f"{k}q", *row[3 * k + 3:])))
         return row[:k + 1], row[k + 1:2 * k + 2], row[2 * k + 2], row[2 * k + 3:3 * k + 3], conf
 
-    def _window_slots(self, swa_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
-        """(window page, offset) of each token: its request's table entry, −1 past the table."""
-        col = pos // SWA_PAGE
-        page = swa_table[seq, col.clamp(max=self.n_swa - 1)]
-        return torch.where(col < self.n_swa, page, -1), pos % SWA_PAGE
+    def _step(self, positions: torch.Tensor, seq_ids: torch.Tensor, st: list[torch.Tensor], decode_only: bool,
+              chunks: list[SeqChunk] = (), static_closing: torch.Tensor | None = None) -> PagedStep:
+        """A pass of the graph over the static page tables ``st``, its tokens at ``positions`` of
+        the lanes ``seq_ids`` (window pages looked up on the device); ``chunks`` only give a DSpark
+        block pass its block length."""
+        slots, swa_table, block_table = st[:3]
+        swa_page, swa_off = window_slots(swa_table, seq_ids, positions)
+        return PagedStep(list(chunks), positions, kvc=self.kvc, seq_ids=seq_ids, swa_table=swa_table,
+                         block_table=block_table, slots=slots, swa_page=swa_page, swa_off=swa_off,
+                         decode_only=decode_only, max_end=self.max_model_len, static_closing=static_closing)
 
     def capture(self) -> None:
         self.capture_seconds = capture_buckets(self.buckets, self._capture)

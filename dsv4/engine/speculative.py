@@ -28,8 +28,7 @@ from typing import Protocol
 
 import torch
 
-from ..cache.tables import StepTables
-from ..model.attention import SeqChunk
+from ..model.step import PagedStep, SeqChunk, Step
 from .request import Drafts, Request
 from .sampler import Sampler, _first_argmax, filter_logits, greedy_picks
 from .structured import bitmask_rows
@@ -53,6 +52,14 @@ def unread_rows(r: StepRows, window: int) -> int:
     (≥ ``num_tokens`` − 2), so rows before num_tokens − window − 2 are never read (a long prompt's
     drafter pass covers its last window, not all of it; a prefix hit recomputes a whole block)."""
     return min(r.num_valid, max(0, r.req.num_tokens - window - 2 - r.chunk.start))
+
+
+def pass_step(proposer, chunks: list[SeqChunk], allocs) -> Step:
+    """A drafter pass's attention metadata: over the pages (the batched attention) or through the
+    chunks' views (the reference's), as the proposer's engine runs its steps."""
+    if proposer.paged:
+        return PagedStep.build(proposer.kv.kvc, chunks, allocs)
+    return Step.of(chunks, proposer.device)
 
 
 class Proposer(Protocol):
@@ -247,9 +254,8 @@ class MTPProposer:
                  logits_rows: list[int]):
         ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        tables = StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
         with torch.no_grad():
-            return self.model.mtp_forward(ids, streams, chunks, logits_rows=rows, tables=tables)
+            return self.model.mtp_forward(ids, streams, pass_step(self, chunks, allocs), logits_rows=rows)
 
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         view, window = self.kv.view, self.model.cfg.sliding_window
@@ -332,10 +338,6 @@ class DSparkProposer:
     def ahead(self, want: int) -> int:
         return self.num_speculative_tokens if self.paged else 0  # the paged pass stores the block's KV
 
-    def _tables(self, chunks: list[SeqChunk], allocs) -> StepTables | None:
-        """The chunks' page tables for the batched paged path (None: through their views)."""
-        return StepTables.build(self.kv.kvc, chunks, allocs) if self.paged else None
-
     def propose(self, rows: list[StepRows], streams: torch.Tensor) -> None:
         view, window = self.kv.view, self.model.cfg.sliding_window
         chunks, allocs, src, want = [], [], [], []
@@ -354,7 +356,7 @@ class DSparkProposer:
             return
         with torch.no_grad():
             aux = streams[torch.tensor(src, dtype=torch.long, device=streams.device)]
-            self.model.dspark_context(aux, chunks, self._tables(chunks, allocs))
+            self.model.dspark_context(aux, pass_step(self, chunks, allocs))
             if want:
                 self._draft(want)
 
@@ -364,7 +366,7 @@ class DSparkProposer:
         anchors = [r.req.token_slice(r.chunk.start + r.num_valid, r.chunk.start + r.num_valid + 1)[0] for r in want]
         ids = torch.tensor([t for a in anchors for t in [a] + [noise] * (k - 1)], dtype=torch.long, device=dev)
         blocks = [SeqChunk(self.kv.view(r.req.alloc), r.chunk.start + r.num_valid, k) for r in want]
-        logits, h = self.model.dspark_block(ids, blocks, self._tables(blocks, [r.req.alloc for r in want]))
+        logits, h = self.model.dspark_block(ids, pass_step(self, blocks, [r.req.alloc for r in want]))
         reqs = [r.req for r in want]
         drafts = [Drafts([], None if q.params.greedy else [], [] if self.drafter.has_confidence else None)
                   for q in reqs]

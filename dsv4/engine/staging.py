@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.tables import Part, _dest, pack, split, upload
+from ..model.step import Part, _dest, pack, split, upload
 
 
 class HostStaging:

@@ -1,41 +1,28 @@
 """Attention of one layer: sliding window + (CSA: compressor + Lightning Indexer | HCA: compressor).
 
-Token-parallel parts (projections, norms, RoPE, output projection) run over the whole batch;
-the sequence-dependent parts (window, compressor, indexer, the sparse softmax) run per sequence
-chunk against its :class:`~dsv4.model.cache.SequenceCache` — or, given a step's page tables, for all
-tokens at once over the pages (``dsv4.model.paged_attention``), where the window KV's RMSNorm, RoPE
-and cache insert are one op (``kv_norm_rope_insert``; unfused while validation hooks are installed,
-as they check the KV).
+Token-parallel parts (projections, norms, RoPE, output projection) run over the whole batch; the
+sequence-dependent parts (window, compressor, indexer, the sparse softmax) run in the backend the
+step's metadata picks (``BACKENDS[step.kind]``, ``dsv4.model.step``): the reference's runs them per
+sequence chunk against its :class:`~dsv4.model.cache.SequenceCache` (``Attention._attend``); the
+paged one for all tokens at once over the pages (``dsv4.model.paged_attention``), where the window
+KV's RMSNorm, RoPE and cache insert are one op (``kv_norm_rope_insert``; unfused while validation
+hooks are installed, as they check the KV).
 The window and the selected compressed entries form **one** softmax, with the per-head sink as an
 extra zero-valued key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..config import LayerType, ModelConfig
 from ..formats import OCP, fake_quant_fp8_pow2
-from . import paged_attention
 from .linear import stable_topk
+from .paged_attention import PagedAttention
 from .rope import cos_sin
-
-
-@dataclass
-class SeqChunk:
-    """One sequence's slice of the batch: tokens [offset, offset+length) at positions start.."""
-
-    cache: object
-    start: int
-    length: int
-    offset: int = 0
-    device: torch.device | str = "cpu"
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.start + self.length, device=self.device)
+from .step import SeqChunk, Step
 
 
 def _stack_rows(w, key_a: str, key_b: str):
@@ -174,34 +161,19 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, chunks: list[SeqChunk], tables=None, draft_block: bool = False) -> torch.Tensor:
-        """``tables``: the step's page tables (``dsv4.cache.tables.StepTables``); when given, the
-        sequence-dependent part runs batched over the pages (``paged_attention.attend``) instead of
-        per chunk. ``draft_block``: each chunk is a DSpark draft block (``_attend_block``)."""
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """The layer over the step's tokens; ``step`` (``dsv4.model.step``) picks the backend."""
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         hd = cfg.head_dim
         nh = self.wq_b.shape[0] // hd  # query heads held here: all, or this rank's share under TP
-        positions = tables.positions if tables is not None else torch.cat([c.positions for c in chunks])
-        cos, sin = cos_sin(self.rope, positions)
+        cos, sin = cos_sin(self.rope, step.positions)
         qr = ops.rms_norm(ops.linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
         q = ops.linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
         q = ops.unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
         kv_raw = ops.linear(x, self.wkv, self.act_quant)
-        if tables is not None and self.hooks is None:
-            kv = None  # the batched path normalizes, ropes and inserts it in one op (kv_norm_rope_insert)
-        else:
-            kv = ops.apply_rope(ops.rms_norm(kv_raw, self.kv_norm, cfg.rms_norm_eps), cos, sin)
         self._check("q", q)
-        if tables is not None:
-            out = paged_attention.attend(self, tables, x, qr, q, kv, kv_raw, cos, sin,
-                                         _block_length(chunks) if draft_block else 0)
-        else:
-            out = torch.empty_like(q)
-            attend = self._attend_block if draft_block else self._attend
-            for c in chunks:
-                sl = slice(c.offset, c.offset + c.length)
-                out[sl] = attend(x[sl], qr[sl], q[sl], kv[sl], c)
+        out = BACKENDS[step.kind].attend(self, step, x, qr, q, kv_raw, cos, sin)
         o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
@@ -216,6 +188,15 @@ class Attention:
             z = torch.cat([ops.linear(o[:, i], self.wo_a.rows(i * r, (i + 1) * r)) for i in range(g)], dim=-1)
         y = ops.linear(z, self.wo_b, self.act_quant)
         return y if self.tp is None else self.tp.all_reduce(y)  # TP: wo_b is row-parallel, sum the ranks
+
+    def store_kv(self, step: Step, kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Write the window KV of the step's tokens from ``kv_raw`` (the wkv projection) and attend
+        to nothing: a DSpark stage's context KV."""
+        BACKENDS[step.kind].store_kv(self, step, kv_raw, cos, sin)
+
+    def window_kv(self, kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The window KV as the layer stores it: ``kv_raw`` normed and roped."""
+        return self.ops.apply_rope(self.ops.rms_norm(kv_raw, self.kv_norm, self.cfg.rms_norm_eps), cos, sin)
 
     def _attend(self, x, qr, q, kv, c: SeqChunk) -> torch.Tensor:
         cfg = self.cfg
@@ -266,12 +247,40 @@ class Attention:
         return sparse_attention(q, table, idx, self.sink, self.cfg.head_dim**-0.5, self._check)
 
 
-def _block_length(chunks: list[SeqChunk]) -> int:
-    """The length every DSpark draft block of a step shares (the paged path reads their windows by it)."""
-    lengths = {c.length for c in chunks}
-    if len(lengths) != 1:
-        raise ValueError(f"DSpark draft blocks of one pass must have one length, got {sorted(lengths)}")
-    return lengths.pop()
+class AttentionBackend(Protocol):
+    """The sequence-dependent part of a layer's attention for a step: one per metadata kind."""
+
+    def attend(self, attn: Attention, step: Step, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
+               kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Every token's attention output [T, h, d] (before the inverse rope), its window KV (from
+        ``kv_raw`` with the main rope's ``cos``/``sin``) stored on the way."""
+
+    def store_kv(self, attn: Attention, step: Step, kv_raw: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        """Store every token's window KV, attending to nothing."""
+
+
+class ReferenceAttention:
+    """The oracle's backend: each chunk through its own sequence cache, ``Attention._attend`` (a
+    DSpark draft block's ``_attend_block``)."""
+
+    def attend(self, attn, step, x, qr, q, kv_raw, cos, sin):
+        kv = attn.window_kv(kv_raw, cos, sin)
+        out = torch.empty_like(q)
+        one = attn._attend_block if step.block else attn._attend
+        for c in step.chunks:
+            sl = slice(c.offset, c.offset + c.length)
+            out[sl] = one(x[sl], qr[sl], q[sl], kv[sl], c)
+        return out
+
+    def store_kv(self, attn, step, kv_raw, cos, sin):
+        kv = attn.window_kv(kv_raw, cos, sin)
+        for c in step.chunks:
+            sl = slice(c.offset, c.offset + c.length)
+            c.cache.write_kv(attn.layer, step.positions[sl], kv[sl])
+
+
+BACKENDS: dict[str, AttentionBackend] = {"reference": ReferenceAttention(), "paged": PagedAttention()}
 
 
 def left_align(idx: torch.Tensor) -> torch.Tensor:

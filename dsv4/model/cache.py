@@ -18,10 +18,6 @@ from ..formats import FP8Format, fake_quant_indexer_k, fake_quant_kv, get_fp8_fo
 
 KV_CACHE_DTYPES = ("fp8_ds_mla", "auto")
 KV_CACHE_ALIASES = {"fp8": "fp8_ds_mla"}  # vLLM canonicalises fp8 → fp8_ds_mla for this model
-# The paged cache's geometry (vLLM's for this model): sliding-window KV in pages of 64 tokens; compressed
-# entries, indexer keys and boundary compressor rows in blocks of 256 tokens (the prefix-cache unit).
-SWA_PAGE = 64
-BLOCK = 256
 
 
 class CacheNumerics:

@@ -40,13 +40,14 @@ Choices where the public sources leave a fact open (the most plausible reading o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..config import ModelConfig
-from . import paged_attention
-from .attention import SeqChunk
 from .linear import rows_linear
 from .rope import cos_sin
+from .step import Step
 
 
 class DSparkDrafter:
@@ -72,43 +73,29 @@ class DSparkDrafter:
     def has_confidence(self) -> bool:
         return self.confidence_w is not None
 
-    def context(self, aux: torch.Tensor, chunks: list[SeqChunk], tables=None) -> None:
+    def context(self, aux: torch.Tensor, step: Step) -> None:
         """Write every stage's context KV for the rows ``aux`` [T, n_target·H] (the target's aux
-        hidden states of the chunks' positions, concatenated in chunk order) into its window cache:
-        through each chunk's cache, or with the step's page tables (``tables``, whose tokens are
-        ``aux``'s rows) for all rows at once."""
+        hidden states of the step's positions, in its chunks' order) into its window cache, through
+        the step's backend (``Attention.store_kv``)."""
         cfg, ops = self.cfg, self.ops
-        pos = tables.positions if tables is not None else torch.cat([c.positions.to(aux.device) for c in chunks])
         main_x = ops.rms_norm(ops.linear(aux, self.main_proj, self.act_quant), self.main_norm, cfg.rms_norm_eps)
         for st in self.stages:
             a = st.attn
-            cos, sin = cos_sin(a.rope, pos)
-            kv_raw = ops.linear(main_x, a.wkv, self.act_quant)
-            if tables is not None:
-                paged_attention.insert_window_kv(a, tables, None, kv_raw, cos, sin)
-                continue
-            kv = ops.apply_rope(ops.rms_norm(kv_raw, a.kv_norm, cfg.rms_norm_eps), cos, sin)
-            off = 0
-            for c in chunks:
-                c.cache.write_kv(a.layer, pos[off : off + c.length], kv[off : off + c.length])
-                off += c.length
+            cos, sin = cos_sin(a.rope, step.positions)
+            a.store_kv(step, ops.linear(main_x, a.wkv, self.act_quant), cos, sin)
 
-    def block(self, ids: torch.Tensor, chunks: list[SeqChunk], embed, head, tables=None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stages over the draft blocks ``ids`` (each chunk one block at its positions; ``embed``
-        and ``head``: the target's; ``tables``: the blocks' page tables, for the paged attention):
-        returns (logits [T, V] fp32 before the Markov bias, the ``hc_head`` outputs [T, H])."""
+    def block(self, ids: torch.Tensor, step: Step, embed, head) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stages over the draft blocks ``ids`` (each of the step's chunks one block at its
+        positions; ``embed`` and ``head``: the target's): returns (logits [T, V] fp32 before the
+        Markov bias, the ``hc_head`` outputs [T, H])."""
         cfg, ops = self.cfg, self.ops
-        off = 0
-        for c in chunks:
-            c.offset, c.device = off, ids.device
-            off += c.length
+        step = replace(step, block=_block_length(step))
         x = embed(ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = self.stages[0].attn_pre(streams)
         for i, st in enumerate(self.stages):
             nxt = self.stages[i + 1] if i + 1 < len(self.stages) else None
-            streams, pre = st.run(streams, pre, chunks, ids, tables, nxt, draft_block=True)
+            streams, pre = st.run(streams, pre, step, ids, nxt)
         h = ops.hc_head(streams, *self.hc, cfg.hc_eps, cfg.rms_norm_eps)
         return head(ops.rms_norm(h, self.norm, cfg.rms_norm_eps)), h
 
@@ -125,3 +112,11 @@ class DSparkDrafter:
         if self.confidence_b is not None:
             z = z + self.confidence_b.float()
         return torch.sigmoid(z.squeeze(-1))
+
+
+def _block_length(step: Step) -> int:
+    """The length every DSpark draft block of a pass shares (the paged pass reads their windows by it)."""
+    lengths = {c.length for c in step.chunks}
+    if len(lengths) != 1:
+        raise ValueError(f"DSpark draft blocks of one pass must have one length, got {sorted(lengths)}")
+    return lengths.pop()

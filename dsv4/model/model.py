@@ -6,8 +6,10 @@ embed → 4 mHC streams → per layer [mHC-pre → attention → mHC-post → mH
 the fast path runs as one fused kernel. The MTP block predicts one token further from the pre-hc_head
 streams. Every building block is called through the op set the model was built with
 (``dsv4.model.opset``): without kernels, plain torch — the oracle.
-A batch is a list of sequence chunks (:class:`SeqChunk`) concatenated along the token axis;
-each chunk carries its own cache, so prefill, decode and chunked prefill are the same call.
+A batch is a list of sequence chunks (:class:`~dsv4.model.step.SeqChunk`) concatenated along the
+token axis; each chunk carries its own cache, so prefill, decode and chunked prefill are the same
+call. The attention layers read the forward's metadata, a :class:`~dsv4.model.step.Step` (a list of
+chunks stands for the reference's) or a ``PagedStep`` (the batched attention over the paged cache).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .attention import Attention, SeqChunk
+from .attention import Attention
 from .cache import CacheNumerics, DenseSequenceCache, advance_all
 from .dspark import DSparkDrafter
 from .moe import MoE
 from .opset import OpSet, reference_ops
 from .rope import shared_tables
+from .step import SeqChunk, Step
 from .weights import ModelWeights
 
 
@@ -44,17 +47,17 @@ class Block:
         c = self.cfg
         return self.ops.mhc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def run(self, streams: torch.Tensor, pre, chunks: list[SeqChunk], token_ids: torch.Tensor, tables=None,
-            next_block: "Block | None" = None, draft_block: bool = False):
+    def run(self, streams: torch.Tensor, pre, step: Step, token_ids: torch.Tensor,
+            next_block: "Block | None" = None):
         """The block on ``streams`` whose attention pre ``pre`` (= ``attn_pre(streams)``) is known.
 
         Returns (new streams, ``next_block.attn_pre(new streams)`` or None): with a next block the
         MoE's post is fused with that block's attention pre, as the attention's post is with the
-        MoE's pre. ``draft_block``: the chunks are DSpark draft blocks (``Attention._attend_block``)."""
+        MoE's pre."""
         c, ops = self.cfg, self.ops
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         x, post, comb = pre
-        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), chunks, tables, draft_block)
+        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), step)
         streams, x, post, comb = ops.mhc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
         f = self.moe.forward(ops.rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
         if next_block is None:
@@ -62,10 +65,9 @@ class Block:
         streams, x, post, comb = ops.mhc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc)
         return streams, (x, post, comb)
 
-    def forward(self, streams: torch.Tensor, chunks: list[SeqChunk], token_ids: torch.Tensor,
-                tables=None) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, step: Step, token_ids: torch.Tensor) -> torch.Tensor:
         """The whole block (its own attention pre, a plain final post): streams → new streams."""
-        return self.run(streams, self.attn_pre(streams), chunks, token_ids, tables)[0]
+        return self.run(streams, self.attn_pre(streams), step, token_ids)[0]
 
 
 @dataclass
@@ -124,31 +126,31 @@ class ReferenceModel:
     def new_cache(self) -> DenseSequenceCache:
         return DenseSequenceCache(self.cfg, self.numerics)
 
-    # ---- main forward --------------------------------------------------------------------
-    def hidden(self, token_ids: torch.Tensor, chunks: list[SeqChunk], hook=None, tables=None,
-               advance: bool = True) -> torch.Tensor:
-        """Run the decoder stack; returns the pre-hc_head streams [T, n, H].
+    def _step(self, step: Step | list[SeqChunk]) -> Step:
+        """The forward's metadata: ``step``, or for a list of chunks the reference's (``Step.of``)."""
+        return step if isinstance(step, Step) else Step.of(step, self.device)
 
-        ``tables`` (the step's page tables, ``dsv4.cache.tables.StepTables``) switches attention to the
-        batched path;
-        ``advance=False`` leaves the caches' bookkeeping to the caller (a CUDA-graph replay)."""
+    # ---- main forward --------------------------------------------------------------------
+    def hidden(self, token_ids: torch.Tensor, step: Step | list[SeqChunk], hook=None,
+               advance: bool = True) -> torch.Tensor:
+        """Run the decoder stack over the step (``dsv4.model.step``: its kind picks the attention
+        backend); returns the pre-hc_head streams [T, n, H]. ``advance=False`` leaves the caches'
+        bookkeeping to the caller (a CUDA-graph replay)."""
         cfg = self.cfg
-        off = 0
-        for c in chunks:
-            c.offset, c.device = off, self.device
-            off += c.length
-        if off != token_ids.shape[0]:
-            raise ValueError(f"chunks cover {off} tokens but {token_ids.shape[0]} token ids were given")
+        step = self._step(step)
+        if step.positions.shape[0] != token_ids.shape[0]:
+            raise ValueError(f"the step covers {step.positions.shape[0]} tokens but {token_ids.shape[0]} token "
+                             "ids were given")
         x = self._embed(token_ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = self.blocks[0].attn_pre(streams) if self.blocks else None
         for i, b in enumerate(self.blocks):  # each block's last post fused with the next one's pre
             nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-            streams, pre = b.run(streams, pre, chunks, token_ids, tables, nxt)
+            streams, pre = b.run(streams, pre, step, token_ids, nxt)
             if hook is not None:
                 hook(f"layers.{b.layer}", streams)
         if advance:
-            advance_all((c.cache, c.length) for c in chunks)
+            advance_all((c.cache, c.length) for c in step.chunks)
         return streams
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -167,8 +169,8 @@ class ReferenceModel:
             logits = self.tp.gather_vocab(logits, cfg.vocab_size)
         return logits
 
-    def forward(self, token_ids: torch.Tensor, chunks: list[SeqChunk], logits_rows: torch.Tensor | None = None,
-                hook=None, tables=None, advance: bool = True, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(self, token_ids: torch.Tensor, step: Step | list[SeqChunk], logits_rows: torch.Tensor | None = None,
+                hook=None, advance: bool = True, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """``aux_layers``: main layers whose outputs' stream means the output carries (``aux``, in
         that order), the DSpark drafter's context input."""
         taps: dict[int, torch.Tensor] = {}
@@ -182,7 +184,7 @@ class ReferenceModel:
                     inner(name, streams)
 
         with shared_tables():
-            streams = self.hidden(token_ids, chunks, hook, tables, advance)
+            streams = self.hidden(token_ids, step, hook, advance)
             aux = torch.cat([taps[i] for i in aux_layers], dim=-1) if aux_layers else None
             rows = streams if logits_rows is None else streams[logits_rows]
             if rows.shape[0] == 0:  # e.g. a step of partial prefills only: the cache is filled, no logits
@@ -190,29 +192,26 @@ class ReferenceModel:
             return ForwardOutput(self.logits_from_streams(rows), streams, aux)
 
     # ---- MTP -----------------------------------------------------------------------------
-    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int = 0,
-                    logits_rows: torch.Tensor | None = None, tables=None) -> ForwardOutput:
+    def mtp_forward(self, next_ids: torch.Tensor, streams: torch.Tensor, step: Step | list[SeqChunk], m: int = 0,
+                    logits_rows: torch.Tensor | None = None) -> ForwardOutput:
         """Draft logits for token i+2 from the streams at row i and the token at i+1.
 
         ``streams``: the target's pre-hc_head streams (or, for a further draft, this layer's own
-        output streams, re-fed as vLLM does); ``chunks`` give the rows' positions and the MTP layer's
+        output streams, re-fed as vLLM does); ``step`` gives the rows' positions and the MTP layer's
         window cache (written at those positions; the target's caches are not touched and no view
         advances); ``logits_rows``: the rows whose logits are needed (None: all). Returns the logits
         and the layer's output streams (for the next draft)."""
         cfg = self.cfg
         p = f"mtp.{m}"
-        off = 0
-        for c in chunks:
-            c.offset, c.device = off, self.device
-            off += c.length
-        pos = tables.positions if tables is not None else torch.cat([c.positions for c in chunks])
+        step = self._step(step)
+        pos = step.positions
         ops = self.ops
         e = ops.rms_norm(self._embed(next_ids), self.w[f"{p}.enorm.weight"], cfg.rms_norm_eps)
         e = torch.where((pos == 0)[:, None], torch.zeros_like(e), e)
         h = ops.rms_norm(streams, self.w[f"{p}.hnorm.weight"], cfg.rms_norm_eps)
         s = ops.linear(h, self.w[f"{p}.h_proj.weight"]) + ops.linear(e, self.w[f"{p}.e_proj.weight"]).unsqueeze(1)
         with shared_tables():
-            s = self.mtp[m].forward(s.to(self.dtype), chunks, next_ids, tables)
+            s = self.mtp[m].forward(s.to(self.dtype), step, next_ids)
             rows = s if logits_rows is None else s[logits_rows]
             hc = (self.w[f"{p}.hc_head_fn"], self.w[f"{p}.hc_head_base"], self.w[f"{p}.hc_head_scale"])
             if rows.shape[0] == 0:
@@ -220,19 +219,18 @@ class ReferenceModel:
             return ForwardOutput(self.logits_from_streams(rows, hc=hc, norm=self.w[f"{p}.norm.weight"]), s)
 
     # ---- DSpark ---------------------------------------------------------------------------
-    def dspark_context(self, aux: torch.Tensor, chunks: list[SeqChunk], tables=None) -> None:
-        """Write the DSpark stages' context KV of the chunks' positions (``aux``: the target's aux
+    def dspark_context(self, aux: torch.Tensor, step: Step | list[SeqChunk]) -> None:
+        """Write the DSpark stages' context KV of the step's positions (``aux``: the target's aux
         hidden states there, ``forward(..., aux_layers=cfg.dspark_target_layer_ids)``) into the
-        chunks' caches, or with ``tables`` into the pages; nothing else is written and no view advances."""
-        self.dspark.context(aux, chunks, tables)
+        chunks' caches or the pages; nothing else is written and no view advances."""
+        self.dspark.context(aux, self._step(step))
 
-    def dspark_block(self, ids: torch.Tensor, chunks: list[SeqChunk], tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def dspark_block(self, ids: torch.Tensor, step: Step | list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """One DSpark pass over draft blocks (each chunk: one block ``[anchor, noise …]`` at the
-        positions after its context; ``tables``: their page tables): (logits [T, V] fp32 without the
-        Markov bias, hc_head outputs)."""
+        positions after its context): (logits [T, V] fp32 without the Markov bias, hc_head outputs)."""
         with shared_tables():
-            return self.dspark.block(ids, chunks, self._embed, lambda x: self.ops.linear(x, self.head).float(),
-                                     tables)
+            return self.dspark.block(ids, self._step(step), self._embed,
+                                     lambda x: self.ops.linear(x, self.head).float())
 
     # ---- conveniences for tests and tools -------------------------------------------------
     @torch.no_grad()

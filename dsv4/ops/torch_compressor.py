@@ -13,7 +13,7 @@ Two forms, one arithmetic (an entry does not depend on which form pooled it):
 * decode (``closing=None``): row t is the single token of request ``seq_ids[t]``; it is stored into
   the state ring at ``ring[slots[seq_ids[t]], positions[t] % ring.shape[1]]`` and every token that
   closes a block pools its entry from the ring;
-* chunk (``closing`` = the [4, E] table of ``StepTables.closing``: token index, its chunk's start,
+* chunk (``closing`` = the [4, E] table of ``PagedStep.closing``: token index, its chunk's start,
   the chunk's row offset, request row): nothing is stored; rows at positions ≥ the chunk's start
   come from ``rows``, earlier ones from the ring. A listed token that closes no block is skipped,
   so a fixed-shape table may list every token of the step (a verify graph's).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..cache.manager import KVCacheManager
-from ..cache.paged import BLOCK
+from ..model.step import BLOCK
 
 
 class RankBalancer:

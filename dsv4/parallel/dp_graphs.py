@@ -67,7 +67,7 @@ class DPDecodeGraphs:
     def can_run(self, batch) -> bool:
         """Whether this step replays a graph — agreed with every rank, so called once per forward."""
         ok = not self.ep.timed and self.graphs.can_run(batch)
-        self._bucket = self._agree(ok, len(batch.chunks) if ok else 0)
+        self._bucket = self._agree(ok, len(batch.step.chunks) if ok else 0)
         return self._bucket is not None
 
     def run(self, batch) -> torch.Tensor:

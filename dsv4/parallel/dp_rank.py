@@ -63,14 +63,14 @@ class EPModel:
                                  "run the expert-parallel model (its MoE layers need every rank)")
         return getattr(self.inner, name)
 
-    def forward(self, token_ids, chunks, logits_rows=None, tables=None, **kw):
+    def forward(self, token_ids, step, logits_rows=None, **kw):
         from ..engine.errors import EngineDeadError
 
         if kw:
             raise TypeError(f"the data-parallel forward does not take {sorted(kw)}")
         self.ep.begin_forward()
         try:
-            return self._forward(token_ids, chunks, logits_rows=logits_rows, tables=tables)
+            return self._forward(token_ids, step, logits_rows=logits_rows)
         except EngineDeadError:
             raise
         except Exception:

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ..model.step import PagedStep
 from .group import DistSpec, TPGroup, init_distributed
 from .plan import StepPlan, plan_mtp, plan_step
 from .ranks import RankProcesses, free_port
@@ -204,27 +205,27 @@ class TPModel:
             )
         return getattr(self.inner, name)
 
-    def forward(self, token_ids, chunks, logits_rows=None, tables=None, host=None, advance: bool = True, **kw):
+    def forward(self, token_ids, step, logits_rows=None, host=None, advance: bool = True, **kw):
         """``advance=False`` (a speculative verify step) leaves rank 0's views for the engine to commit
         with the accepted count; a worker's views are rebuilt from the next plan, so it commits every
-        row (the state rings are sized for rejected drafts' rows: ``cache.paged.ring_rows``)."""
+        row (the state rings are sized for rejected drafts' rows: ``model.step.ring_rows``)."""
         if kw:
             raise TypeError(f"the tensor-parallel forward does not take {sorted(kw)}")
         d = self.driver
         d.ensure_alive()
-        plan = plan_step(token_ids, chunks, logits_rows, d.restores, tables is not None, host=host)
-        return d.lockstep(plan, lambda: self.inner.forward(token_ids, chunks, logits_rows=logits_rows, tables=tables,
-                                                           advance=advance), "forward")
+        plan = plan_step(token_ids, step.chunks, logits_rows, d.restores, isinstance(step, PagedStep), host=host)
+        return d.lockstep(plan, lambda: self.inner.forward(token_ids, step, logits_rows=logits_rows, advance=advance),
+                          "forward")
 
-    def mtp_forward(self, next_ids, streams, chunks, m: int = 0, logits_rows=None, tables=None):
+    def mtp_forward(self, next_ids, streams, step, m: int = 0, logits_rows=None):
         """A speculative MTP pass on every rank: the plan, then rank 0's input streams broadcast."""
         d = self.driver
         d.ensure_alive()
-        plan = plan_mtp(next_ids, streams, chunks, m, logits_rows, tables is not None)
+        plan = plan_mtp(next_ids, streams, step, m, logits_rows)
 
         def run():
             s = d.tp.broadcast(streams.contiguous())
-            return self.inner.mtp_forward(next_ids, s, chunks, m, logits_rows=logits_rows, tables=tables)
+            return self.inner.mtp_forward(next_ids, s, step, m, logits_rows=logits_rows)
 
         return d.lockstep(plan, run, "MTP pass")
 
@@ -256,7 +257,7 @@ class TPDecodeGraphs:
         """``bucket``: the one the data-parallel ranks agreed on (TP inside DP), else the batch's."""
         d = self.driver
         d.ensure_alive()
-        plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, d.restores, True, graph=True,
+        plan = plan_step(batch.token_ids, batch.step.chunks, batch.logits_rows, d.restores, True, graph=True,
                          host=getattr(batch, "host", None), bucket=bucket)
         return d.lockstep(plan, lambda: self.graphs.run(batch, bucket=bucket), "decode graph replay")
 

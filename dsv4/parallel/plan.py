@@ -30,8 +30,7 @@ import torch
 
 from ..cache.host_tier import HostKVStore, HostTransfer
 from ..cache.paged import CacheAllocation, PagedSequenceView
-from ..cache.tables import StepTables
-from ..model.attention import SeqChunk
+from ..model.step import PagedStep, SeqChunk, Step
 
 
 @dataclass
@@ -62,7 +61,7 @@ class StepPlan:
     logits_rows: list[int] | None = None
     # cache writes before the forward, in order (``dsv4.cache.manager.CacheEvent``)
     restores: list = field(default_factory=list)
-    paged: bool = False  # the runner used the batched paged attention: build the same tables
+    paged: bool = False  # the runner's step was a PagedStep (the batched attention): build the same
     graph: bool = False  # rank 0 replays its decode CUDA graph of this batch: replay yours
     budget: object = None
     numerics: object = None  # "cache": the engine's CacheNumerics
@@ -135,7 +134,9 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
     from ..engine.sampler import device_picks
 
     replay_restores(kvc, plan.restores, host)
-    chunks, allocs = _views(plan, kvc, device)
+    if plan.paged and not model.ops.paged_attention:
+        raise RuntimeError("rank 0 ran the batched paged attention but this worker's op set has no attention ops")
+    step = _step(plan, kvc, device)
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
     if plan.fill:
         if picks is None:
@@ -143,39 +144,32 @@ def run_step(plan: StepPlan, model, kvc, device, graphs=None, host: HostKVStore 
                                "kept none on this worker")
         fill_tokens(ids, picks, plan.fill)
     rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
-    tables = None
-    if plan.paged:
-        if not model.ops.paged_attention:
-            raise RuntimeError("rank 0 ran the batched paged attention but this worker's op set has no attention ops")
-        tables = StepTables.build(kvc, chunks, allocs)
     if plan.graph:
-        if graphs is None or tables is None:
+        if graphs is None or not plan.paged:
             raise RuntimeError("rank 0 replayed a decode CUDA graph but this worker captured none")
-        logits = graphs.run(SimpleNamespace(chunks=chunks, token_ids=ids, tables=tables),  # advances the views
-                            bucket=plan.bucket)
+        logits = graphs.run(SimpleNamespace(step=step, token_ids=ids), bucket=plan.bucket)  # advances the views
     else:
-        logits = model.forward(ids, chunks, logits_rows=rows, tables=tables).logits
+        logits = model.forward(ids, step, logits_rows=rows).logits
     # rank 0's picks of the same all-gathered logits with the same op (overlap.launch)
     return device_picks(logits, model.ops.greedy_pick)[0] if plan.keep_picks else None
 
 
-def _views(plan: StepPlan, kvc, device) -> tuple[list[SeqChunk], list[CacheAllocation]]:
-    """The plan's chunks over this rank's cache (views of rank 0's allocations) and the allocations."""
-    chunks, allocs, off = [], [], 0
+def _step(plan: StepPlan, kvc, device) -> Step:
+    """The plan's step over this rank's cache: its chunks through views of rank 0's allocations, and
+    the page tables of them when rank 0's step had them."""
+    chunks, allocs = [], []
     for c in plan.chunks:
         a = c.allocation()
         allocs.append(a)
-        chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length, offset=off, device=device))
-        off += c.length
-    return chunks, allocs
+        chunks.append(SeqChunk(PagedSequenceView(kvc, a), c.start, c.length))
+    return PagedStep.build(kvc, chunks, allocs) if plan.paged else Step.of(chunks, device)
 
 
-def plan_mtp(token_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChunk], m: int, logits_rows,
-             paged: bool) -> StepPlan:
+def plan_mtp(token_ids: torch.Tensor, streams: torch.Tensor, step: Step, m: int, logits_rows) -> StepPlan:
     """An MTP pass of speculative drafting (``ReferenceModel.mtp_forward``): its input streams are
     broadcast by rank 0 after the plan (they are the previous pass's outputs or rows of the target's,
     the same on every rank, but only rank 0 knows which rows the proposer took)."""
-    plan = plan_step(token_ids, chunks, logits_rows, [], paged)
+    plan = plan_step(token_ids, step.chunks, logits_rows, [], isinstance(step, PagedStep))
     plan.kind, plan.mtp = "mtp", m
     plan.streams = (tuple(streams.shape), str(streams.dtype).removeprefix("torch."))
     return plan
@@ -185,10 +179,9 @@ def plan_mtp(token_ids: torch.Tensor, streams: torch.Tensor, chunks: list[SeqChu
 def run_mtp(plan: StepPlan, model, kvc, device, tp) -> None:
     """A worker's share of an MTP pass: the streams from rank 0, then the layer over this rank's
     shard and cache (its window KV written as on rank 0; the logits are rank 0's business)."""
-    chunks, allocs = _views(plan, kvc, device)
+    step = _step(plan, kvc, device)
     shape, dtype = plan.streams
     streams = tp.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
     rows = None if plan.logits_rows is None else torch.tensor(plan.logits_rows, dtype=torch.long, device=device)
-    tables = StepTables.build(kvc, chunks, allocs) if plan.paged else None
-    model.mtp_forward(ids, streams, chunks, plan.mtp, logits_rows=rows, tables=tables)
+    model.mtp_forward(ids, streams, step, plan.mtp, logits_rows=rows)

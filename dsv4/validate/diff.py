@@ -212,7 +212,8 @@ class Diff:
         self.cfg = self.sides[0].model.cfg
 
     def _view(self, side: Side, max_len: int):
-        from ..cache.paged import BLOCK, SWA_PAGE, CacheAllocation, CacheBudget, PagedKVCache, unit_bytes
+        from ..cache.paged import CacheAllocation, CacheBudget, PagedKVCache, unit_bytes
+        from ..model.step import BLOCK, SWA_PAGE
 
         m = side.model
         blk, swa, slot = unit_bytes(self.cfg, self.numerics, m.dtype)
@@ -222,8 +223,8 @@ class Diff:
 
     # ---- 1. cache round trip ---------------------------------------------------------------------------
     def _round_trip(self, side: Side) -> None:
-        from ..cache.paged import SWA_PAGE
         from ..formats import quantize_kv, read_kv_raw
+        from ..model.step import SWA_PAGE
 
         cfg, num = self.cfg, self.numerics
         m = side.model
@@ -287,7 +288,7 @@ class Diff:
     def _run_side(self, side: Side, prompt: list[int], feed: int | None) -> dict:
         """Prefill (hidden per layer, last logits), one decode step of ``feed`` with every capture,
         then greedy continuation. Returns the captures."""
-        from ..model.attention import SeqChunk
+        from ..model.step import SeqChunk
 
         m = side.model
         cap: dict = {"prefill": {}, "decode": {}, "order": []}

@@ -75,8 +75,8 @@ class Agreement:
 @torch.no_grad()
 def teacher_forced_logits(model, numerics, prompt_ids: list[int], gen_ids: list[int], n: int) -> torch.Tensor:
     """Oracle logits [n, V] (fp32, CPU) for the engine's steps 0..n-1 of ``gen_ids`` after ``prompt_ids``."""
-    from ..model.attention import SeqChunk
     from ..model.cache import DenseSequenceCache
+    from ..model.step import SeqChunk
 
     n = min(n, len(gen_ids))
     ids = list(prompt_ids) + list(gen_ids[: max(n - 1, 0)])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.cache.paged import BLOCK, CacheAllocation, CacheBudget, PagedKVCache, PagedSequenceView, unit_bytes
+from dsv4.cache.paged import CacheAllocation, CacheBudget, PagedKVCache, PagedSequenceView, unit_bytes
 from dsv4.config import load_config
 from dsv4.model.cache import CacheNumerics, advance_all
+from dsv4.model.step import BLOCK
 
 
 def _cache(cfg) -> PagedKVCache:

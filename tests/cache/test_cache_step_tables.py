@@ -1,4 +1,4 @@
-"""A step's closing tables (``StepTables.closing``) against a brute-force walk over every token."""
+"""A step's closing tables (``PagedStep.closing``) against a brute-force walk over every token."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dsv4.cache.tables import StepTables
-from dsv4.model.attention import SeqChunk
+from dsv4.model.step import PagedStep, SeqChunk
 
 
 def _brute(chunks, r):
@@ -32,7 +31,7 @@ def test_closing_lists_exactly_the_tokens_that_close_a_block():
                                  static_closing=None)
         for r in (4, 128):
             want = _brute(chunks, r)
-            got = StepTables.closing(tables, r)
+            got = PagedStep.closing(tables, r)
             if not want:
                 assert got is None
                 continue

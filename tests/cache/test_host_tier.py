@@ -8,10 +8,11 @@ import torch
 
 from dsv4.cache.copies import CopyEngine, copy_runs, rows_view, runs
 from dsv4.cache.host_tier import HostKVStore, HostKVTier, HostTransfer
-from dsv4.cache.paged import RETAINED_SWA, CacheBudget, PagedKVCache, unit_bytes
+from dsv4.cache.paged import CacheBudget, PagedKVCache, unit_bytes
 from dsv4.config import load_config
 from dsv4.formats import alloc_kv_pages
 from dsv4.model.cache import CacheNumerics
+from dsv4.model.step import RETAINED_SWA
 
 
 @pytest.fixture(scope="module")

@@ -127,8 +127,8 @@ def assert_images_match_a_run_without_speculation(base, seen: dict, prompts, par
 def assert_draft_window_is_the_reference_pass(llm, seen: dict, prompts, truth: dict) -> None:
     """The MTP layer's window entries in every recorded image (``record_images``) equal those of the
     reference model's MTP pass over the request's final sequence (prompt + ``truth``)."""
-    from dsv4.model.attention import SeqChunk
     from dsv4.model.cache import DenseSequenceCache
+    from dsv4.model.step import SeqChunk
 
     model, cfg = llm.engine.model, llm.engine.model_config
     layer = cfg.num_hidden_layers

@@ -73,7 +73,7 @@ def test_decode_graph_inputs_with_spare_lanes(tiny_ckpt):
     assert graphs.buckets == [1, 2, 4, 8]
     used, staged = [], []
     run = graphs.run
-    graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or staged.append(batch.graph_staged) \
+    graphs.run = lambda batch: used.append(graphs.bucket(len(batch.step.chunks))) or staged.append(batch.graph_staged) \
         or run(batch)
     eng.runner.graphs = graphs
     got = [signature(o) for o in padded.generate(prompts, params)]

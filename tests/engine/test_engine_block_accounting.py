@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import assert_all_free_after_reset, assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
-from dsv4.cache.manager import RETAINED_SWA
-from dsv4.cache.paged import BLOCK, SWA_PAGE
+from dsv4.model.step import BLOCK, RETAINED_SWA, SWA_PAGE
 
 BUDGET = 128
 

@@ -22,8 +22,8 @@ from spec_helpers import (
 
 from dsv4.engine.sampler import _first_argmax
 from dsv4.engine.speculative import DSparkProposer
-from dsv4.model.attention import SeqChunk
 from dsv4.model.cache import DenseSequenceCache
+from dsv4.model.step import SeqChunk
 
 # decoding from these lengths crosses the 64-token SWA page, the 128-token window / HCA ratio, the
 # 256-token block, and ratio-4 groups everywhere

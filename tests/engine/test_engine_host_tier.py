@@ -14,9 +14,10 @@ import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts, signature
 
 from dsv4.cache.copies import CopyEngine, rows_view
-from dsv4.cache.paged import BLOCK, unit_bytes
+from dsv4.cache.paged import unit_bytes
 from dsv4.config import load_config
 from dsv4.model.cache import CacheNumerics
+from dsv4.model.step import BLOCK
 
 SEQS, BUDGET = 2, 512
 NEW = 3

@@ -7,7 +7,7 @@ import random
 import torch
 
 from dsv4.cache.paged import CacheAllocation, PageRow
-from dsv4.cache.tables import _pad_rows, upload
+from dsv4.model.step import _pad_rows, upload
 
 
 def test_page_row_follows_appends_releases_and_replacements():
@@ -49,7 +49,7 @@ def test_tables_pad_with_minus_one():
 
 
 def _rebuilt(chunks, allocs):
-    """The step's tables rebuilt from the page lists with plain tensor ops (what ``StepTables.build``
+    """The step's tables rebuilt from the page lists with plain tensor ops (what ``PagedStep.build``
     must equal)."""
     pos = [p for c in chunks for p in range(c.start, c.start + c.length)]
     sid = [i for i, c in enumerate(chunks) for _ in range(c.length)]
@@ -71,8 +71,7 @@ def test_step_tables_equal_the_rebuilt_ones():
     the plain rebuild gives: decode tokens, prefill chunks crossing pages, released windows."""
     import types
 
-    from dsv4.cache.tables import StepTables
-    from dsv4.model.attention import SeqChunk
+    from dsv4.model.step import PagedStep, SeqChunk
 
     rng = random.Random(1)
     kvc = types.SimpleNamespace(device=torch.device("cpu"))
@@ -100,7 +99,7 @@ def test_step_tables_equal_the_rebuilt_ones():
             a.swa_released = max(a.swa_released, rel)
         if not chunks:
             continue
-        got = StepTables.build(kvc, chunks, live)
+        got = PagedStep.build(kvc, chunks, live)
         for name, want in _rebuilt(chunks, live).items():
             assert torch.equal(getattr(got, name), want), f"step {step}: {name}"
         assert got.decode_only == all(c.length == 1 for c in chunks)
@@ -128,8 +127,7 @@ def test_decode_tables_equal_the_rebuilt_ones_with_spare_lanes():
     the graph's tables gives None."""
     import types
 
-    from dsv4.cache.tables import decode_tables
-    from dsv4.model.attention import SeqChunk
+    from dsv4.model.step import SeqChunk, decode_tables
 
     rng = random.Random(2)
     kvc = types.SimpleNamespace(device=torch.device("cpu"), spare_swa_page=901, spare_block=902, spare_slot=903)

@@ -87,9 +87,10 @@ def _sig(out) -> tuple:
 
 def test_blocks_come_back_from_pinned_host_memory_bitwise(tiny_ckpt):
     from dsv4 import LLM, SamplingParams
-    from dsv4.cache.paged import BLOCK, unit_bytes
+    from dsv4.cache.paged import unit_bytes
     from dsv4.config import load_config
     from dsv4.model.cache import CacheNumerics
+    from dsv4.model.step import BLOCK
 
     blk, swa, slot = unit_bytes(load_config(tiny_ckpt), CacheNumerics("fp8_ds_mla"), torch.bfloat16)
     seqs, budget = 2, 512

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _logits(model, prompt, cont):
-    from dsv4.model.attention import SeqChunk
+    from dsv4.model.step import SeqChunk
 
     cache = model.new_cache()
     out = [model.forward(torch.tensor(prompt, device="cuda"), [SeqChunk(cache, 0, len(prompt))]).logits[-1:]]

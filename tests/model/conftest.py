@@ -18,7 +18,7 @@ def full_forward_640(tiny_model_auto, tiny_model_fp8):
     """get(kv_cache_dtype) → ForwardOutput (logits [640, V] of every row, streams [640, 4, H]) of one
     whole-prompt forward of ``random_prompt()`` on ``tiny``; computed once per cache dtype and
     shared by the self-consistency and FP8 tests."""
-    from dsv4.model.attention import SeqChunk
+    from dsv4.model.step import SeqChunk
 
     models = {"auto": tiny_model_auto, "fp8_ds_mla": tiny_model_fp8}
     done = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import dsv4.model.attention as attn_mod
-from dsv4.model.attention import SeqChunk
+from dsv4.model.step import SeqChunk
 
 N_PROMPT = 640
 

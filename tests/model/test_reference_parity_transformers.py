@@ -32,9 +32,9 @@ import torch
 
 import dsv4.model.attention as attn_mod
 import dsv4.model.moe as moe_mod
-from dsv4.model.attention import SeqChunk
 from dsv4.model.cache import CacheNumerics
 from dsv4.model.model import ReferenceModel
+from dsv4.model.step import SeqChunk
 
 transformers = pytest.importorskip("transformers")
 

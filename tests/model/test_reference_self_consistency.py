@@ -25,7 +25,7 @@ import copy
 import pytest
 import torch
 
-from dsv4.model.attention import SeqChunk
+from dsv4.model.step import SeqChunk
 
 N_PROMPT = 640  # the prompt of the shared ``full_forward_640`` fixture (tests/model/conftest.py)
 DTYPES = ["auto", "fp8_ds_mla"]

@@ -16,11 +16,12 @@ import torch
 
 import dsv4.model.attention as attn_mod
 from dsv4.config import LayerType
-from dsv4.model.attention import SeqChunk, sparse_attention
+from dsv4.model.attention import sparse_attention
 from dsv4.model.mhc import hc_post, hc_pre, sinkhorn
 from dsv4.model.moe import route, swiglu
 from dsv4.model.opset import reference_ops
 from dsv4.model.rope import apply_rope, cos_sin
+from dsv4.model.step import SeqChunk
 
 F64 = torch.float64
 

@@ -32,7 +32,6 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 from ops_kernel_helpers import DEV, gen  # noqa: E402
 
-from dsv4.cache.tables import StepTables  # noqa: E402
 from dsv4.checkpoint.synthetic import build_config  # noqa: E402
 from dsv4.config import config_from_dict  # noqa: E402
 from dsv4.formats import (  # noqa: E402
@@ -45,7 +44,7 @@ from dsv4.formats import (  # noqa: E402
     read_indexer_k,
     read_kv,
 )
-from dsv4.model.attention import SeqChunk  # noqa: E402
+from dsv4.model.step import PagedStep, SeqChunk  # noqa: E402
 from dsv4.ops import torch_compressor  # noqa: E402
 from dsv4.ops.registry import resolve  # noqa: E402
 from dsv4.ops.triton import compressor as tcomp  # noqa: E402
@@ -156,7 +155,7 @@ def _chunk_case(ratio, overlap, kind, g):
     ring, rows, norm = _state(ratio, overlap, kind, g, off)
     fake = SimpleNamespace(chunks=chunks, _emitting={}, kvc=SimpleNamespace(device=torch.device(DEV)),
                            static_closing=None)
-    closing = StepTables.closing(fake, ratio)
+    closing = PagedStep.closing(fake, ratio)
     assert closing is not None and closing.shape[1] >= 4
     return positions, seq_ids, slots, bt, ring, rows, norm, per, closing
 

@@ -204,11 +204,12 @@ def test_torch_op_reproduces_the_oracle(cache_dtype):
     from dsv4.cache.paged import CacheAllocation, CacheBudget, PagedKVCache, PagedSequenceView
     from dsv4.checkpoint.synthetic import build_config
     from dsv4.config import config_from_dict
-    from dsv4.model.attention import Attention, SeqChunk
+    from dsv4.model.attention import Attention
     from dsv4.model.cache import CacheNumerics
     from dsv4.model.linear import linear
     from dsv4.model.opset import reference_ops
     from dsv4.model.rope import apply_rope, cos_sin
+    from dsv4.model.step import SeqChunk
 
     cfg = config_from_dict(build_config("tiny"))
     layer, h = 1, cfg.index_n_heads  # layer 1 is CSA

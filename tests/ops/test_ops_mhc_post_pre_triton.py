@@ -182,8 +182,8 @@ def test_model_forward_with_fused_post_pre_is_bitwise_the_unfused_fast_path(tiny
     """ReferenceModel on the mHC kernels (tiny, bf16): with mhc_post_pre the logits, the streams, the
     per-layer hook's streams and the MTP logits are bitwise those of mhc_post + mhc_pre; the fused
     op runs for every post but each stack's last (2·layers − 1 in the decoder, 1 in an MTP block)."""
-    from dsv4.model.attention import SeqChunk
     from dsv4.model.model import ReferenceModel
+    from dsv4.model.step import SeqChunk
 
     weights = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV).w
     calls = []

@@ -127,8 +127,8 @@ def test_model_forward_with_the_rope_kernels_is_bitwise_the_unfused_fast_path(ti
     fused norm + rotation, the output's in-place inverse rotation, the compressor's and indexer's
     rotations) leaves the logits and the hooks' tensors bitwise the same. With hooks installed the
     output rotation is not done in place (a hook may keep the attention output)."""
-    from dsv4.model.attention import SeqChunk
     from dsv4.model.model import ReferenceModel
+    from dsv4.model.step import SeqChunk
 
     weights = ReferenceModel(tiny_ckpt, dtype=torch.bfloat16, device=DEV).w
     ids = torch.randint(2, weights.config.vocab_size, (9,), generator=gen(2)).to(DEV)

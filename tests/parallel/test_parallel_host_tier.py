@@ -8,9 +8,10 @@ import torch
 from parallel_helpers import ENGINE
 
 from dsv4 import LLM, SamplingParams
-from dsv4.cache.paged import BLOCK, unit_bytes
+from dsv4.cache.paged import unit_bytes
 from dsv4.config import load_config
 from dsv4.model.cache import CacheNumerics
+from dsv4.model.step import BLOCK
 
 
 def _prompt(seed: int, n: int) -> list[int]:

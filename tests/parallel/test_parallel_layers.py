@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from dsv4.checkpoint.reader import Checkpoint
-from dsv4.model.attention import Attention, SeqChunk
+from dsv4.model.attention import Attention
 from dsv4.model.cache import CacheNumerics, DenseSequenceCache
 from dsv4.model.moe import MoE
 from dsv4.model.opset import reference_ops
+from dsv4.model.step import SeqChunk, Step
 from dsv4.model.weights import ModelWeights
 from dsv4.parallel.group import DistSpec, TPGroup
 
@@ -51,7 +52,7 @@ def test_attention_shards_sum_to_the_layer(tiny_ckpt, n):
         attn = Attention(_weights(ckpt, f"layers.{layer}", shard), layer, cfg, reference_ops())
         attn.tp = shard
         cache = DenseSequenceCache(cfg, CacheNumerics("auto"))
-        return attn.forward(x, [SeqChunk(cache, 0, x.shape[0])])
+        return attn.forward(x, Step.of([SeqChunk(cache, 0, x.shape[0])], x.device))
 
     full = run(None)
     ranks = [LocalRank(DistSpec(n), r, torch.device("cpu")) for r in range(n)]

@@ -142,7 +142,7 @@ def test_tp2_decode_graph_replay_matches_tp1(tiny_ckpt, reference):
         assert graphs.buckets == [1, 2, 4, 8]
         used = []
         run = graphs.run
-        graphs.run = lambda batch: used.append(graphs.bucket(len(batch.chunks))) or run(batch)
+        graphs.run = lambda batch: used.append(graphs.bucket(len(batch.step.chunks))) or run(batch)
         got = greedy_llm(llm)
     finally:
         llm.shutdown()

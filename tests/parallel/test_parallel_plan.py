@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from dsv4.cache.paged import CacheAllocation
-from dsv4.model.attention import SeqChunk
+from dsv4.model.step import PagedStep, SeqChunk
 from dsv4.parallel.plan import plan_step
 
 
@@ -69,13 +69,14 @@ def test_a_worker_rebuilds_every_step_and_decode_graph_input_from_the_plan(tiny_
 
     def mirrored(batch):
         graph = graphs.can_run(batch)
-        plan = plan_step(batch.token_ids, batch.chunks, batch.logits_rows, [], batch.tables is not None, graph=graph)
+        plan = plan_step(batch.token_ids, batch.step.chunks, batch.logits_rows, [], isinstance(batch.step, PagedStep),
+                         graph=graph)
         out = execute(batch)
         seen.clear()
         run_step(pickle.loads(pickle.dumps(plan)), model, kvc, torch.device("cpu"), mirror)
         assert torch.equal(seen["logits"], out)
         if graph:
-            b = graphs.bucket(len(batch.chunks))
+            b = graphs.bucket(len(batch.step.chunks))
             assert batch.graph_staged and torch.equal(mirror.inputs[b], graphs.inputs[b])
             replays.append(b)
         return out

@@ -153,7 +153,7 @@ class ScriptedBackend:
         """Fault injection: the n-th forward from now (1 = the next one) raises ``error``."""
         self._fault = (n, error)
 
-    def forward(self, token_ids, chunks, logits_rows=None):
+    def forward(self, token_ids, step, logits_rows=None):
         if self._fault is not None:
             n, e = self._fault
             self._fault = (n - 1, e) if n > 1 else None
@@ -161,7 +161,7 @@ class ScriptedBackend:
                 raise e
         if self.delay:
             time.sleep(self.delay)
-        for c in chunks:
+        for c in step.chunks:
             c.cache.advance(c.length)
         n = token_ids.shape[0] if logits_rows is None else int(logits_rows.numel())
         return SimpleNamespace(logits=torch.zeros(n, self.cfg.vocab_size))
