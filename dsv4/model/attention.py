@@ -57,23 +57,24 @@ class Compressor:
         self.cfg, self.ratio, self.dim, self.kind, self.layer = cfg, ratio, dim, kind, layer
         self.overlap = ratio == 4
 
-    def state_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[kv | score + ape[p % ratio]] in fp32. ``[wkv; wgate]`` is one GEMM (one launch on the fast
-        path), each half reduced over K as its own weight would be: the same bits as two calls."""
+    def state_rows(self, x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """[kv | score + ape[phase]] in fp32, phase = position % ratio. ``[wkv; wgate]`` is one GEMM (one
+        launch on the fast path), each half reduced over K as its own weight would be: the same bits as
+        two calls; the ape rows are added in place (``add_`` on the view: no write-back copy)."""
         ops = self.ops
         if self.w_state is not None:
             rows = ops.dense_linear(x.to(self.w_state.dtype), self.w_state, chunk_rows=self.wkv.shape[0]).float()
-            rows[:, self.wkv.shape[0]:] += self.ape[positions % self.ratio]
+            rows[:, self.wkv.shape[0]:].add_(self.ape[phase])
             return rows
         kv = ops.linear(x, self.wkv).float()
-        score = ops.linear(x, self.wgate).float() + self.ape[positions % self.ratio]
+        score = ops.linear(x, self.wgate).float() + self.ape[phase]
         return torch.cat([kv, score], dim=-1)
 
     def run(self, x: torch.Tensor, chunk: SeqChunk) -> None:
         """Save state rows of the chunk and emit every entry whose block closes inside it."""
         pos = chunk.positions
         cache = chunk.cache
-        cache.write_state(self.layer, self.kind, pos, self.state_rows(x, pos))
+        cache.write_state(self.layer, self.kind, pos, self.state_rows(x, pos % self.ratio))
         r, d = self.ratio, self.dim
         first_block = chunk.start // r
         last_block = (chunk.start + chunk.length) // r  # exclusive: blocks fully closed by the chunk end

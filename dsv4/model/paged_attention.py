@@ -70,7 +70,7 @@ class PagedAttention:
             n_max = step.max_end // attn.ratio
             comp_pages, per = kvc.comp[(layer, "kv")], kvc.per_block((layer, "kv"))
             if n_max > 0:
-                visible = (step.positions + 1) // attn.ratio
+                visible = step.visible(attn.ratio)
                 if attn.type == LayerType.CSA:
                     comp_idx = _indexer(attn, step, x, qr, visible, n_max)
                 else:
@@ -109,7 +109,7 @@ def _compress(comp, step, x: torch.Tensor) -> None:
     rows in its view until the step ends and pools every entry closing in the step from the step's
     rows (positions ≥ its chunk's start) and the ring (earlier positions), by the same op (its chunk
     form)."""
-    rows = comp.state_rows(x, step.positions)  # [T, 2·width] fp32
+    rows = comp.state_rows(x, step.phase(comp.ratio))  # [T, 2·width] fp32
     if step.decode_only:
         return _pool_insert(comp, step, rows, None)
     if step.static_closing is not None:  # a verify graph: pool, then every row into its ring

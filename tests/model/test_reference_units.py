@@ -486,3 +486,17 @@ def test_op_path_with_torch_backends_equals_the_dequantized_model(tiny_ckpt):
     ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(5))
     got, want = fast.prefill(ids)[0], oracle.prefill(ids)[0]
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_step_per_ratio_tables_follow_the_positions():
+    """``Step.phase`` / ``Step.visible`` are computed once per step and ratio, and recomputed when the
+    positions change in place (a speculative graph advances them) or are replaced."""
+    from dsv4.model.step import Step
+
+    s = Step([], torch.arange(10))
+    assert s.phase(4) is s.phase(4) and s.phase(4).tolist() == [p % 4 for p in range(10)]
+    s.positions.add_(3)
+    assert s.phase(4).tolist() == [(p + 3) % 4 for p in range(10)]
+    assert s.visible(4).tolist() == [(p + 4) // 4 for p in range(10)]
+    s.positions = torch.arange(5)
+    assert s.visible(128).tolist() == [0] * 5 and s.phase(4).tolist() == [0, 1, 2, 3, 0]
