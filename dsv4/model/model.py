@@ -25,8 +25,7 @@ from .cache import CacheNumerics, DenseSequenceCache, advance_all
 from .dspark import DSparkDrafter
 from .moe import MoE
 from .opset import OpSet, reference_ops
-from .rope import shared_tables
-from .step import SeqChunk, Step
+from .step import SeqChunk, Step, shared_tables
 from .weights import ModelWeights
 
 

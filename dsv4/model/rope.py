@@ -6,11 +6,10 @@ rotation (negated angle) removes the rope from the attention output at the query
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from ..config import RopeParams
+from .step import per_forward
 
 _INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -23,36 +22,16 @@ def inv_freq(params: RopeParams, device) -> torch.Tensor:
     return t
 
 
-_FORWARD_TABLES: dict | None = None  # (params, id, version of positions) → (positions, cos, sin)
-
-
-@contextmanager
-def shared_tables():
-    """Within the ``with`` body (one forward), ``cos_sin`` of the same positions tensor and rope
-    parameters is computed once: every layer of a type shares its table (7 small kernels a layer
-    fewer on the GPU). The entry keeps the positions tensor alive and checks its version, so a
-    tensor modified in place, or a new one at a reused address, is never served a stale table."""
-    global _FORWARD_TABLES
-    before, _FORWARD_TABLES = _FORWARD_TABLES, {}
-    try:
-        yield
-    finally:
-        _FORWARD_TABLES = before
-
-
 def cos_sin(params: RopeParams, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, rope_dim/2] in float32 for integer ``positions`` [T]."""
-    memo = _FORWARD_TABLES
-    if memo is not None:
-        key = (params, id(positions), positions._version)
-        hit = memo.get(key)
-        if hit is not None and hit[0] is positions:
-            return hit[1], hit[2]
+    """cos/sin tables [T, rope_dim/2] in float32 for integer ``positions`` [T]; within a forward
+    (``step.shared_tables``) computed once per positions tensor and rope parameters: every layer of a
+    type shares its table (7 small kernels a layer fewer on the GPU)."""
+    return per_forward(params, positions, lambda p: _cos_sin(params, p))
+
+
+def _cos_sin(params: RopeParams, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = (positions.to(torch.float32)[:, None] * inv_freq(params, positions.device)[None, :]).double()
-    cos, sin = freqs.cos().float(), freqs.sin().float()  # float64 transcendental: batch-invariant
-    if memo is not None:
-        memo[key] = (positions, cos, sin)
-    return cos, sin
+    return freqs.cos().float(), freqs.sin().float()  # float64 transcendental: batch-invariant
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,

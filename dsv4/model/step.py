@@ -21,6 +21,7 @@ tensor has past its last real one, so whatever they compute never touches a requ
 from __future__ import annotations
 
 import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -69,6 +70,38 @@ def window_slots(swa_table: torch.Tensor, seq_ids: torch.Tensor, positions: torc
     return torch.where(col < swa_table.shape[1], page, -1), positions % SWA_PAGE
 
 
+# ---- tables of a forward's positions ----------------------------------------------------------
+_FORWARD_TABLES: dict | None = None  # (key, id, version of positions) → (positions, value)
+
+
+@contextmanager
+def shared_tables():
+    """Within the ``with`` body (one forward), ``per_forward`` tables of the same positions tensor are
+    computed once. Only within one forward: a CUDA graph is captured from a forward run after two
+    uncaptured ones on the same static inputs, and a table kept from those would be captured as a
+    constant. The entry keeps the positions tensor alive and checks its version, so a tensor modified
+    in place, or a new one at a reused address, is never served a stale table."""
+    global _FORWARD_TABLES
+    before, _FORWARD_TABLES = _FORWARD_TABLES, {}
+    try:
+        yield
+    finally:
+        _FORWARD_TABLES = before
+
+
+def per_forward(key, positions: torch.Tensor, fn):
+    """``fn(positions)``, shared by every caller of one forward that asks with the same ``key`` and
+    positions tensor (outside ``shared_tables``: computed at every call)."""
+    memo = _FORWARD_TABLES
+    if memo is None:
+        return fn(positions)
+    k = (key, id(positions), positions._version)
+    hit = memo.get(k)
+    if hit is None or hit[0] is not positions:
+        hit = memo[k] = (positions, fn(positions))
+    return hit[1]
+
+
 # ---- the metadata ---------------------------------------------------------------------------
 @dataclass
 class SeqChunk:
@@ -94,8 +127,6 @@ class Step:
     chunks: list[SeqChunk]
     positions: torch.Tensor  # [T] absolute position of every token
     block: int = 0  # > 0: every chunk is a DSpark draft block of this length (non-causal inside it)
-    _phase: dict = field(default_factory=dict, repr=False)  # ratio → (positions, version, positions % ratio)
-    _visible: dict = field(default_factory=dict, repr=False)  # ratio → (…, (positions + 1) // ratio)
 
     def __post_init__(self):
         off = 0  # the chunks' offsets in the batch, in their order
@@ -111,23 +142,14 @@ class Step:
         return cls(chunks, torch.cat([c.positions for c in chunks]))
 
     def phase(self, ratio: int) -> torch.Tensor:
-        """positions % ratio (a compressor's ape row of every token), once per step and ratio rather
-        than once per compressor: a launch saved in each of a decode step's ~60 compressors."""
-        return self._per_ratio(self._phase, ratio, lambda p: p % ratio)
+        """positions % ratio (a compressor's ape row of every token); within a forward
+        (``shared_tables``) once per ratio rather than in each of a decode step's ~60 compressors."""
+        return per_forward(("phase", ratio), self.positions, lambda p: p % ratio)
 
     def visible(self, ratio: int) -> torch.Tensor:
-        """(positions + 1) // ratio: the compressed entries complete at each token, once per step and
-        ratio (not once per layer)."""
-        return self._per_ratio(self._visible, ratio, lambda p: (p + 1) // ratio)
-
-    def _per_ratio(self, memo: dict, ratio: int, fn) -> torch.Tensor:
-        # checked against the positions tensor and its version: a speculative graph advances its
-        # positions in place, and a step's positions may be replaced
-        pos = self.positions
-        hit = memo.get(ratio)
-        if hit is None or hit[0] is not pos or hit[1] != pos._version:
-            hit = memo[ratio] = (pos, pos._version, fn(pos))
-        return hit[2]
+        """(positions + 1) // ratio: the compressed entries complete at each token; within a forward
+        once per ratio, not once per layer."""
+        return per_forward(("visible", ratio), self.positions, lambda p: (p + 1) // ratio)
 
 
 @dataclass(kw_only=True)

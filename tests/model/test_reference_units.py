@@ -454,7 +454,8 @@ def test_rope_tables_shared_within_a_forward_only_for_the_same_positions():
     """``shared_tables``: one table per (rope parameters, positions tensor) inside a forward, equal
     to the uncached one; a positions tensor changed in place, or another tensor, gets its own."""
     from dsv4.config import RopeParams
-    from dsv4.model.rope import cos_sin, shared_tables
+    from dsv4.model.rope import cos_sin
+    from dsv4.model.step import shared_tables
 
     params = RopeParams(dim=64, theta=10000.0)
     pos = torch.tensor([0, 5, 300, 70000])
@@ -488,15 +489,22 @@ def test_op_path_with_torch_backends_equals_the_dequantized_model(tiny_ckpt):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def test_step_per_ratio_tables_follow_the_positions():
-    """``Step.phase`` / ``Step.visible`` are computed once per step and ratio, and recomputed when the
-    positions change in place (a speculative graph advances them) or are replaced."""
-    from dsv4.model.step import Step
+def test_step_position_tables_are_shared_within_one_forward_only():
+    """``Step.phase`` / ``Step.visible`` are computed once per forward (``shared_tables``) and ratio,
+    recomputed when the positions change in place or are replaced, and never kept from one forward to
+    the next: a CUDA graph captured after two uncaptured forwards on the same step must compute them
+    inside the capture."""
+    from dsv4.model.step import Step, shared_tables
 
     s = Step([], torch.arange(10))
-    assert s.phase(4) is s.phase(4) and s.phase(4).tolist() == [p % 4 for p in range(10)]
-    s.positions.add_(3)
-    assert s.phase(4).tolist() == [(p + 3) % 4 for p in range(10)]
-    assert s.visible(4).tolist() == [(p + 4) // 4 for p in range(10)]
-    s.positions = torch.arange(5)
-    assert s.visible(128).tolist() == [0] * 5 and s.phase(4).tolist() == [0, 1, 2, 3, 0]
+    with shared_tables():
+        first = s.phase(4)
+        assert s.phase(4) is first and first.tolist() == [p % 4 for p in range(10)]
+        s.positions.add_(3)
+        assert s.phase(4).tolist() == [(p + 3) % 4 for p in range(10)]
+        assert s.visible(4).tolist() == [(p + 4) // 4 for p in range(10)]
+        s.positions = torch.arange(5)
+        assert s.visible(128).tolist() == [0] * 5 and s.phase(4).tolist() == [0, 1, 2, 3, 0]
+    with shared_tables():
+        again = s.phase(4)
+    assert again is not first and s.phase(4) is not s.phase(4)  # a new forward, and outside any: fresh
