@@ -109,8 +109,9 @@ class EngineConfig:
         "tensor parallelism the total over the ranks, as in vLLM (0 or unset: off)")
     kv_offloading_backend: str = setting("native", "implementation of the host tier (native: dsv4's own; vLLM's "
                                          "lmcache is not available)", choices=("native",))
-    kv_cache_memory: int | None = setting(None, "KV cache budget in MiB (default: 1 GiB on CPU, else a "
-                                          "--gpu-memory-utilization share)", cli_unit=2**20, cli_type=float)
+    kv_cache_memory: int | None = setting(None, "KV cache budget: MiB on the command line, bytes in the Python "
+                                          "API (default: 1 GiB on CPU, else a --gpu-memory-utilization share)",
+                                          cli_unit=2**20, cli_type=float)
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory the engine may fill (KV cache sizing)")
     tensor_parallel_size: int = setting(1, "ranks (one process and GPU each) the model is sharded over "
                                         "(docs/distributed.md)", aliases=("-tp",))
