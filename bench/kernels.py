@@ -299,6 +299,8 @@ def sweep(dev, only=("linear", "moe")):
                   flush=True)
     if "route" in only:
         out.update(sweep_route(dev, g))
+    if "linear_decode" in only:
+        out.update(sweep_linear_decode(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
@@ -416,6 +418,71 @@ def sweep_prefill(dev, g, only):
                 print(f"sweep linear_prefill {name} [{n}x{k}] M={m} chunks={chunks}: {txt} {c} {same}{tag}",
                       flush=True)
             out[f"linear_prefill {name}"] = [(ms, str(c), same) for ms, c, same in rows]
+    return out
+
+
+# the decode-size FP8 linears of one layer ((rows, K, groups); wo_a is the grouped output projection, 8 groups
+# of 1024 rows over 4096 columns each) and two fusion candidates (wq_a with wkv; the shared expert's w1 with w3)
+DECODE_LINEARS = {"wq_a": (1024, 4096, 1), "wq_b": (32768, 1024, 1), "wkv": (512, 4096, 1), "wo_a": (8192, 4096, 8),
+                  "wo_b": (4096, 8192, 1), "shared_w1": (2048, 4096, 1), "shared_w2": (4096, 2048, 1),
+                  "idx_wq_b": (8192, 1024, 1), "wq_a+wkv": (1536, 4096, 1), "shared_w13": (4096, 4096, 1)}
+LINEAR_DECODE_VARIANTS = {  # name -> config over the batch-invariant decode launch (the weight's K chunks)
+    "former tile (M 64, 128 rows for N >= 4096)": dict(BLOCK_M=64, former=True),
+    "default": {},
+    "8 warps": dict(num_warps=8),
+    "4 stages": dict(num_stages=4),
+    "2x chunks": dict(chunks=2),
+    "4x chunks": dict(chunks=4),
+}
+
+
+def sweep_linear_decode(dev, g, m_list=(1, 8)):
+    """The FP8 linear's decode launch variants (``LINEAR_DECODE_VARIANTS``) on every decode-size linear of a
+    layer and two fusion candidates: CUDA-graph median, the fraction of the copy bandwidth its bytes take, and
+    its bits against the first variant's ("2x chunks" / "4x chunks" reduce K in other chunks: other bits, timed
+    against the default's chunks only)."""
+    from dsv4.ops.triton import fp8_linear as tfl
+
+    bw = measure_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    out = {"bandwidth_Bps": bw}
+    for name, (n, k, groups) in DECODE_LINEARS.items():
+        w = torch.randint(0, 126, (n, k), device=dev, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        sc = torch.randint(118, 124, (math.ceil(n / 128), math.ceil(k / 128)), device=dev, dtype=torch.uint8,
+                           generator=g)
+        for m in m_list:
+            x = torch.randn(m, groups * k, device=dev, dtype=torch.bfloat16, generator=g)
+            nbytes = n * k + sc.numel() + 2 * m * groups * k + 2 * m * n
+            refs = {}
+            base = tfl.pick_config(m, n, k, dev)
+            for vname, c in LINEAR_DECODE_VARIANTS.items():
+                c = dict(c)
+                if c.pop("former", False):
+                    c["BLOCK_N"] = tfl._decode_block_n(n)
+                if c.pop("chunks", 1) > 1:  # more, narrower K chunks (other bits: timed only)
+                    split = min(math.ceil(k / 128), base["split_k"] * LINEAR_DECODE_VARIANTS[vname]["chunks"])
+                    if split == base["split_k"]:
+                        continue
+                    c.update(split_k=split, BLOCK_N=c.get("BLOCK_N", base["BLOCK_N"]))
+                run = (lambda c=c: tfl.fp8_linear(x, w, sc, groups=groups, config=c))
+                key = "split" if "split_k" in c else "plain"
+                try:
+                    y = run()
+                except Exception as e:  # noqa: BLE001
+                    print(f"sweep linear_decode {name} M={m} {vname}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                if key in refs:
+                    same = "same bits" if torch.equal(y, refs[key]) else f"DIFFERS ({(y != refs[key]).sum().item()})"
+                else:
+                    refs[key] = y
+                    same = "-" if key == "plain" else "other chunks"
+                ms = bench_graph(run, 40)
+                frac = nbytes / bw / (ms * 1e-3) if ms else 0
+                print(f"sweep linear_decode {name} [{n}x{k}/{groups}] M={m}: {ms * 1e3:7.1f} us "
+                      f"{100 * frac:5.1f}% of bw {vname}: {same}", flush=True)
+                out[f"linear_decode {name} M={m} {vname}"] = (ms, frac, same)
+        w = sc = None
+        torch.cuda.empty_cache()
     return out
 
 
@@ -773,7 +840,7 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
+        "(--only linear,linear_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
         "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
     )
     args = ap.parse_args(argv)

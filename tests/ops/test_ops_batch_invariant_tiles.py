@@ -39,7 +39,10 @@ def test_fp8_linear_row_is_independent_of_m(dtype):
     w, s = w.to(DEV), s.to(DEV)
     x = randn((64, k), g, dtype=dtype)
     cfgs = {m: tlin.pick_config(m, n, k, torch.device(DEV)) for m in (1, 3, 17, 64)}
-    assert cfgs[1]["split_k"] > 1 and all(c == cfgs[1] for c in cfgs.values())
+    # the same K chunks at every decode size; only the MMA's width follows M (16, 16, 32, 64)
+    assert cfgs[1]["split_k"] > 1 and all((c["chunk"], c["split_k"]) == (cfgs[1]["chunk"], cfgs[1]["split_k"])
+                                          for c in cfgs.values())
+    assert [cfgs[m]["BLOCK_M"] for m in (1, 3, 17, 64)] == [16, 16, 32, 64]
     full = tlin.fp8_linear(x, w, s)
     for m in (1, 3, 17):
         assert torch.equal(tlin.fp8_linear(x[:m], w, s), full[:m]), f"M={m}: rows differ from the M=64 launch"

@@ -92,7 +92,8 @@ def test_decode_split_k_and_tile_overrides():
     ref = torch_ops.fp8_linear(x, wq, s)
     ap = _absprod(x, wq, s)
     cfg = tfl.pick_config(2, n, k, torch.device(DEV), {"split_k": 2})
-    assert cfg["split_k"] == 2 and cfg["chunk"] == 384 and cfg["BLOCK_M"] == 64  # batch-invariant decode tile
+    assert cfg["split_k"] == 2 and cfg["chunk"] == 384  # the batch-invariant decode launch: M=2 in a 16-wide MMA
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (tfl.decode_block_m(2), tfl.DECODE_BLOCK_N) == (16, 64)
     set_batch_invariant(False)
     try:
         assert tfl.pick_config(2, n, k, torch.device(DEV))["BLOCK_M"] == 16  # fastest per-M tile

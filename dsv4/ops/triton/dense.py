@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..invariance import DECODE_MAX_ROWS
 from . import _common
 from ._common import FIXUP_ROWS, cast, grouped_tile, interpreting, split_counters, split_sum_last, sum_in_order
 
@@ -56,6 +57,10 @@ CONFIGS = {
 PREFILL_16BIT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)  # H200 sweep:
 # M = 8192, router 50.5 → 44.3 µs, CSA compressor 375 → 327, HCA compressor 197 → 162, indexer
 # compressor 99 → 84; weights_proj (64 rows) was faster on the base tile (31.8 vs 39.6): PREFILL_MIN_N
+# Split/fused launch tile for 16-bit weights at decode sizes (M ≤ DECODE_MAX_ROWS), chunks and K steps again those
+# of the base tile: the narrowest MMA that holds M (BLOCK_M 16/32/64) and 64-row weight tiles, as fp8_linear's
+# decode launch (there, H200: 20-35 % faster than the 64 × 128 tile at M = 1 and 8). None: the base tile.
+DECODE_16BIT: dict | None = dict(BLOCK_N=64, num_warps=4, num_stages=4)
 PREFILL_MIN_ROWS = 1024
 PREFILL_MIN_N = 256
 COMMON = dict(GROUP_M=8,
@@ -158,7 +163,9 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     ``mode`` ("fused"/"split") forces the launch mode (tests: both give the same bits);
     ``config`` overrides ``config_for(w.dtype)`` entries (changes the bits: use one for every call).
     ``config["prefill"]``: the fused-mode tile at M ≥ PREFILL_MIN_ROWS (BLOCK_M, BLOCK_N, num_warps,
-    num_stages; default ``PREFILL_16BIT`` for 16-bit weights), K chunks and steps unchanged.
+    num_stages; default ``PREFILL_16BIT`` for 16-bit weights), K chunks and steps unchanged;
+    ``config["decode"]``: the same at M ≤ DECODE_MAX_ROWS (BLOCK_N, num_warps, num_stages; BLOCK_M from M;
+    default ``DECODE_16BIT``).
     ``chunk_rows``: reduce K as for a weight of that many rows — w stacks weights of that height
     (e.g. a compressor's [wkv; wgate]), and each block of rows gets the bits of its own call.
     """
@@ -191,6 +198,11 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     if mode not in ("fused", "split"):
         raise ValueError(f"mode must be 'fused' or 'split', got {mode!r}")
     split = mode == "split"
+    decode = (config or {}).get("decode", DECODE_16BIT if w.dtype != torch.float32 else None)
+    if decode and m <= DECODE_MAX_ROWS:  # launch tile only (chunks and mode fixed above)
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        cfg = dict(cfg, BLOCK_M=bm, **{key: decode[key] for key in ("BLOCK_N", "num_warps", "num_stages")})
+        tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
     prefill = (config or {}).get("prefill", PREFILL_16BIT if w.dtype != torch.float32 else None)
     if prefill and not split and m >= PREFILL_MIN_ROWS and n >= PREFILL_MIN_N:  # launch tile only (chunks fixed)
         cfg = dict(cfg, **{key: prefill[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})

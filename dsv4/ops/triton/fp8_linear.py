@@ -18,8 +18,9 @@ Per K step (BLOCK_K = 128 = one scale block column):
 
 Batch invariance (the default, ``dsv4.ops.invariance``): K is reduced in chunks whose width depends
 on the weight shape alone (``invariant_chunk``), each chunk accumulated from 0 and the chunks added
-in order, y = round(((0 + P_0) + P_1) + …). Decode sizes (M ≤ 64) use one tile shape and one
-program per chunk (the fp32 partials added in order by each tile's last program in the same launch,
+in order, y = round(((0 + P_0) + P_1) + …). Decode sizes (M ≤ 64) use 64-row weight tiles over the
+narrowest MMA that holds M (``decode_block_m``) and one program per chunk (the fp32 partials added in
+order by each tile's last program in the same launch,
 ``_common.SPLIT_FIXUP``, or by a second launch, ``sum_in_order``); prefill sizes use their
 fastest tiles and fold the chunks in one program. The bits of a row are the same for every M (on
 the H200 the MMA tile shape does not change them, ``tests/gpu``), so a prompt's logits do not
@@ -117,35 +118,31 @@ def _chunk(
     Q_EXP: tl.constexpr,
     MIN_E: tl.constexpr,
     W16: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
-    w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values)."""
+    w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
+    EVEN_K: K is a multiple of BLOCK_K (no column masks)."""
     x_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
         kk = k0 + offs_k
-        k_mask = kk < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        if W16:
-            w = tl.load(
-                w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
+        if EVEN_K:
+            xm = m_mask[:, None]
+            wm = n_mask[:, None]
         else:
-            wb = tl.load(
-                w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk,
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0,
-            )
-            sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-            w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
+            k_mask = kk < K
+            xm = m_mask[:, None] & k_mask[None, :]
+            wm = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
         if ACT_QUANT:
             x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
+        if W16:
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
+        else:
+            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0)
+            sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+            w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
         if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
             acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
         elif DOT_F32:
@@ -197,6 +194,7 @@ def _fp8_linear_kernel(
     W16: tl.constexpr = False,
     FIXUP: tl.constexpr = False,
     N_PARTS: tl.constexpr = 1,
+    EVEN_K: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -254,6 +252,7 @@ def _fp8_linear_kernel(
                 Q_EXP,
                 MIN_E,
                 W16,
+                EVEN_K,
             )
             + 0.0
         )
@@ -291,6 +290,7 @@ def _fp8_linear_kernel(
                 Q_EXP,
                 MIN_E,
                 W16,
+                EVEN_K,
             )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
@@ -300,15 +300,33 @@ def _fp8_linear_kernel(
 
 
 def _decode_block_n(n: int) -> int:
-    """BLOCK_N of the batch-invariant decode tile of an [n, k] weight."""
+    """BLOCK_N that sets the batch-invariant K chunks of an [n, k] weight (``invariant_chunk``)."""
     return 128 if n >= 4096 else 64
+
+
+# The batch-invariant decode launch (M ≤ 64): the MMA's N width is the next of 16 / 32 / 64 that holds M and the
+# weight tile is 64 rows, whatever the weight: the chunks (``invariant_chunk``) do not change, nor do the bits (the
+# H200 gives every tile shape the same row bits). H200, CUDA-graph medians, M = 1 (``bench/kernels.py --sweep --only
+# linear_decode``), against the former single 64 × 128 tile (64 for N < 4096): wq_b 18.7 -> 12.3 us, wo_a 20.9 ->
+# 14.0, wo_b 21.0 -> 14.1, shared w1 9.2 -> 6.8, shared w2 9.3 -> 6.7, indexer wq_b 9.2 -> 6.6, wq_a 7.3 -> 5.7;
+# more K chunks, 4 stages, 8 warps, or the block scale moved onto x (fewer instructions, but a register round trip
+# of x before the MMA) were slower.
+DECODE_BLOCK_N = 64
+DECODE_BLOCK_M: int | None = None  # None: by M (``decode_block_m``); 64 (and DECODE_BLOCK_N 128): the former launch
+
+
+def decode_block_m(m: int) -> int:
+    """The decode launch's BLOCK_M (the MMA's N width) for M ≤ 64 rows."""
+    if DECODE_BLOCK_M is not None:
+        return DECODE_BLOCK_M
+    return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
 def invariant_chunk(n: int, k: int, device: torch.device) -> int:
     """K columns per chunk of the batch-invariant reduction of an [n, k] weight: a function of the
     weight shape (and the device's SM count) alone, so every M reduces K in the same order. It is
-    the split-K share of the decode tile (BLOCK_N 128 for n ≥ 4096, else 64): about two programs
-    per SM at batch 1."""
+    the split-K share of a 128-row tile for n ≥ 4096 (64 rows below): about two such programs per SM
+    at batch 1 (the decode launch runs 64-row tiles, so twice as many for n ≥ 4096)."""
     k_blocks = max(1, math.ceil(k / BLOCK))
     tiles = math.ceil(n / _decode_block_n(n))
     split = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
@@ -344,10 +362,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     invariant = batch_invariant()
     decode = m <= DECODE_MAX_ROWS
     chunked = invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK  # K in several chunks
-    if invariant and decode:  # one tile shape for every M ≤ 64 (weight shape only)
-        cfg = dict(
-            BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=_decode_block_n(n), num_warps=4, num_stages=3, GROUP_M=1, split_k=None
-        )
+    if invariant and decode:  # the weight's K chunks at any M ≤ 64, over the narrowest MMA that holds M
+        bn = min(DECODE_BLOCK_N, _decode_block_n(n))
+        cfg = dict(BLOCK_M=decode_block_m(m), BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
@@ -570,6 +587,7 @@ def fp8_linear(
         W16=w16 is not None,
         FIXUP=fixup,
         N_PARTS=s if fixup else 1,
+        EVEN_K=k % BLOCK == 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
