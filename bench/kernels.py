@@ -301,9 +301,12 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     if "linear_decode" in only:
         out.update(sweep_linear_decode(dev, g))
+    if "mhc_decode" in only:
+        out.update(sweep_mhc_decode(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
+                     ("moe_split", sweep_moe_split),
                      ("moe_tail", sweep_moe_tail)):  # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
@@ -483,6 +486,55 @@ def sweep_linear_decode(dev, g, m_list=(1, 8)):
                 out[f"linear_decode {name} M={m} {vname}"] = (ms, frac, same)
         w = sc = None
         torch.cuda.empty_cache()
+    return out
+
+
+MHC_DECODE_VARIANTS = {  # name -> mhc CONFIG overrides ("SPLIT" cuts the mixes' sum in other slices: other bits)
+    "default": {},
+    "H_SLICE 256": dict(H_SLICE=256),
+    "H_SLICE 512": dict(H_SLICE=512),
+    "GATE_BLOCK_T 1": dict(GATE_BLOCK_T=1),
+    "GATE_BLOCK_T 1, H_SLICE 256": dict(GATE_BLOCK_T=1, H_SLICE=256),
+    "SPLIT 128": dict(SPLIT=128),
+    "SPLIT 128, H_SLICE 256": dict(SPLIT=128, H_SLICE=256),
+    "SPLIT 64, H_SLICE 256": dict(SPLIT=64, H_SLICE=256),
+    "MIX_BLOCK_T 16": dict(MIX_BLOCK_T=16),
+}
+
+
+def sweep_mhc_decode(dev, g, t_list=(1, 8)):
+    """mhc_post_pre (hc_post + the next hc_pre: two launches a layer boundary) at decode sizes under the
+    CONFIG overrides of ``MHC_DECODE_VARIANTS``: CUDA-graph µs of the pair and of each launch alone (the
+    launches of the default are timed apart from the graph of the pair), the bits against the default, and
+    the largest gate / collapsed differences against the torch oracle (``dsv4.model.mhc``)."""
+    from dsv4.model.opset import reference_ops
+    from dsv4.ops.triton import mhc as tm
+
+    ref = reference_ops()
+    n, h, iters, hc_eps, rms_eps = 4, 4096, 20, 1e-6, 1e-6
+    out = {}
+    for t in t_list:
+        nmix = 2 * n + n * n
+        s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
+        o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+        post = torch.rand(t, n, device=dev, generator=g) * 2
+        comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
+        fn = torch.randn(nmix, n * h, device=dev, generator=g) / math.sqrt(n * h)
+        base = torch.randn(nmix, device=dev, generator=g) * 0.5
+        scale = torch.rand(3, device=dev, generator=g) * 0.5 + 0.5
+        args = (s, o, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
+        pre_ref = ref.mhc_pre(ref.mhc_post(s, o, post, comb), fn, base, scale, iters, hc_eps, rms_eps)
+        base_out = tm.mhc_post_pre(*args)
+        for vname, c in MHC_DECODE_VARIANTS.items():
+            run = (lambda c=c: tm.mhc_post_pre(*args, config=c))
+            got = run()
+            same = "same bits" if all(torch.equal(a, b) for a, b in zip(got, base_out)) else "other bits"
+            d_gate = max((got[2] - pre_ref[1]).abs().max().item(), (got[3] - pre_ref[2]).abs().max().item())
+            d_col = ((got[1].float() - pre_ref[0].float()).abs() / (pre_ref[0].float().abs() + 1e-3)).max().item()
+            ms = bench_graph(run, 40)
+            print(f"sweep mhc_decode T={t} {vname:32s} {ms * 1e3:7.1f} us  {same}; vs oracle: gates {d_gate:.1e} "
+                  f"collapsed rel {d_col:.1e}", flush=True)
+            out[f"mhc_decode T={t} {vname}"] = (ms, same, d_gate, d_col)
     return out
 
 
@@ -701,6 +753,16 @@ def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
     return {"moe_tiles": _sweep_moe_variants(dev, g, "moe_tiles", MOE_TILES, t_list)}
 
 
+MOE_SPLIT = ({"split_gu": True}, {"split_gu": True, "down_BLOCK_N": 64}, {"down_BLOCK_N": 64},
+             {"split_gu": True, "num_stages": 4}, {"split_gu": True, "num_warps": 8, "BLOCK_N": 128})
+
+
+def sweep_moe_split(dev, g, t_list=(1, 8, 64)):
+    """The decode tile with the gate and up rows in separate programs (``split_gu``: twice the programs, one
+    weight tile each; h formed in the down kernel), against the fused up kernel: µs and bits."""
+    return {"moe_split": _sweep_moe_variants(dev, g, "moe_split", MOE_SPLIT, t_list)}
+
+
 MOE_TAIL = ({"tail": False}, {"tail_num_warps": 4}, {"tail_BLOCK_N": 64, "tail_num_warps": 4}, {"tail_num_stages": 4})
 
 
@@ -840,8 +902,9 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,moe_block_k,"
-        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
+        "(--only linear,linear_decode,mhc_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,"
+        "moe_block_k,"
+        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_split,moe_tail)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
