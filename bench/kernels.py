@@ -306,7 +306,6 @@ def sweep(dev, only=("linear", "moe")):
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
-                     ("moe_split", sweep_moe_split),
                      ("moe_tail", sweep_moe_tail)):  # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
@@ -506,7 +505,8 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8)):
     """mhc_post_pre (hc_post + the next hc_pre: two launches a layer boundary) at decode sizes under the
     CONFIG overrides of ``MHC_DECODE_VARIANTS``: CUDA-graph µs of the pair and of each launch alone (the
     launches of the default are timed apart from the graph of the pair), the bits against the default, and
-    the largest gate / collapsed differences against the torch oracle (``dsv4.model.mhc``)."""
+    the largest gate and collapsed differences against the torch oracle (``dsv4.model.mhc``; collapsed relative
+    to its largest value)."""
     from dsv4.model.opset import reference_ops
     from dsv4.ops.triton import mhc as tm
 
@@ -530,7 +530,8 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8)):
             got = run()
             same = "same bits" if all(torch.equal(a, b) for a, b in zip(got, base_out)) else "other bits"
             d_gate = max((got[2] - pre_ref[1]).abs().max().item(), (got[3] - pre_ref[2]).abs().max().item())
-            d_col = ((got[1].float() - pre_ref[0].float()).abs() / (pre_ref[0].float().abs() + 1e-3)).max().item()
+            # relative to the output's scale: a near-zero collapsed value comes from cancellation (see kernels_mhc)
+            d_col = ((got[1].float() - pre_ref[0].float()).abs().max() / pre_ref[0].float().abs().max()).item()
             ms = bench_graph(run, 40)
             print(f"sweep mhc_decode T={t} {vname:32s} {ms * 1e3:7.1f} us  {same}; vs oracle: gates {d_gate:.1e} "
                   f"collapsed rel {d_col:.1e}", flush=True)
@@ -753,16 +754,6 @@ def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
     return {"moe_tiles": _sweep_moe_variants(dev, g, "moe_tiles", MOE_TILES, t_list)}
 
 
-MOE_SPLIT = ({"split_gu": True}, {"split_gu": True, "down_BLOCK_N": 64}, {"down_BLOCK_N": 64},
-             {"split_gu": True, "num_stages": 4}, {"split_gu": True, "num_warps": 8, "BLOCK_N": 128})
-
-
-def sweep_moe_split(dev, g, t_list=(1, 8, 64)):
-    """The decode tile with the gate and up rows in separate programs (``split_gu``: twice the programs, one
-    weight tile each; h formed in the down kernel), against the fused up kernel: µs and bits."""
-    return {"moe_split": _sweep_moe_variants(dev, g, "moe_split", MOE_SPLIT, t_list)}
-
-
 MOE_TAIL = ({"tail": False}, {"tail_num_warps": 4}, {"tail_BLOCK_N": 64, "tail_num_warps": 4}, {"tail_num_stages": 4})
 
 
@@ -904,7 +895,7 @@ def main(argv=None):
         help="time candidate tile configurations instead "
         "(--only linear,linear_decode,mhc_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,"
         "moe_block_k,"
-        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_split,moe_tail)",
+        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

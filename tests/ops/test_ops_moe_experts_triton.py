@@ -205,35 +205,6 @@ def test_tail_blocks_at_half_the_rows_give_the_same_bits(fp4_layer, dtype, exper
         tmoe.pick_moe_config(1, K, 256, "fp4", {"tail": True})
 
 
-@pytest.mark.parametrize("t,dtype,limit", [(1, torch.bfloat16, 10.0), (5, torch.float32, 10.0),
-                                           (7, torch.bfloat16, 0.5)])
-def test_gate_and_up_in_separate_programs_give_the_same_bits(fp4_layer, t, dtype, limit):
-    """``split_gu``: the up kernel's programs each take the gate or the up rows and store them unactivated
-    (rounded to the activation dtype, as the fused epilogue rounds them), and the down kernel forms h from
-    them per K step with the same expression: compiled, the fused launch's output bit for bit; under the
-    interpreter (numpy dots) within the torch op's tolerance. With a padding row, and a limit that clamps
-    (large activations)."""
-    x, ids, w, valid = _padded_batch(t, 71 + t, dtype, pad_row=t // 2)
-    if limit < 1:
-        x = x * 40
-    cfg = {"direct": False, "BLOCK_N": 64, "BLOCK_M": 16}
-    on = tmoe.pick_moe_config(t, K, E, "fp4", dict(cfg, split_gu=True), dtype)
-    assert on["split_gu"] and not on["tail"]
-    got = tmoe.moe_experts(x, ids, w, *fp4_layer, limit=limit, config=dict(cfg, split_gu=True))
-    want = tmoe.moe_experts(x, ids, w, *fp4_layer, limit=limit, config=dict(cfg, split_gu=False))
-    ref = torch_ops.moe_experts(x, ids, w, *fp4_layer, limit=limit)
-    if interpreting():
-        _check(want, ref, dtype)
-    else:
-        assert torch.equal(got, want)
-    _check(got, ref, dtype)
-    assert (got[~valid] == 0).all()
-    with pytest.raises(ValueError, match="split_gu needs"):
-        tmoe.pick_moe_config(t, K, E, "fp8", dict(cfg, split_gu=True))
-    with pytest.raises(ValueError, match="split_gu needs"):
-        tmoe.pick_moe_config(40, K, E, "fp4", {"direct": False, "BLOCK_M": 32, "split_gu": True})
-
-
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 

@@ -34,8 +34,6 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     ``fold_scales=False`` turns it off).
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
-  * split gate/up (``split_gu``): the up kernel's programs take the gate or the up rows alone and store
-    them unactivated; the down kernel forms h from the pair per K step (the same expression and roundings).
   * tail blocks: with ``tail`` (prefill tiles) each kernel runs twice, once over the blocks whose second
     half holds a slot and once, at half the rows, over the others (an expert's last block).
   * direct (decode) mode, T·topk ≤ 48: no grouping; one program per (slot, BLOCK_N columns) does
@@ -449,16 +447,6 @@ def _dot(w, x, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_h(g, u, limit, H_DTYPE: tl.constexpr, INTERP: tl.constexpr):
-    """h = silu(min(g, limit)) · clamp(u, ±limit) in fp32 from g, u already rounded to the activation
-    dtype (as the reference's x.dtype GEMMs), rounded to H_DTYPE: the up kernel's epilogue, or the down
-    kernel's prologue when the up kernel stored g and u apart (``SPLIT_GU``): the same bits either way."""
-    g = tl.minimum(g.to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
-    return cast(g / (1.0 + tl.exp(-g)) * u, H_DTYPE, INTERP)
-
-
-@triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    H, I, TOPK, S3_ROW, limit,
                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
@@ -468,39 +456,11 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                    SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                    KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, SPLIT_GU: tl.constexpr = False):
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
-    if SPLIT_GU:  # MXFP4 only: this program's BLOCK_N rows of w1 (gate) or of w3 (up), stored unactivated
-        n_tiles = tl.cdiv(I, BLOCK_N)
-        gu = pid_n // n_tiles  # 0: gate, 1: up
-        pid_n = pid_n % n_tiles
-        if e >= 0:
-            x_dtype = x_ptr.dtype.element_ty
-            tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < I
-            w_rows = gu * I + offs_n
-            w_base = w_ptr + e.to(tl.int64) * stride_we
-            s_base = s_ptr + e.to(tl.int64) * stride_se
-            x_rows = x_ptr + tok[:, None] * stride_xt
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            sb = _fp4_scale_bytes(s_base, w_rows, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
-            for k0 in range(0, H, BLOCK_K):
-                xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, True, EVEN_K, KPERM)
-                if SCALE_AHEAD:
-                    nb = _fp4_scale_bytes(s_base, w_rows, n_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
-                else:
-                    sb = _fp4_scale_bytes(s_base, w_rows, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
-                lo, hi = _w_tile_fp4(w_base, sb, w_rows, n_mask, k0, H, stride_wn, stride_wk,
-                                     BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-                acc = _dot(hi, xo, _dot(lo, xe, acc, DOT_F32), DOT_F32)
-                if SCALE_AHEAD:
-                    sb = nb
-            hp = h_ptr + hrow.to(tl.int64)[None, :] * stride_hp + w_rows[:, None] * stride_hi
-            tl.store(hp, cast(acc, h_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
-    elif e >= 0:
+    if e >= 0:
         x_dtype = x_ptr.dtype.element_ty
         tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -538,13 +498,16 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                 w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
                                  stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
                 acc3 = _dot(w3, xe, acc3, DOT_F32)
-        hv = _swiglu_h(cast(acc1, x_dtype, INTERP), cast(acc3, x_dtype, INTERP), limit, h_ptr.dtype.element_ty, INTERP)
+        g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
+        u = cast(acc3, x_dtype, INTERP).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        hv = g / (1.0 + tl.exp(-g)) * u
         hp = h_ptr + hrow.to(tl.int64)[None, :] * stride_hp + offs_n[:, None] * stride_hi
-        tl.store(hp, hv, mask=n_mask[:, None] & ok[None, :])
+        tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I, limit,
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_ys, stride_yh,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
@@ -552,9 +515,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I, limit
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ACT: tl.constexpr = False):
-    """ACT: h_ptr holds the unactivated gate (columns 0..I) and up (I..2I) of each row (the up kernel's
-    ``SPLIT_GU``); h = ``_swiglu_h`` of them is formed per K step."""
+                     ROWS: tl.constexpr = None, PART: tl.constexpr = None):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -568,14 +529,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I, limit
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         sb = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, I, stride_sn, stride_sk, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
-            if ACT:
-                ge, go = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
-                ue, uo = _load_rows(h_rows + I * stride_hi, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K,
-                                    KPERM)
-                he = _swiglu_h(ge, ue, limit, h_dtype, INTERP)
-                ho = _swiglu_h(go, uo, limit, h_dtype, INTERP)
-            else:
-                he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
+            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
             if FP4:
                 if SCALE_AHEAD:
                     nb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, I, stride_sn, stride_sk, BLOCK_K)
@@ -709,8 +663,6 @@ DIRECT_MAX_SLOTS = 48
 # grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
 # the rows (``pick_moe_config``'s ``tail``)
 TAIL_MIN_BLOCK_M = 32
-# the batch-invariant decode tile's up kernel with the gate and up rows in separate programs (``split_gu``)
-DECODE_SPLIT_GU = True
 FOLD_MAX_CODE = 128  # largest UE8M0 code whose 2^(b-1) is a normal bf16 (``e2m1_bytes_to_bf16_ptx_folded``)
 
 
@@ -763,13 +715,9 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     tiles of BLOCK_M ≥ TAIL_MIN_BLOCK_M; default on): the blocks whose second half holds no slot (an
     expert's last block, about half the time) run in a second launch of BLOCK_M / 2 rows with their own
     ``tail_BLOCK_N`` / ``tail_num_warps`` / ``tail_num_stages``, so those MMAs skip the empty half;
-    a row's K steps do not change, so neither do its bits. ``split_gu`` (MXFP4 grouped kernels without
-    ``tail``): the up kernel's programs each compute the gate or the up rows of BLOCK_N columns (twice the
-    programs, one weight tile each) and store them unactivated, rounded to the activation dtype as the fused
-    epilogue rounds them; the down kernel forms h from the two per K step (``_swiglu_h``): the same bits."""
+    a row's K steps do not change, so neither do its bits."""
     n = t * topk
-    decode_tile = batch_invariant() and t <= DECODE_MAX_ROWS
-    if decode_tile:
+    if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
         # expert rows are computed the same way whatever else is in the batch. It must also round
         # like the prefill tiles below (a short prompt's chunk takes this path, a long one those):
@@ -820,10 +768,6 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     # (ptxas, sm_90a: the 64 × 128 tail at 4 warps takes 255 registers and spills; at 8, 185)
     cfg.setdefault("tail_num_warps", 8 if cfg["tail_BLOCK_N"] >= 128 else 4)
     cfg.setdefault("tail_num_stages", cfg["num_stages"])
-    cfg.setdefault("split_gu", decode_tile and DECODE_SPLIT_GU and expert_dtype == "fp4" and not cfg["direct"]
-                   and not cfg["tail"])
-    if cfg["split_gu"] and (cfg["direct"] or cfg["tail"] or expert_dtype != "fp4"):
-        raise ValueError(f"split_gu needs MXFP4 experts on the grouped kernels without tail launches, got {cfg}")
     return cfg
 
 
@@ -895,7 +839,7 @@ def moe_experts(
         else:
             slot_ids, bexp = group_slots(ids32, n_exp, bm)
         nblocks = bexp.numel()
-        h = torch.empty((nblocks * bm, idim * (2 if cfg["split_gu"] else 1)), dtype=x.dtype, device=dev)
+        h = torch.empty((nblocks * bm, idim), dtype=x.dtype, device=dev)
     y = torch.empty((t * topk, hdim), dtype=x.dtype, device=dev)
     native = cfg.get("native", native_fp8(dev) and expert_dtype == "fp8" and not fnuz)
     dot_f32 = interpreting() or x.dtype == torch.float32
@@ -1008,9 +952,8 @@ def moe_experts(
                 num_stages=cfg["tail_num_stages"],
             )
             parts = [(1,) + parts[0][1:], (2, half, half)]
-        split_gu = bool(cfg["split_gu"])
         for part, up_l, _ in parts:
-            _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]) * (2 if split_gu else 1))](
+            _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
                 x,
                 w13b,
                 s13b,
@@ -1036,7 +979,6 @@ def moe_experts(
                 FOLD=fold_up,
                 ROWS=bm,
                 PART=part,
-                SPLIT_GU=split_gu,
                 **up_l,
             )
         for part, _, down_l in parts:
@@ -1049,7 +991,6 @@ def moe_experts(
                 bexp,
                 hdim,
                 idim,
-                float(limit),
                 h.stride(0),
                 h.stride(1),
                 w2b.stride(0),
@@ -1064,7 +1005,6 @@ def moe_experts(
                 FOLD=fold_down,
                 ROWS=bm,
                 PART=part,
-                ACT=split_gu,
                 **down_l,
             )
     block_h = min(1024, triton.next_power_of_2(hdim))
