@@ -63,12 +63,17 @@ class Compressor:
         two calls; the ape rows are added in place (``add_`` on the view: no write-back copy)."""
         ops = self.ops
         if self.w_state is not None:
-            rows = ops.dense_linear(x.to(self.w_state.dtype), self.w_state, chunk_rows=self.wkv.shape[0]).float()
+            rows = self.raw_rows(x).float()
             rows[:, self.wkv.shape[0]:].add_(self.ape[phase])
             return rows
         kv = ops.linear(x, self.wkv).float()
         score = ops.linear(x, self.wgate).float() + self.ape[phase]
         return torch.cat([kv, score], dim=-1)
+
+    def raw_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The stacked [wkv; wgate] GEMM's output in the weight dtype (``w_state`` only): the state rows before
+        the fp32 conversion and the ape add, which a decode step's ``compressor_pool_insert`` does itself."""
+        return self.ops.dense_linear(x.to(self.w_state.dtype), self.w_state, chunk_rows=self.wkv.shape[0])
 
     def run(self, x: torch.Tensor, chunk: SeqChunk) -> None:
         """Save state rows of the chunk and emit every entry whose block closes inside it."""

@@ -108,7 +108,10 @@ def _compress(comp, step, x: torch.Tensor) -> None:
     (``compressor_pool_insert``'s decode form); a step with prefill chunks holds each chunk's state
     rows in its view until the step ends and pools every entry closing in the step from the step's
     rows (positions ≥ its chunk's start) and the ring (earlier positions), by the same op (its chunk
-    form)."""
+    form). A decode-only step of a stacked [wkv; wgate] hands the op the GEMM's raw rows and ``ape``: the op
+    forms the state rows in its ring store (the same values)."""
+    if step.decode_only and comp.w_state is not None:
+        return _pool_insert(comp, step, comp.raw_rows(x), None, ape=comp.ape)
     rows = comp.state_rows(x, step.phase(comp.ratio))  # [T, 2·width] fp32
     if step.decode_only:
         return _pool_insert(comp, step, rows, None)
@@ -124,14 +127,14 @@ def _compress(comp, step, x: torch.Tensor) -> None:
         _pool_insert(comp, step, rows, closing)
 
 
-def _pool_insert(comp, step, rows: torch.Tensor, closing) -> None:
+def _pool_insert(comp, step, rows: torch.Tensor, closing, ape: torch.Tensor | None = None) -> None:
     kvc = step.kvc
     key = (comp.layer, comp.kind)
     numerics = kvc.numerics
     comp.ops.compressor_pool_insert(
         kvc.comp[key], kvc.ring[key], rows, step.positions, step.seq_ids, step.slots, step.block_table,
         closing, comp.norm, comp.cfg.rms_norm_eps, comp.cfg.rope_compress, comp.ratio, comp.overlap, comp.kind,
-        numerics.fmt if numerics.quantized else None, kvc.per_block(key))
+        numerics.fmt if numerics.quantized else None, kvc.per_block(key), ape=ape)
 
 
 def _indexer(attn, step, x, qr, visible, n_max: int) -> torch.Tensor:

@@ -39,15 +39,21 @@ __all__ = ["compressor_pool_insert", "pool", "insert_entries", "insert_dense", "
 def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                            seq_ids: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                            closing: torch.Tensor | None, norm: torch.Tensor, eps: float, rope, ratio: int,
-                           overlap: bool, kind: str, fmt, block_size: int) -> None:
+                           overlap: bool, kind: str, fmt, block_size: int, ape: torch.Tensor | None = None) -> None:
     """Store the step's state rows (decode form) and pool + insert every entry that closes.
 
     pages: the compressor's compressed pages (uint8 records of ``kind`` "kv" / "index" in FP8 format
     ``fmt``, or dense [P, block_size, dim] when ``fmt`` is None); ring [S+1, size, 2·width] fp32;
     rows [T, 2·width] fp32 (``Compressor.state_rows``); positions, seq_ids [T]; slots [S];
     block_table [S, n_blocks]; norm [dim]; rope: ``cfg.rope_compress``; block_size: entries per page.
+    ``ape`` [ratio, width] (decode form only): ``rows`` are the raw [wkv; wgate] GEMM outputs (any float
+    dtype) and the state rows are formed here as ``Compressor.state_rows`` forms them: rows in fp32, the
+    score half plus ape[position % ratio] (on the fast path the kernel does it: no conversion, gather and
+    add launches per compressor).
     """
     r = ratio
+    if ape is not None:
+        rows = state_rows_from(rows, ape, positions, ratio, closing)
     if closing is None:
         size = ring.shape[1]
         pos = positions
@@ -72,6 +78,20 @@ def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.
         page = torch.where(emits, block_table[seq, e.clamp(min=0) // block_size], -1)
     entries = pool(cur, prev, e, norm, eps, rope, r)
     insert_entries(pages, page, e % block_size, entries, kind, fmt, block_size)
+
+
+def state_rows_from(raw: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int, closing) -> torch.Tensor:
+    """The state rows [T, 2·width] fp32 from the raw [wkv; wgate] outputs: ``Compressor.state_rows``'s
+    arithmetic (the score half plus ape[position % ratio] in fp32, the kv half as it is)."""
+    if closing is not None:
+        raise ValueError("compressor_pool_insert: ape (raw rows) is taken by the decode form only (closing=None)")
+    width = raw.shape[1] // 2
+    if tuple(ape.shape) != (ratio, width):
+        raise ValueError(f"compressor_pool_insert: ape must be [ratio, width] = {(ratio, width)}, "
+                         f"got {tuple(ape.shape)}")
+    rows = raw.float()
+    rows[:, width:].add_(ape[positions % ratio])
+    return rows
 
 
 def pool(cur: torch.Tensor, prev: torch.Tensor | None, e: torch.Tensor, norm: torch.Tensor, eps: float, rope,

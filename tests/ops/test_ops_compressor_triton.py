@@ -230,6 +230,43 @@ def test_decode_form_matches_torch(ratio, overlap, kind, fmt):
     _compare(kind, fmt, p_ref, p_tri, page, off, per)
 
 
+@pytest.mark.parametrize("ratio,overlap,kind,fmt", [(4, True, "kv", OCP), (4, True, "index", OCP),
+                                                    (128, False, "kv", None)])
+def test_decode_form_forms_the_state_rows_from_raw_rows_and_ape(ratio, overlap, kind, fmt):
+    """With ``ape`` the decode form takes the raw [wkv; wgate] rows (bf16, as the stacked GEMM gives them)
+    and forms the state rows itself: the ring and the pages equal, bitwise, those of the same op given the
+    state rows ``Compressor.state_rows`` would form (fp32, score half + ape[position % ratio]) — in each
+    backend — and the two backends agree as in the plain decode form. -0.0 in the kv half stays -0.0."""
+    g = gen(zlib.crc32(f"ape {ratio} {kind} {fmt}".encode()))
+    positions, seq_ids, slots, bt, ring, rows, norm, per = _decode_case(ratio, overlap, kind, g)
+    width = rows.shape[1] // 2
+    raw = rows.to(torch.bfloat16)
+    raw[0, 0] = -0.0
+    ape = (torch.randn(ratio, width, generator=g) * 0.5).to(DEV)
+    state = raw.float()
+    state[:, width:] += ape[positions % ratio]
+    pages = _pages(kind, fmt, per, g)
+    plain = _call_args(state, positions, seq_ids, slots, bt, None, norm, ratio, overlap, kind, fmt, per)
+    args = _call_args(raw, positions, seq_ids, slots, bt, None, norm, ratio, overlap, kind, fmt, per)
+    for op in (torch_compressor.compressor_pool_insert, tcomp.compressor_pool_insert):
+        p_plain, r_plain = _run(op, pages, ring, *plain)
+        p_ape, r_ape = pages.clone(), ring.clone()
+        op(p_ape, r_ape, *args, ape=ape)
+        assert torch.equal(r_ape, r_plain) and torch.equal(p_ape, p_plain), op.__module__
+        assert torch.equal(r_ape[slots[0], positions[0] % ring.shape[1], 0], torch.tensor(-0.0, device=DEV))
+        assert torch.signbit(r_ape[slots[0], positions[0] % ring.shape[1], 0])
+    p_ref, _ = _run(torch_compressor.compressor_pool_insert, pages, ring, *plain)
+    page, off = _entries(positions, seq_ids, bt, ratio, per)
+    _compare(kind, fmt, p_ref, p_ape, page, off, per)
+    closing = torch.zeros(4, 1, dtype=torch.long, device=DEV)
+    for op in (torch_compressor.compressor_pool_insert, tcomp.compressor_pool_insert):
+        with pytest.raises(ValueError, match="decode form only"):
+            op(pages.clone(), ring.clone(), *_call_args(raw, positions, seq_ids, slots, bt, closing, norm, ratio,
+                                                         overlap, kind, fmt, per), ape=ape)
+        with pytest.raises(ValueError, match="ape must be"):
+            op(pages.clone(), ring.clone(), *args, ape=ape[:, 1:])
+
+
 @pytest.mark.parametrize("fmt", FMTS, ids=FMT_IDS)
 @pytest.mark.parametrize("ratio,overlap,kind", CASES, ids=CASE_IDS)
 def test_chunk_form_matches_torch(ratio, overlap, kind, fmt):

@@ -78,13 +78,15 @@ def _load_row(rrow, grow, from_rows, from_ring, ch, chm):
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "slots_ptr", "bt_ptr", "cl_ptr", "stride_bt", "stride_cl",
                                 "n_blocks"])
 def _compressor_kernel(pages_ptr, ring_ptr, rows_ptr, pos_ptr, seq_ptr, slots_ptr, bt_ptr, cl_ptr, norm_ptr, invf_ptr,
+                       ape_ptr,
                        stride_page, stride_pb, stride_pd, stride_rs, stride_rr, stride_row, stride_bt, stride_cl,
                        n_blocks, ring_size, BLOCK_SIZE, eps,
                        RATIO: tl.constexpr, OVERLAP: tl.constexpr, NR: tl.constexpr, D: tl.constexpr,
                        HALF: tl.constexpr, WIDTH: tl.constexpr,
                        ROPE_HALF: tl.constexpr, DECODE: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr,
                        STORE_BLOCK: tl.constexpr, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
-                       FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr):
+                       FMT_MAX: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, INTERP: tl.constexpr,
+                       APE: tl.constexpr = False):
     i = tl.program_id(0).to(tl.int64)
     if DECODE:
         t = i
@@ -101,7 +103,14 @@ def _compressor_kernel(pages_ptr, ring_ptr, rows_ptr, pos_ptr, seq_ptr, slots_pt
         for c0 in range(0, 2 * WIDTH, STORE_BLOCK):
             c = c0 + tl.arange(0, STORE_BLOCK)
             v = tl.load(rows_ptr + t * stride_row + c, mask=c < 2 * WIDTH)
+            if APE:  # raw GEMM rows: the state row is formed here (``state_rows_from``), the kv half untouched
+                sc = c >= WIDTH
+                a = tl.load(ape_ptr + (pos % RATIO) * WIDTH + (c - WIDTH), mask=sc & (c < 2 * WIDTH), other=0.0)
+                v = tl.where(sc, v.to(tl.float32) + a.to(tl.float32), v.to(tl.float32))
             tl.store(ring_row + c, v, mask=c < 2 * WIDTH)
+        if APE:  # the pooling reads the token's own row back from the ring (stored above by this program)
+            tl.debug_barrier()
+            start = pos + 1
     else:
         start = tl.load(cl_ptr + stride_cl + i).to(tl.int64)
         base = tl.load(cl_ptr + 2 * stride_cl + i).to(tl.int64)
@@ -180,8 +189,9 @@ def _compressor_kernel(pages_ptr, ring_ptr, rows_ptr, pos_ptr, seq_ptr, slots_pt
 def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                            seq_ids: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                            closing: torch.Tensor | None, norm: torch.Tensor, eps: float, rope, ratio: int,
-                           overlap: bool, kind: str, fmt, block_size: int) -> None:
-    """``dsv4.ops.torch_compressor.compressor_pool_insert`` in one kernel (same arguments)."""
+                           overlap: bool, kind: str, fmt, block_size: int, ape: torch.Tensor | None = None) -> None:
+    """``dsv4.ops.torch_compressor.compressor_pool_insert`` in one kernel (same arguments; with ``ape`` the
+    state rows are formed from the raw rows in the kernel's ring store)."""
     d = norm.shape[0]
     if d % 64 or d & (d - 1):
         raise ValueError(f"compressor_pool_insert: dim must be a power of two ≥ 64, got {d}")
@@ -195,10 +205,18 @@ def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.
     if ring.dtype != torch.float32 or ring.stride(2) != 1:
         raise ValueError("compressor_pool_insert: the ring must be float32 with unit inner stride")
     decode = closing is None
+    if ape is not None:
+        if not decode:
+            raise ValueError("compressor_pool_insert: ape (raw rows) is taken by the decode form only (closing=None)")
+        if tuple(ape.shape) != (ratio, width):
+            raise ValueError(f"compressor_pool_insert: ape must be [ratio, width] = {(ratio, width)}, got "
+                             f"{tuple(ape.shape)}")
+        ape = ape if ape.is_contiguous() else ape.contiguous()
     n = rows.shape[0] if decode else closing.shape[1]
     if n == 0:
         return
-    rows = rows.float()
+    if ape is None:
+        rows = rows.float()
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     nr = 2 * ratio if overlap else ratio
@@ -244,6 +262,7 @@ def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.
         cl,
         norm,
         invf,
+        ape if ape is not None else norm,  # (unread without APE)
         *strides,
         ring.stride(0),
         ring.stride(1),
@@ -271,6 +290,7 @@ def compressor_pool_insert(pages: torch.Tensor, ring: torch.Tensor, rows: torch.
         BIAS=bias,
         FNUZ=fnuz,
         INTERP=interpreting(),
+        APE=ape is not None,
         num_warps=4,
         enable_fp_fusion=False,
     )
