@@ -105,7 +105,9 @@ class MoE:
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output for every row of ``x`` (weight 1; under TP this rank's partial sum)."""
-        return self.ops.swiglu(x, *self.shared, self.cfg.swiglu_limit, self.act_quant, w13=self.shared_w13)
+        # without a stack the op's plain call, which code that patches ``ops.swiglu`` (fault tests) expects
+        stacked = {} if self.shared_w13 is None else {"w13": self.shared_w13}
+        return self.ops.swiglu(x, *self.shared, self.cfg.swiglu_limit, self.act_quant, **stacked)
 
     def _gate_float(self) -> torch.Tensor:
         """The gate in fp32, converted once, for the fp32 router GEMM (not made on the bf16 fast path)."""
