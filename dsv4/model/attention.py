@@ -23,6 +23,7 @@ from .linear import stable_topk
 from .paged_attention import PagedAttention
 from .rope import cos_sin
 from .step import SeqChunk, Step
+from .weights import stack_fp8_rows
 
 
 def _stack_rows(w, key_a: str, key_b: str):
@@ -119,8 +120,9 @@ class Attention:
         self.type = cfg.layer_type(layer)
         self.ratio = cfg.compress_ratio(layer)
         self.rope = cfg.rope(layer)
-        self.wq_a, self.q_norm, self.wq_b = w[f"{p}.wq_a.weight"], w[f"{p}.q_norm.weight"], w[f"{p}.wq_b.weight"]
-        self.wkv, self.kv_norm = w[f"{p}.wkv.weight"], w[f"{p}.kv_norm.weight"]
+        # wq_a and wkv both read x: on the FP8 fast path one stacked weight, one launch (``stack_fp8_rows``)
+        self.wq_a, self.wkv, self.wq_a_kv = stack_fp8_rows(w, f"{p}.wq_a.weight", f"{p}.wkv.weight")
+        self.q_norm, self.wq_b, self.kv_norm = w[f"{p}.q_norm.weight"], w[f"{p}.wq_b.weight"], w[f"{p}.kv_norm.weight"]
         self.wo_a, self.wo_b = w[f"{p}.wo_a.weight"], w[f"{p}.wo_b.weight"]
         self.sink = w[f"{p}.attn_sink"]
         self.compressor = None
@@ -174,10 +176,14 @@ class Attention:
         hd = cfg.head_dim
         nh = self.wq_b.shape[0] // hd  # query heads held here: all, or this rank's share under TP
         cos, sin = cos_sin(self.rope, step.positions)
-        qr = ops.rms_norm(ops.linear(x, self.wq_a, self.act_quant), self.q_norm, cfg.rms_norm_eps)
+        if self.wq_a_kv is not None:  # one GEMM; its column halves go on as views (their readers take a row stride)
+            q_lat, kv_raw = ops.linear(x, self.wq_a_kv, self.act_quant).split(
+                [self.wq_a.shape[0], self.wkv.shape[0]], dim=-1)
+        else:
+            q_lat, kv_raw = ops.linear(x, self.wq_a, self.act_quant), ops.linear(x, self.wkv, self.act_quant)
+        qr = ops.rms_norm(q_lat, self.q_norm, cfg.rms_norm_eps)
         q = ops.linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
         q = ops.unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
-        kv_raw = ops.linear(x, self.wkv, self.act_quant)
         self._check("q", q)
         out = BACKENDS[step.kind].attend(self, step, x, qr, q, kv_raw, cos, sin)
         o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`

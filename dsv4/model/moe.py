@@ -12,13 +12,18 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .linear import stable_topk
+from .weights import stack_fp8_rows
 
 
 def swiglu(ops, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
-           act_quant: bool = False) -> torch.Tensor:
+           act_quant: bool = False, w13=None) -> torch.Tensor:
     """w2 · (silu(min(w1·x, limit)) · clamp(w3·x, ±limit)) with the op set ``ops``' GEMMs and
-    activation (a kernel: one launch instead of ~9 elementwise ones); the activation in float32."""
-    gate, up = ops.linear(x, w1, act_quant), ops.linear(x, w3, act_quant)
+    activation (a kernel: one launch instead of ~9 elementwise ones); the activation in float32.
+    ``w13``: [w1; w3] stacked by rows (``stack_fp8_rows``): one GEMM, whose column halves are gate and up."""
+    if w13 is not None:
+        gate, up = ops.linear(x, w13, act_quant).split([w1.shape[0], w3.shape[0]], dim=-1)
+    else:
+        gate, up = ops.linear(x, w1, act_quant), ops.linear(x, w3, act_quant)
     h = ops.swiglu_act(gate, up, limit, x.dtype)
     return ops.linear(h, w2, act_quant)
 
@@ -57,10 +62,12 @@ class MoE:
         self.gate = weights[f"{prefix}.gate.weight"]
         self.bias = None if hash_layer else weights[f"{prefix}.gate.bias"]
         self.tid2eid = weights[f"{prefix}.gate.tid2eid"] if hash_layer else None
-        self.shared = None
+        self.shared = self.shared_w13 = None
         if cfg.n_shared_experts:
             s = f"{prefix}.shared_experts"
-            self.shared = (weights[f"{s}.w1.weight"], weights[f"{s}.w3.weight"], weights[f"{s}.w2.weight"])
+            # w1 and w3 both read x: on the FP8 fast path one stacked weight (under TP this rank's shards), one launch
+            w1, w3, self.shared_w13 = stack_fp8_rows(weights, f"{s}.w1.weight", f"{s}.w3.weight")
+            self.shared = (w1, w3, weights[f"{s}.w2.weight"])
         # tensor parallelism (dsv4/parallel): this rank holds its experts (EP) or a slice of each
         # expert's intermediate dim (TP), and a slice of the shared expert; outputs are partial sums
         self.tp = tp
@@ -91,10 +98,16 @@ class MoE:
                            cfg.swiglu_limit, self.act_quant)
             out.index_add_(0, rows, y.float() * w[rows, slot, None])
         if self.shared is not None:
-            out += ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+            out += self._shared_expert(x).float()
         if self.tp is not None:
             out = self.tp.all_reduce(out)  # routed + shared partial sums of every rank, in fp32
         return out.to(x.dtype)
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output for every row of ``x`` (weight 1; under TP this rank's partial sum)."""
+        # without a stack the op's plain call, which code that patches ``ops.swiglu`` (fault tests) expects
+        stacked = {} if self.shared_w13 is None else {"w13": self.shared_w13}
+        return self.ops.swiglu(x, *self.shared, self.cfg.swiglu_limit, self.act_quant, **stacked)
 
     def _gate_float(self) -> torch.Tensor:
         """The gate in fp32, converted once, for the fp32 router GEMM (not made on the bf16 fast path)."""
@@ -121,7 +134,7 @@ class MoE:
         out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
                                  expert_dtype=cfg.expert_dtype)
         if self.shared is not None:
-            out = out + ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
+            out = out + self._shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -133,12 +146,11 @@ class MoE:
         tokens (``x`` of 0 rows) still joins the exchange: the other ranks' tokens reach its experts."""
         if self.tp is not None:
             return self._forward_tp_ep(x, token_ids)
-        cfg, ops = self.cfg, self.ops
         ids, w = self._route_any(x, token_ids)
         out = combine_pairs(self.ep.exchange(x, ids, self._pair_outputs, self._slot_outputs), ids, w)
         if self.shared is None or x.shape[0] == 0:
             return out.to(x.dtype)
-        shared = ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant)
+        shared = self._shared_expert(x)
         if self.grouped:  # as _forward_ops: the experts' sum rounded to x.dtype, then the shared expert added
             return out.to(x.dtype) + shared
         return (out + shared.float()).to(x.dtype)
@@ -177,7 +189,7 @@ class MoE:
         out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
         out[lo:hi] = mine
         if self.shared is not None:
-            out += self.ops.swiglu(x, *self.shared, cfg.swiglu_limit, self.act_quant).float()
+            out += self._shared_expert(x).float()
         return tp.all_reduce(out).to(x.dtype)
 
     def _pair_outputs(self, xr: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

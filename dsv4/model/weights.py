@@ -39,6 +39,28 @@ class FP8Weight:
         return dequantize_block_fp8(self.weight, self.scale, out_dtype=dtype)
 
 
+def stack_fp8_rows(w, key_a: str, key_b: str) -> tuple:
+    """(a, b, [a; b]) for two FP8 weights that multiply the same input: one fp8_linear launch for both
+    (at batch 1 a launch costs more than the bytes of such a weight). a and b become row views of the
+    stacked weight, also in the weight store (``w.t``), so the model holds one copy. (a, b, None) unless
+    both are ``FP8Weight``s with one op (the fast path; the oracle's weights are dequantized tensors) of
+    one K, dtype and device, each of whole 128-row scale blocks (so b's scale rows follow a's)."""
+    a, b = w[key_a], w[key_b]
+    if not (isinstance(a, FP8Weight) and isinstance(b, FP8Weight) and a.op is not None and a.op is b.op):
+        return a, b, None
+    (na, k), nb = a.weight.shape, b.weight.shape[0]
+    if (na % 128 or nb % 128 or b.weight.shape[1] != k or a.weight.dtype != b.weight.dtype
+            or a.scale.dtype != b.scale.dtype or a.scale.shape[1:] != b.scale.shape[1:]
+            or a.weight.device != b.weight.device):
+        return a, b, None
+    both = FP8Weight(torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale]), a.op)
+    a, b = both.rows(0, na), both.rows(na, na + nb)
+    store = getattr(w, "t", None)
+    if isinstance(store, dict):
+        store[key_a], store[key_b] = a, b
+    return a, b, both
+
+
 class ModelWeights:
     def __init__(self, ckpt: Checkpoint | str | Path, dtype: torch.dtype = torch.float32, device="cpu",
                  progress: bool = True, cache_experts: bool = True, names: list[str] | None = None,

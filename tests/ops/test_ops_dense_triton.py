@@ -154,6 +154,8 @@ def test_rms_norms_match_oracle_and_are_batch_invariant(dt):
             assert bool((dlt <= tol).all()), name
     x = randn((64, 256), g, dtype=dt)
     w = (1.0 + 0.1 * torch.randn(256, generator=g)).to(DEV)
+    wide = torch.cat([x, randn((64, 100), g, dtype=dt)], dim=1)[:, :256]  # rows read with their stride: the same bits
+    assert torch.equal(td.rms_norm(wide, w, 1e-6), td.rms_norm(x, w, 1e-6))
     full, ufull = td.rms_norm(x, w, 1e-6), td.unit_rms_norm(x.view(64, 2, 128), 1e-6)
     for m, start in ((1, 5), (3, 40), (8, 56)):  # subsets of the M = 64 launch
         assert torch.equal(td.rms_norm(x[start:start + m], w, 1e-6), full[start:start + m])

@@ -126,6 +126,20 @@ def test_dense_pages_bitwise(pdtype, dtype):
     _assert_same_bytes(_bits(base_k), _bits(base_r), f"dense {pdtype} from {dtype}")
 
 
+def test_kv_raw_as_a_column_slice():
+    """kv_raw as the last 512 columns of a wider GEMM output (the attention's [wq_a; wkv] launch): read with
+    its row stride, the bytes of the contiguous kv_raw."""
+    g = gen(78)
+    raw, w, cos, sin = _inputs(6, g, torch.bfloat16)
+    wide = torch.cat([torch.randn(6, 128, generator=g).to(raw), raw], dim=1)[:, 128:]
+    assert wide.stride(0) == 640 and torch.equal(wide, raw)
+    page, off = _slots(6, 2, 64, g)
+    pk, pr, fk, fr = _fp8_pages(2, 64, g)
+    tki.kv_norm_rope_insert(pk, page, off, wide, w, EPS, cos, sin, OCP, 64)
+    tki.kv_norm_rope_insert(pr, page, off, raw, w, EPS, cos, sin, OCP, 64)
+    _assert_same_bytes(fk, fr, "strided kv_raw")
+
+
 def test_fp32_weight_with_bf16_kv():
     """A norm weight in another dtype than the activations (rms_norm multiplies in fp32)."""
     g = gen(77)

@@ -77,3 +77,19 @@ def test_swiglu_uses_the_kernel_when_active(dtype):
     got = OpSet({"swiglu_act": spy}).swiglu(x, w1, w3, w2, 3.0)
     assert calls == [1]
     assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_act_reads_column_halves_in_place(dtype):
+    """gate and up as the two column halves of one [T, 2C] tensor (the shared expert's stacked GEMM): read
+    with their row stride, no copy, the bits of the contiguous inputs; 3-D inputs too."""
+    g = gen(5)
+    both = torch.cat([_values((11, 300), g, dtype), _values((11, 300), g, dtype)], dim=1)
+    gate, up = both.split([300, 300], dim=1)
+    assert not gate.is_contiguous() and tact._rows(gate).data_ptr() == gate.data_ptr()
+    assert tact._rows(up).data_ptr() == up.data_ptr()
+    got = tact.swiglu_act(gate, up, LIMIT, dtype)
+    assert got.is_contiguous()
+    assert_bits_equal(got, moe.swiglu_act(gate.contiguous(), up.contiguous(), LIMIT, dtype))
+    g3, u3 = gate.view(11, 1, 300), up.view(11, 1, 300)
+    assert_bits_equal(tact.swiglu_act(g3, u3, LIMIT, dtype), got.view(11, 1, 300))
