@@ -22,6 +22,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 EPS32 = 2.0 ** -24  # fp32 unit roundoff
 BF16_ULP = 2.0 ** -8  # bf16 relative spacing (unit roundoff 2^-9)
+# One bf16 spacing relative to the value it is at: 2^-7 just above a power of two, 2^-8 just below the next. Two
+# roundings to bf16 of fp32 values a hair apart can land one spacing apart, up to 2^-7·|v| (H200: 0.0078 at 1.04).
+BF16_SPACING_MAX = 2.0 ** -7
 
 
 def gen(seed: int) -> torch.Generator:

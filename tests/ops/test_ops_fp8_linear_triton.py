@@ -3,7 +3,7 @@
 Tolerances: the kernel and the torch op multiply the same operands (the weight is dequantized to
 x.dtype in both) and accumulate in fp32, so with fp32 outputs they differ only by summation order:
 |Δ| ≤ 1e-5 · Σ_k |x_k w_k| (see ops_kernel_helpers). With bf16 outputs each side rounds once more:
-at most one bf16 spacing (2^-8 relative) on top of that.
+at most one bf16 spacing (up to 2^-7 relative, ``BF16_SPACING_MAX``) on top of that.
 """
 
 import pytest
@@ -13,7 +13,7 @@ from dsv4.ops.invariance import set_batch_invariant
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
-from ops_kernel_helpers import BF16_ULP, DEV, INTERPRET, assert_fp32_accum_close, gen, randn  # noqa: E402
+from ops_kernel_helpers import BF16_SPACING_MAX, DEV, INTERPRET, assert_fp32_accum_close, gen, randn  # noqa: E402
 
 from dsv4.formats import FNUZ, OCP, dequantize_block_fp8, fake_quant_fp8_pow2, quantize_block_fp8  # noqa: E402
 from dsv4.ops import torch_ops  # noqa: E402
@@ -64,7 +64,7 @@ def test_bf16_activations(m, seed):
     ref = torch_ops.fp8_linear(x, wq, s)
     assert y.dtype == torch.bfloat16
     d = (y.float() - ref.float()).abs()
-    assert bool((d <= BF16_ULP * ref.float().abs() + 1e-5 * ap + 1e-30).all()), d.max()
+    assert bool((d <= BF16_SPACING_MAX * ref.float().abs() + 1e-5 * ap + 1e-30).all()), d.max()
 
 
 def test_fp32_block_scales_base_checkpoint_and_scale_dtypes():
