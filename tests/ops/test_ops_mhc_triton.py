@@ -216,18 +216,20 @@ def test_registry_and_errors():
 
 
 @triton.jit
-def _split_probe(f_ptr, out_ptr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    """out = I · f through ``_mix_dot``'s bf16x3 path: each output is (0 + f·lo) + f·mid + f·hi."""
+def _split_probe(parts_ptr, out_ptr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """out = f · I through ``_mix_dot``'s bf16x3 path on f's parts: each output is (0 + lo) + mid + hi."""
     r = tl.arange(0, BLOCK)
-    f = tl.load(f_ptr + r[:, None] * BLOCK + r[None, :])
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    acc = tm._mix_dot(eye, f, tl.zeros((BLOCK, BLOCK), dtype=tl.float32), True, INTERP)
+    ok = r < BLOCK
+    acc = tm._mix_dot(parts_ptr, r, r, ok, ok, BLOCK, BLOCK * BLOCK, eye, tl.zeros((BLOCK, BLOCK), dtype=tl.float32),
+                      True, INTERP)
     tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
 
 
 def test_mix_dot_bf16x3_split_is_exact():
-    """The three bf16 parts of every fp32 value sum back to it exactly (so a bf16 x times them loses
-    nothing): values of every sign and of magnitudes 2^-40..2^40, full 24-bit mantissas."""
+    """The three bf16 parts of every fp32 value (``fn_parts``) sum back to it exactly (so a bf16 x times them
+    loses nothing), and the kernel's three dots give it back: values of every sign and of magnitudes
+    2^-40..2^40, full 24-bit mantissas; the parts' padding rows are zero."""
     g = gen(77)
     b = 32
     mant = 1.0 + torch.randint(0, 1 << 23, (b, b), generator=g).double() / (1 << 23)
@@ -237,8 +239,12 @@ def test_mix_dot_bf16x3_split_is_exact():
         * torch.where(torch.rand(b, b, generator=g) < 0.5, -1.0, 1.0)
     ).float()
     f[0, :4] = torch.tensor([0.0, -0.0, 1.0, -(2.0**-30)])
+    parts = tm.fn_parts(f[: b - 1])  # 31 rows: padded to 32 (+ the Σx² column's row)
+    assert parts.shape == (3, b, b) and parts.dtype == torch.bfloat16 and not parts[:, b - 1].any()
+    assert torch.equal(parts.double().sum(0)[: b - 1], f[: b - 1].double())
+    parts = tm.fn_parts(f)[:, :b]  # 32 rows: 64 with the padding; the probe reads the first 32
     out = torch.empty_like(f, device=DEV)
-    _split_probe[(1,)](f.to(DEV).contiguous(), out, BLOCK=b, INTERP=interpreting(), num_warps=4)
+    _split_probe[(1,)](parts.to(DEV).contiguous(), out, BLOCK=b, INTERP=interpreting(), num_warps=4)
     assert torch.equal(out.cpu(), f), (out.cpu() - f).abs().max()
 
 

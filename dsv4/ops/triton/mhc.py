@@ -3,29 +3,30 @@
 hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in torch) with:
 
 1. ``_mix_kernel``, program = (BLOCK_T tokens, one SPLIT-column slice of the flattened streams
-   x [T, n·H]): partial mixes x·fnᵀ (fn zero-padded from 2n+n² to NMIX_P rows) and the partial Σx²
-   in the spare column NMIX, stored to part [S, T, NMIX_P] fp32. The dot (``_mix_dot``): for bf16
-   streams three bf16 tensor-core dots against an exact three-way bf16 split of fn (every product
-   exact, fp32 accumulation; H200, 8K prompt: the fused post + mixes 1,223 → 881 µs a launch); for
-   fp16 / fp32 streams an IEEE fp32 dot (CUDA-core FMAs). ``dense.dot_acc``: tl.dot compiled, a
-   k-by-k sum in the interpreter.
-2. ``_gate_kernel``, program = (BLOCK_T tokens, one H_SLICE of the hidden size): the S partials
-   summed in slice order, r = 1/sqrt(Σx²/(n·H) + eps) (IEEE fp32, as torch's rsqrt on CPU),
-   mixes = r·(x·fnᵀ); then in **float64** like the oracle: pre = sigmoid + eps, post = 2·sigmoid,
-   comb = Sinkhorn(softmax + eps), each rounded to fp32; then the collapse Σ_i pre_i·R_i in fp32
-   (i in order), rounded to the stream dtype. Every H slice recomputes the (cheap) gates of its
-   tokens; slice 0 stores post and comb.
+   x [T, n·H]): partial mixes fn·xᵀ (fn zero-padded from 2n+n² to NMIX_P rows) and the partial Σx²
+   in the spare row NMIX, stored to part [S, T, NMIX_P] fp32. The dot (``_mix_dot``) has fn's rows on
+   the MMA's M side and the tokens on its N side; for bf16 streams it is three bf16 tensor-core dots
+   against fn's exact three-way bf16 split (``fn_parts``, made once per fn; every product exact, fp32
+   accumulation); for fp16 / fp32 streams an IEEE fp32 dot (CUDA-core FMAs). ``dense.dot_acc``:
+   tl.dot compiled, a k-by-k sum in the interpreter.
+2. ``_gate_kernel``, program = (BLOCK_T tokens, one H_SLICE of the hidden size, or the one after the
+   last): the S partials summed in slice order, r = 1/sqrt(Σx²/(n·H) + eps) (IEEE fp32, as torch's
+   rsqrt on CPU), mixes = r·(fn·xᵀ); then in **float64** like the oracle, each rounded to fp32: the
+   slices' programs make pre = sigmoid + eps and the collapse Σ_i pre_i·R_i of their slice in fp32
+   (i in order), rounded to the stream dtype; the last program makes post = 2·sigmoid and
+   comb = Sinkhorn(softmax + eps) (20 serial iterations, off the collapse's path).
 
-The oracle normalises x before the GEMM ((x·r)·fnᵀ); here r is applied after (r·(x·fnᵀ)), one
+The oracle normalises x before the GEMM ((x·r)·fnᵀ); here r is applied after (r·(fn·xᵀ)), one
 rounding apart per product: the mixes differ from the oracle by summation order and that
 rounding only (fp32 level). hc_eps enters the float64 math exactly, passed as three fp32 parts
 (Triton float arguments are fp32).
 
-Batch invariance: the tile sizes, the slice width SPLIT and the order in which slices are summed
-are constants (S depends on n·H only), so a token's arithmetic never depends on T or on its row
-position. The warp count may differ with T (decode 4, prefill 1): at MIX_BLOCK_T = 32 every count up
-to 4 runs the same mma.sync tiles in the same k order (the H200 sweep found the same bits for 1, 2
-and 4 warps; 8 warps or another MIX_BLOCK_T change them). n need not be a power of two (padded to NP
+Batch invariance: the slice width SPLIT, the K step MIX_BLOCK_K and the order in which steps and
+slices are summed are constants (S depends on n·H only), so a token's arithmetic never depends on T
+or on its row position. A token is one column of the mixes MMA, reduced by the same k steps whatever
+the tile's width or warps, and its Σx² lanes are summed in a fixed tree (``_sum_lanes``, not tl.sum,
+whose order follows the register layout): so tokens per program and warps follow T (the H200 sweep
+found the same bits for 1 to 32 tokens and 1 to 8 warps). n need not be a power of two (padded to NP
 with masked lanes); n = 4 in the release.
 
 hc_post, program = (BLOCK_T tokens, BLOCK_H columns): R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out
@@ -33,11 +34,11 @@ with the oracle's roundings in the stream dtype dt: post and comb rounded to dt,
 to dt, the sum over i in fp32 (i in order) rounded to dt, and the final add rounded to dt.
 
 mhc_post_pre = hc_post followed by the next hc_pre, in two launches instead of three:
-``_post_mix_kernel``, program = (MIX_BLOCK_T tokens, one SPLIT-column slice of the flattened new
+``_post_mix_kernel``, program = (BLOCK_T tokens, one SPLIT-column slice of the flattened new
 streams y [T, n·H]), computes y for its slice with ``_post_kernel``'s arithmetic and roundings,
 stores it, and in the same MIX_BLOCK_K steps accumulates the slice's partial mixes and Σy² exactly
-as ``_mix_kernel`` would after reading y back (same tile, same steps, same ``dot_acc``), into the
-same ``part``; ``_gate_kernel`` then finishes the pre. Each step lies in one stream j when H and
+as ``_mix_kernel`` would after reading y back (same steps, same ``_mix_dot``), into the same
+``part``; ``_gate_kernel`` then finishes the pre. Each step lies in one stream j when H and
 SPLIT are multiples of MIX_BLOCK_K (j = k0 // H); otherwise, and above POST_MIX_FUSED_MAX_T tokens (where
 the two kernels apart were measured faster), the op runs hc_post then hc_pre. Every
 result is bitwise that of hc_post + hc_pre, so it is batch-invariant for the same reasons.
@@ -48,6 +49,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import weakref
 
 import torch
 import triton
@@ -59,28 +61,28 @@ from .dense import dot_acc
 
 __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
 
-# Fixed for every T: these set the reduction order of a token's arithmetic.
+# SPLIT, MIX_BLOCK_K and MIX_BF16X3 set the reduction order of a token's arithmetic (one value for every T);
+# the rest are launch shapes (the same bits at any value). H200 sweeps: ``bench/kernels.py --sweep --only
+# mhc_decode`` (CUDA-graph µs of mhc_post_pre; T ≤ 64 fused, above hc_post then hc_pre).
 CONFIG = dict(
-    # mixes tiles from an H200 sweep: 64 programs of 8 steps
-    # instead of 32 of 32 halve the latency-bound decode launch (T = 1: 26 vs 55 µs; T = 64: 29 vs
-    # 57 µs) for +3 % at T = 8192 (1.51 vs 1.47 ms)
-    SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials)
-    MIX_BLOCK_T=32,  # tokens per mixes program
+    SPLIT=256,       # columns of x [T, n·H] per mixes program (S = ceil(n·H / SPLIT) partials); T = 1: 14.6 µs
+    # against 27.4 at 128 and 18.7 at 512
     MIX_BLOCK_K=32,  # columns per dot step (also the Σx² lanes: it sets that sum's order)
-    MIX_WARPS=4,     # warps per mixes program (any count: the same bits, see the module docstring)
-    MIX_WARPS_PREFILL=1,  # hc_pre's mixes warps above DECODE_MAX_ROWS tokens (the same bits up to 4; H200,
-    # hc_post + hc_pre at T = 8192: 754 µs at 4 warps, 587 at 2, 533 at 1)
     MIX_BF16X3=True,  # bf16 streams: the mixes as three exact bf16 tensor-core dots (``_mix_dot``)
-    POST_MIX_WARPS_PREFILL=1,  # mhc_post_pre's mixes warps above DECODE_MAX_ROWS tokens (H200 sweep, same
-    # bits; tensor-core mixes: T = 8192 in 881 µs at 1 warp, 895 at 2, 1,028 at 4, against 1,223 for the FMA
-    # mixes at 1 warp; at T ≤ 64, MIX_WARPS = 4: 25.1 / 28.4 µs at T = 1 / 64)
+    MIX_BLOCK_T=64,  # tokens per mixes program above DECODE_MAX_ROWS tokens (T = 8192 with 2 warps: 474 µs,
+    # 489 at 32 tokens and 1 warp, 576 at 16)
+    MIX_WARPS_PREFILL=2,  # mixes warps above DECODE_MAX_ROWS tokens (hc_pre's, and mhc_post_pre's when fused)
+    MIX_BLOCK_T_DECODE=8,  # tokens per mixes program up to DECODE_MAX_ROWS tokens (T = 1 / 8 / 64 at 4 warps:
+    # 14.6 / 14.8 / 24.2 µs; 4 tokens 14.2 / 14.3 / 26.6, 1 token 19.6 / 22.0 / 81.5, 32 tokens 20.3 / 20.5 / 21.2)
+    MIX_WARPS=1,     # mixes warps up to DECODE_MAX_ROWS tokens (8 tokens, T = 1 / 8 / 64: 1 warp 13.7 / 13.6 / 16.3
+    # µs, 2 warps 13.6 / 13.6 / 18.9, 4 warps 14.6 / 14.8 / 24.2, 8 warps 15.5 / 15.5 / 27.7)
     POST_MIX_FUSED_MAX_T=DECODE_MAX_ROWS,  # mhc_post_pre above this many tokens runs hc_post, then hc_pre (the
-    # same bits; None: always fused). H200, CUDA-graph µs, fused / apart with 1 prefill warp:
-    # T = 8192: 882 / 533, T = 1024: 107 / 78; at T = 1 and 64 apart was also faster (23 / 26 against 25 / 29)
-    GATE_BLOCK_T=2,  # tokens per gate/collapse program (every value swept gave the same bits, H200 sweep below)
+    # same bits; None: always fused)
+    GATE_BLOCK_T=2,  # tokens per gate/collapse program (every value swept gave the same bits)
     GATE_WARPS=1,    # warps per gate/collapse program; H200, hc_pre CUDA-graph µs at T = 1 / 64 / 8192: 8 tokens
     # at 4 warps 20.6 / 23.2 / 374.2, 2 at 1 warp 18.3 / 18.8 / 298.0, every variant the same bits
-    H_SLICE=1024,    # hidden columns per gate/collapse program
+    H_SLICE=1024,    # hidden columns per collapse program (256 to 2048: the same µs, the Sinkhorn's program is the
+    # launch's longest: the gate launch alone 7.8 µs at T = 1)
     GATE_BLOCK_H=256,  # hidden columns per collapse step
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
@@ -100,28 +102,50 @@ def _f64_parts(v: float) -> tuple[float, float, float]:
 
 
 @triton.jit
-def _mix_dot(x, f, acc, BF16X3: tl.constexpr, INTERP: tl.constexpr):
-    """acc + x·f for the mixes, f [BLOCK_K, NMIX_P] fp32. BF16X3 (x holds bf16 values): f is split
-    exactly into three bf16 parts (f = hi + mid + lo: round to bf16, subtract, twice; 8 + 8 + 8 bits
-    cover fp32's 24), so every product x·part is exact in fp32 and the three tensor-core dots
-    (smallest part first) carry the whole fp32 product; else one IEEE fp32 dot (CUDA-core FMAs,
-    k in order in one thread). The interpreter sums each dot k by k (``dense.dot_acc``)."""
+def _mix_dot(fn_ptr, offs_c, kk, c_mask, k_mask, stride_fn, stride_fp, x, acc,
+             BF16X3: tl.constexpr, INTERP: tl.constexpr):
+    """acc + f·x for the mixes: f = fn's rows offs_c at columns kk [NMIX_P, BLOCK_K] (the MMA's M side),
+    x [BLOCK_K, BLOCK_T] fp32 (the tokens, its N side: a token's column is reduced by the same MMA k steps
+    whatever BLOCK_T and the warp count, so those can follow T). BF16X3 (x holds bf16 values): fn_ptr is
+    ``fn_parts``' [3, NMIX_P, K] bf16 (hi, mid, lo; part stride stride_fp), fn's exact split, so every
+    product part·x is exact in fp32 and the three tensor-core dots (smallest part first) carry the whole
+    fp32 product; else fn fp32 and one IEEE fp32 dot (CUDA-core FMAs, k in order in one thread). The
+    interpreter sums each dot k by k (``dense.dot_acc``)."""
+    fp = fn_ptr + offs_c[:, None] * stride_fn + kk[None, :]
+    fm = c_mask[:, None] & k_mask[None, :]
     if BF16X3:
-        hi = f.to(tl.bfloat16)
-        r = f - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
         xb = x.to(tl.bfloat16)
-        acc = dot_acc(xb, lo, acc, False, INTERP)
-        acc = dot_acc(xb, mid, acc, False, INTERP)
-        acc = dot_acc(xb, hi, acc, False, INTERP)
+        acc = dot_acc(tl.load(fp + 2 * stride_fp, mask=fm, other=0.0), xb, acc, False, INTERP)
+        acc = dot_acc(tl.load(fp + stride_fp, mask=fm, other=0.0), xb, acc, False, INTERP)
+        acc = dot_acc(tl.load(fp, mask=fm, other=0.0), xb, acc, False, INTERP)
     else:
-        acc = dot_acc(x, f, acc, True, INTERP)
+        acc = dot_acc(tl.load(fp, mask=fm, other=0.0).to(tl.float32), x, acc, True, INTERP)
     return acc
 
 
+@triton.jit
+def _sum_lanes(v, LANES: tl.constexpr):
+    """Σ over axis 0 of v [LANES, BLOCK_T] (LANES a power of two) as a fixed pairwise tree (rows 2i and
+    2i + 1 first): tl.sum's order follows the register layout, which follows the tile's shape and warps;
+    this order does not, so a token's Σx² is the same at every BLOCK_T."""
+    for _ in tl.static_range(LANES.bit_length() - 1):
+        a, b = tl.split(tl.permute(tl.reshape(v, (v.shape[0] // 2, 2, v.shape[1])), (0, 2, 1)))
+        v = a + b
+    return tl.reshape(v, (v.shape[1],))
+
+
+@triton.jit
+def _store_part(part_ptr, acc, sq, pid_s, rows, t_mask, offs_c, stride_ps, stride_pt,
+                NMIX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A slice's partial mixes acc [NMIX_P, BLOCK_T] with its Σx² (lanes sq [BLOCK_K, BLOCK_T]) in column
+    NMIX, stored to part[pid_s, token, :]."""
+    ss = _sum_lanes(sq, BLOCK_K)
+    acc = tl.where(offs_c[:, None] == NMIX, ss[None, :], acc)
+    tl.store(part_ptr + pid_s * stride_ps + rows[None, :] * stride_pt + offs_c[:, None], acc, mask=t_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["T"])
-def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_ps, stride_pt,
+def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_fp, stride_ps, stride_pt,
                 NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -132,28 +156,33 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_xt, stride_fn, stride_ps, 
     t_mask = offs_t < T
     c_mask = offs_c < NMIX
     rows = offs_t.to(tl.int64)  # row offsets in int64: T·n·H passes 2^31 near T = 131k
-    acc = tl.zeros((BLOCK_T, NMIX_P), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((NMIX_P, BLOCK_T), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
     k_begin = pid_s * SPLIT
     k_end = tl.minimum(k_begin + SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + kk[None, :],
-                    mask=t_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        f = tl.load(fn_ptr + offs_c[None, :] * stride_fn + kk[:, None],
-                    mask=c_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[None, :] * stride_xt + kk[:, None],
+                    mask=k_mask[:, None] & t_mask[None, :], other=0.0).to(tl.float32)
         sq += x * x
-        acc = _mix_dot(x, f, acc, BF16X3, INTERP)
-    ss = tl.sum(sq, axis=1)
-    acc = tl.where(offs_c[None, :] == NMIX, ss[:, None], acc)
-    tl.store(part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + offs_c[None, :], acc,
-             mask=t_mask[:, None])
+        acc = _mix_dot(fn_ptr, offs_c, kk, c_mask, k_mask, stride_fn, stride_fp, x, acc, BF16X3, INTERP)
+    _store_part(part_ptr, acc, sq, pid_s, rows, t_mask, offs_c, stride_ps, stride_pt, NMIX, BLOCK_K)
 
 
 @triton.jit
 def _sigmoid64(z):
     return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _sum_slices(ptrs, mask, stride_ps, S: tl.constexpr):
+    """Σ over the S slice partials at ``ptrs`` (slice 0's), in slice order from 0.0; unrolled, so the loads
+    of all slices are issued together instead of one L2 round trip per slice (a runtime loop: ~64 in series)."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in tl.static_range(S):
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+    return acc
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -173,70 +202,95 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
     ij_ok = i_ok[:, None] & i_ok[None, :]  # [NP(i), NP(j)]
     m3 = t_mask[:, None, None] & ij_ok[None, :, :]
 
-    # 1. mixes: the S slice partials summed in slice order (fp32); unrolled, so the loads of all
-    # slices are issued together instead of one L2 round trip per slice (a runtime loop: ~64 in series)
-    pre_m = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    post_m = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    comb_m = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # 1. mixes: the S slice partials summed in slice order (fp32)
     row = part_ptr + rows * stride_pt
     cidx = offs_i[:, None] * N + offs_i[None, :]
-    for s in tl.static_range(S):
-        r_s = row + s * stride_ps
-        pre_m += tl.load(r_s[:, None] + offs_i[None, :], mask=m2, other=0.0)
-        post_m += tl.load(r_s[:, None] + N + offs_i[None, :], mask=m2, other=0.0)
-        comb_m += tl.load(r_s[:, None, None] + 2 * N + cidx[None, :, :], mask=m3, other=0.0)
-        ss += tl.load(r_s + NMIX, mask=t_mask, other=0.0)
+    ss = _sum_slices(row + NMIX, t_mask, stride_ps, S)
     ms = tl.div_rn(ss, tl.cast(k_f, tl.float32) + tl.zeros_like(ss)) + tl.cast(rms_eps, tl.float32)
     r = tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
-
-    # 2. gates and Sinkhorn in float64 (as the oracle), rounded to fp32
     eps = (tl.cast(e_hi, tl.float64) + tl.cast(e_mid, tl.float64)) + tl.cast(e_lo, tl.float64)
-    sc0 = tl.load(scale_ptr).to(tl.float64)
-    sc1 = tl.load(scale_ptr + 1).to(tl.float64)
-    sc2 = tl.load(scale_ptr + 2).to(tl.float64)
-    b_pre = tl.load(base_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float64)
-    b_post = tl.load(base_ptr + N + offs_i, mask=i_ok, other=0.0).to(tl.float64)
-    b_comb = tl.load(base_ptr + 2 * N + cidx, mask=ij_ok, other=0.0).to(tl.float64)
-    pre = (_sigmoid64((pre_m * r[:, None]).to(tl.float64) * sc0 + b_pre[None, :]) + eps).to(tl.float32)
-    post = (2.0 * _sigmoid64((post_m * r[:, None]).to(tl.float64) * sc1 + b_post[None, :])).to(tl.float32)
-    z = (comb_m * r[:, None, None]).to(tl.float64) * sc2 + b_comb[None, :, :]
-    z = tl.where(ij_ok[None, :, :], z, -1e300)
-    zmax = tl.max(z, axis=2)
-    e = tl.where(ij_ok[None, :, :], tl.exp(z - zmax[:, :, None]), 0.0)
-    den = tl.where(i_ok[None, :], tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
-    comb = e / den[:, :, None] + eps  # softmax over j, + eps
-    comb = tl.where(ij_ok[None, :, :], comb, 0.0)
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # Sinkhorn: columns first
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
-        if NP != N:
-            comb = tl.where(ij_ok[None, :, :], comb, 0.0)
-    first = t_mask & (offs_t * 0 + pid_h == 0)  # slice 0 stores post and comb
-    tl.store(post_ptr + rows[:, None] * stride_pot + offs_i[None, :], post, mask=first[:, None] & i_ok[None, :])
-    tl.store(comb_ptr + rows[:, None, None] * stride_cbt + cidx[None, :, :], comb.to(tl.float32),
-             mask=first[:, None, None] & ij_ok[None, :, :])
 
-    # 3. collapse Σ_i pre_i·R_i (fp32, i in order) over this program's slice of H
-    h_begin = pid_h * H_SLICE
-    h_end = tl.minimum(h_begin + H_SLICE, H)
-    out_dtype = col_ptr.dtype.element_ty
-    for h0 in range(h_begin, h_end, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        mh = t_mask[:, None] & (hh < H)[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for i in tl.static_range(N):
-            p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
-            x = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=mh, other=0.0)
-            acc += p_i[:, None] * x.to(tl.float32)
-        tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], cast(acc, out_dtype, INTERP), mask=mh)
+    # 2. gates and Sinkhorn in float64 (as the oracle), rounded to fp32. The program after the last H slice
+    # makes post and comb (the Sinkhorn's 20 serial iterations), the slices' programs only pre: the comb is
+    # not on the collapse's path, so the two run side by side instead of one after the other
+    if pid_h == tl.cdiv(H, H_SLICE):
+        post_m = _sum_slices(row[:, None] + N + offs_i[None, :], m2, stride_ps, S)
+        comb_m = _sum_slices(row[:, None, None] + 2 * N + cidx[None, :, :], m3, stride_ps, S)
+        sc1 = tl.load(scale_ptr + 1).to(tl.float64)
+        sc2 = tl.load(scale_ptr + 2).to(tl.float64)
+        b_post = tl.load(base_ptr + N + offs_i, mask=i_ok, other=0.0).to(tl.float64)
+        b_comb = tl.load(base_ptr + 2 * N + cidx, mask=ij_ok, other=0.0).to(tl.float64)
+        post = (2.0 * _sigmoid64((post_m * r[:, None]).to(tl.float64) * sc1 + b_post[None, :])).to(tl.float32)
+        z = (comb_m * r[:, None, None]).to(tl.float64) * sc2 + b_comb[None, :, :]
+        z = tl.where(ij_ok[None, :, :], z, -1e300)
+        zmax = tl.max(z, axis=2)
+        e = tl.where(ij_ok[None, :, :], tl.exp(z - zmax[:, :, None]), 0.0)
+        den = tl.where(i_ok[None, :], tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
+        comb = e / den[:, :, None] + eps  # softmax over j, + eps
+        comb = tl.where(ij_ok[None, :, :], comb, 0.0)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # Sinkhorn: columns first
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+            if NP != N:
+                comb = tl.where(ij_ok[None, :, :], comb, 0.0)
+        tl.store(post_ptr + rows[:, None] * stride_pot + offs_i[None, :], post, mask=m2)
+        tl.store(comb_ptr + rows[:, None, None] * stride_cbt + cidx[None, :, :], comb.to(tl.float32), mask=m3)
+    else:
+        # 3. collapse Σ_i pre_i·R_i (fp32, i in order) over this program's slice of H
+        pre_m = _sum_slices(row[:, None] + offs_i[None, :], m2, stride_ps, S)
+        sc0 = tl.load(scale_ptr).to(tl.float64)
+        b_pre = tl.load(base_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float64)
+        pre = (_sigmoid64((pre_m * r[:, None]).to(tl.float64) * sc0 + b_pre[None, :]) + eps).to(tl.float32)
+        h_begin = pid_h * H_SLICE
+        h_end = tl.minimum(h_begin + H_SLICE, H)
+        out_dtype = col_ptr.dtype.element_ty
+        for h0 in range(h_begin, h_end, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            mh = t_mask[:, None] & (hh < H)[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            for i in tl.static_range(N):
+                p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
+                x = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=mh, other=0.0)
+                acc += p_i[:, None] * x.to(tl.float32)
+            tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], cast(acc, out_dtype, INTERP), mask=mh)
 
 
 def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
     """The mixes on tensor cores (``_mix_dot``): bf16 streams only (their values are exact in bf16;
     fp16 / fp32 streams keep the fp32 FMA dot), unless config ``MIX_BF16X3`` is False."""
     return bool(cfg["MIX_BF16X3"]) and dtype == torch.bfloat16
+
+
+_FN_PARTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(fn) -> (fn, its version, its parts)
+
+
+def fn_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn [NMIX, K] fp32 as three bf16 parts [3, NMIX_P, K] (hi, mid, lo; rows past NMIX zero) whose exact sum
+    is fn: round to bf16, subtract, twice (8 + 8 + 8 bits cover fp32's 24; bf16 has fp32's exponent range).
+    NMIX_P leaves the Σx² column free (``_part``)."""
+    f = fn.float()
+    nmix, k = f.shape
+    parts = torch.zeros((3, triton.next_power_of_2(nmix + 1), k), dtype=torch.bfloat16, device=f.device)
+    parts[0, :nmix] = f.to(torch.bfloat16)
+    r = f - parts[0, :nmix].float()
+    parts[1, :nmix] = r.to(torch.bfloat16)
+    parts[2, :nmix] = (r - parts[1, :nmix].float()).to(torch.bfloat16)
+    return parts
+
+
+def _fn_operand(fn: torch.Tensor, dtype: torch.dtype, cfg: dict) -> torch.Tensor:
+    """What the mixes dot reads of fn: its bf16 parts (``fn_parts``, made once per fn tensor and kept while
+    it lives: the weights are constant; remade if it is written in place) for the tensor-core dots, else
+    fn in fp32 (with a leading unit axis: one layout for the kernels' strides)."""
+    if not _bf16x3(dtype, cfg):
+        return fn.float().contiguous().unsqueeze(0)
+    hit = _FN_PARTS.get(id(fn))
+    if hit is None or hit[0]() is not fn or hit[1] != fn._version:
+        if hit is None or hit[0]() is not fn:
+            weakref.finalize(fn, _FN_PARTS.pop, id(fn), None)  # (a weak key: a tensor's == is elementwise)
+        hit = _FN_PARTS[id(fn)] = (weakref.ref(fn), fn._version, fn_parts(fn))
+    return hit[2]
 
 
 def _check_streams(streams: torch.Tensor, name: str = "streams") -> torch.Tensor:
@@ -258,6 +312,11 @@ def _check_pre_weights(n: int, H: int, fn: torch.Tensor, base: torch.Tensor, sca
         raise ValueError(f"base must have {nmix} values and scale 3, got {base.numel()} and {scale.numel()}")
 
 
+def _mix_block_t(T: int, cfg: dict) -> int:
+    """Tokens per mixes program: fewer at decode sizes, where most of a wide tile would be masked rows."""
+    return cfg["MIX_BLOCK_T_DECODE"] if T <= DECODE_MAX_ROWS else cfg["MIX_BLOCK_T"]
+
+
 def _part(T: int, n: int, H: int, cfg: dict, dev):
     """(part [S, T, NMIX_P] fp32 for the mixes partials, NMIX_P, S)."""
     nmix_p = triton.next_power_of_2(2 * n + n * n + 1)  # + the Σx² column
@@ -276,7 +335,7 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
     base32 = base.float().reshape(-1).contiguous()
     scale32 = scale.float().reshape(-1).contiguous()
     e_hi, e_mid, e_lo = _f64_parts(float(hc_eps))
-    _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]))](
+    _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]) + 1)](
         part, streams, base32, scale32, collapsed, post, comb,
         T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
         part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
@@ -302,11 +361,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     cfg = dict(CONFIG, **(config or {}))
     if T == 0:
         return _empty_pre(T, n, H, streams.dtype, streams.device)
-    fn32 = fn.float().contiguous()  # no-op for the checkpoint's fp32 fn
+    fw = _fn_operand(fn, streams.dtype, cfg)
     part, nmix_p, S = _part(T, n, H, cfg, streams.device)
-    _mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
-        streams, fn32, part, T, k, streams.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
-        NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"], BLOCK_K=cfg["MIX_BLOCK_K"],
+    block_t = _mix_block_t(T, cfg)
+    _mix_kernel[(math.ceil(T / block_t), S)](
+        streams, fw, part, T, k, streams.stride(0), fw.stride(-2), fw.stride(0), part.stride(0), part.stride(1),
+        NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t, BLOCK_K=cfg["MIX_BLOCK_K"],
         BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
         num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
@@ -382,11 +442,12 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
 @triton.jit(do_not_specialize=["T"])
 def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, H, K,
                      stride_st, stride_sn, stride_ot, stride_pot, stride_ct, stride_ci, stride_yt,
-                     stride_fn, stride_ps, stride_pt,
+                     stride_fn, stride_fp, stride_ps, stride_pt,
                      N: tl.constexpr, NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     """hc_post for one SPLIT slice of y [T, n·H] (``_post_kernel``'s arithmetic), then that slice's
-    partial mixes and Σy² (``_mix_kernel``'s arithmetic, on the values it would read back)."""
+    partial mixes and Σy² (``_mix_kernel``'s arithmetic, on the values it would read back). Tiles are
+    [BLOCK_K, BLOCK_T] (k down, tokens across), as the mixes dot takes them."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -396,37 +457,32 @@ def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     c_mask = offs_c < NMIX
     rows = offs_t.to(tl.int64)
     dt = y_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_T, NMIX_P), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((NMIX_P, BLOCK_T), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
     k_begin = pid_s * SPLIT
     k_end = tl.minimum(k_begin + SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        m = t_mask[:, None] & k_mask[None, :]
+        m = k_mask[:, None] & t_mask[None, :]
         j = k0 // H  # the whole step lies in stream j (H and SPLIT are multiples of BLOCK_K)
         hh = (k0 - j * H) + offs_k
         # post: y[:, j, hh] = post_j·out + Σ_i comb[i, j]·R[i], rounded as in _post_kernel
         p = cast(tl.load(post_ptr + rows * stride_pot + j, mask=t_mask, other=0.0), dt, INTERP)
-        o = tl.load(o_ptr + rows[:, None] * stride_ot + hh[None, :], mask=m, other=0.0)
-        spread = cast(p.to(tl.float32)[:, None] * o.to(tl.float32), dt, INTERP)  # post·out in dt
-        pacc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        o = tl.load(o_ptr + rows[None, :] * stride_ot + hh[:, None], mask=m, other=0.0)
+        spread = cast(p.to(tl.float32)[None, :] * o.to(tl.float32), dt, INTERP)  # post·out in dt
+        pacc = tl.zeros((BLOCK_K, BLOCK_T), dtype=tl.float32)
         for i in tl.static_range(N):  # Σ_i comb[i, j]·R[i] in fp32, i in order
             c = cast(tl.load(comb_ptr + rows * stride_ct + i * stride_ci + j, mask=t_mask, other=0.0), dt, INTERP)
-            r = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=m, other=0.0)
-            pacc += c.to(tl.float32)[:, None] * r.to(tl.float32)
+            r = tl.load(s_ptr + rows[None, :] * stride_st + i * stride_sn + hh[:, None], mask=m, other=0.0)
+            pacc += c.to(tl.float32)[None, :] * r.to(tl.float32)
         y = cast(spread.to(tl.float32) + cast(pacc, dt, INTERP).to(tl.float32), dt, INTERP)
-        tl.store(y_ptr + rows[:, None] * stride_yt + kk[None, :], y, mask=m)
+        tl.store(y_ptr + rows[None, :] * stride_yt + kk[:, None], y, mask=m)
         # mixes: as _mix_kernel on the stored y
         x = y.to(tl.float32)
-        f = tl.load(fn_ptr + offs_c[None, :] * stride_fn + kk[:, None],
-                    mask=c_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
         sq += x * x
-        acc = _mix_dot(x, f, acc, BF16X3, INTERP)
-    ss = tl.sum(sq, axis=1)
-    acc = tl.where(offs_c[None, :] == NMIX, ss[:, None], acc)
-    tl.store(part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + offs_c[None, :], acc,
-             mask=t_mask[:, None])
+        acc = _mix_dot(fn_ptr, offs_c, kk, c_mask, k_mask, stride_fn, stride_fp, x, acc, BF16X3, INTERP)
+    _store_part(part_ptr, acc, sq, pid_s, rows, t_mask, offs_c, stride_ps, stride_pt, NMIX, BLOCK_K)
 
 
 def fusable(H: int, config: dict | None = None) -> bool:
@@ -453,13 +509,14 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
     y = torch.empty((T, n, H), dtype=streams.dtype, device=dev)
     if T == 0:
         return (y, *_empty_pre(T, n, H, streams.dtype, dev))
-    fn32 = fn.float().contiguous()
+    fw = _fn_operand(fn, streams.dtype, cfg)
     part, nmix_p, S = _part(T, n, H, cfg, dev)
-    _post_mix_kernel[(math.ceil(T / cfg["MIX_BLOCK_T"]), S)](
-        streams, out, post, comb, y, fn32, part, T, H, n * H,
+    block_t = _mix_block_t(T, cfg)
+    _post_mix_kernel[(math.ceil(T / block_t), S)](
+        streams, out, post, comb, y, fw, part, T, H, n * H,
         streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
-        y.stride(0), fn32.stride(0), part.stride(0), part.stride(1),
-        N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=cfg["MIX_BLOCK_T"],
+        y.stride(0), fw.stride(-2), fw.stride(0), part.stride(0), part.stride(1),
+        N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t,
         BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
-        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["POST_MIX_WARPS_PREFILL"])
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))
