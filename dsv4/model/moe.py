@@ -131,10 +131,9 @@ class MoE:
         ids, w = self._route_ops(x, token_ids)
         if self.tp is not None:
             ids = self.tp.local_expert_ids(ids)  # EP: index into this rank's stack, -1 = another rank's
+        shared = None if self.shared is None else self._shared_expert(x)  # added in the experts' combine launch
         out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
-                                 expert_dtype=cfg.expert_dtype)
-        if self.shared is not None:
-            out = out + self._shared_expert(x)
+                              expert_dtype=cfg.expert_dtype, add=shared)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

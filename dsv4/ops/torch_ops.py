@@ -138,8 +138,9 @@ def _dequant_expert(w13, s13, w2, s2, e: int, expert_dtype: str, dtype):
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
-                expert_dtype: str | None = None) -> torch.Tensor:
-    """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped)."""
+                expert_dtype: str | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped); ``add``
+    ([T, H] in x.dtype, e.g. the shared expert's output) added to that, in x.dtype."""
     expert_dtype = expert_dtype or expert_dtype_of(w13)
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
@@ -155,4 +156,4 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         hh = (F.silu(gate.double()) * up.double()).to(x.dtype)
         y = rows_linear(hh, wd)
         out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if add is None else out.to(x.dtype) + add

@@ -448,3 +448,19 @@ def test_a_scale_code_above_128_keeps_the_two_multiply_decode(fp4_layer):
     ids, w = _route(24, g)
     ys = [tmoe.moe_experts(x, ids, w, w13, s13, w2, s2, config={"ptx_fp4": p}) for p in (False, True)]
     assert torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_is_a_torch_add_of_the_rounded_sum(fp4_layer, dtype):
+    """``add`` (the shared expert's output, added in the combine launch) gives exactly what adding it to the
+    op's result in x.dtype gives, in both backends; a padding row (no expert) returns add itself; a wrong
+    shape or dtype is refused by name."""
+    x, ids, w, valid = _padded_batch(5, 41, dtype, pad_row=2)
+    a = randn((5, H), gen(42), dtype=dtype)
+    for op in (tmoe.moe_experts, torch_ops.moe_experts):
+        assert torch.equal(op(x, ids, w, *fp4_layer, add=a), op(x, ids, w, *fp4_layer) + a), op
+    assert torch.equal(tmoe.moe_experts(x, ids, w, *fp4_layer, add=a)[2], a[2])
+    with pytest.raises(ValueError, match="add must be"):
+        tmoe.moe_experts(x, ids, w, *fp4_layer, add=a[:4])
+    with pytest.raises(ValueError, match="add must be"):
+        tmoe.moe_experts(x, ids, w, *fp4_layer, add=a.double())

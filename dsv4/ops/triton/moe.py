@@ -642,8 +642,9 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, stride_yh, stride_ot, stride_oh,
-                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, stride_yh, stride_ot, stride_oh,
+                        stride_at, stride_ah, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
+                        INTERP: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
@@ -655,8 +656,12 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, stride_yh,
         use = m & ((offs * 0 + eid) >= 0)
         yv = tl.load(y_ptr + sl.to(tl.int64) * stride_ys + offs * stride_yh, mask=use, other=0.0)
         acc += tl.where(use, yv.to(tl.float32) * wt, 0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, cast(acc, out_ptr.dtype.element_ty, INTERP),
-             mask=m)
+    dt = out_ptr.dtype.element_ty
+    res = cast(acc, dt, INTERP)
+    if ADD:  # + add, as a torch add in the output dtype: the rounded sum plus add in fp32, rounded again
+        a = tl.load(add_ptr + t.to(tl.int64) * stride_at + offs * stride_ah, mask=m, other=0.0)
+        res = cast(res.to(tl.float32) + a.to(tl.float32), dt, INTERP)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, res, mask=m)
 
 
 DIRECT_MAX_SLOTS = 48
@@ -781,10 +786,11 @@ def moe_experts(
     s2: torch.Tensor,
     limit: float = 10.0,
     expert_dtype: str | None = None,
+    add: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``dsv4.ops.torch_ops.moe_experts``."""
+    """Same contract as ``dsv4.ops.torch_ops.moe_experts`` (``add`` in the combine kernel's epilogue)."""
     from ...formats.experts import expert_dtype_of
 
     expert_dtype = expert_dtype or expert_dtype_of(w13)
@@ -823,6 +829,8 @@ def moe_experts(
         s3_row = math.ceil(idim / 128)
     else:
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
+    if add is not None and (tuple(add.shape) != (t, hdim) or add.dtype != x.dtype):
+        raise ValueError(f"add must be [T, H] = {(t, hdim)} in {x.dtype}, got {tuple(add.shape)} {add.dtype}")
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
         return out
@@ -1013,13 +1021,16 @@ def moe_experts(
         ids32,
         wts,
         out,
+        out if add is None else add,
         hdim,
         y.stride(0),
         y.stride(1),
         out.stride(0),
         out.stride(1),
+        *((0, 0) if add is None else add.stride()),
         TOPK=topk,
         BLOCK_H=block_h,
+        ADD=add is not None,
         INTERP=interpreting(),
         num_warps=4,
     )
