@@ -74,8 +74,7 @@ class PagedAttention:
                 if attn.type == LayerType.CSA:
                     comp_idx = _indexer(attn, step, x, qr, visible, n_max)
                 else:
-                    ar = torch.arange(n_max, device=q.device)
-                    comp_idx = torch.where(ar[None, :] < visible[:, None], ar[None, :], -1)
+                    comp_idx = step.all_visible(attn.ratio, n_max)
         return ops.sparse_attention(q, positions, step.seq_ids, kvc.swa[layer], step.swa_table, comp_pages,
                                     step.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5, window, fmt)
 

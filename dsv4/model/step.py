@@ -151,6 +151,14 @@ class Step:
         once per ratio, not once per layer."""
         return per_forward(("visible", ratio), self.positions, lambda p: (p + 1) // ratio)
 
+    def all_visible(self, ratio: int, n: int) -> torch.Tensor:
+        """[T, n] the compressed entries 0..visible−1 of every token, then −1: what a layer that reads them
+        all (HCA) attends to; within a forward once per (ratio, n), not once per layer."""
+        def table(p):
+            ar = torch.arange(n, device=p.device)
+            return torch.where(ar[None, :] < self.visible(ratio)[:, None], ar[None, :], -1)
+        return per_forward(("all_visible", ratio, n), self.positions, table)
+
 
 @dataclass(kw_only=True)
 class PagedStep(Step):

@@ -490,10 +490,10 @@ def test_op_path_with_torch_backends_equals_the_dequantized_model(tiny_ckpt):
 
 
 def test_step_position_tables_are_shared_within_one_forward_only():
-    """``Step.phase`` / ``Step.visible`` are computed once per forward (``shared_tables``) and ratio,
-    recomputed when the positions change in place or are replaced, and never kept from one forward to
-    the next: a CUDA graph captured after two uncaptured forwards on the same step must compute them
-    inside the capture."""
+    """``Step.phase`` / ``Step.visible`` / ``Step.all_visible`` are computed once per forward
+    (``shared_tables``) and ratio, recomputed when the positions change in place or are replaced, and never
+    kept from one forward to the next: a CUDA graph captured after two uncaptured forwards on the same step
+    must compute them inside the capture."""
     from dsv4.model.step import Step, shared_tables
 
     s = Step([], torch.arange(10))
@@ -508,3 +508,8 @@ def test_step_position_tables_are_shared_within_one_forward_only():
     with shared_tables():
         again = s.phase(4)
     assert again is not first and s.phase(4) is not s.phase(4)  # a new forward, and outside any: fresh
+    s.positions = torch.tensor([2, 3, 9, 0])
+    with shared_tables():
+        hca = s.all_visible(4, 3)  # an HCA layer's entries: 0..(p + 1) // 4 - 1, then -1
+        assert hca.tolist() == [[-1, -1, -1], [0, -1, -1], [0, 1, -1], [-1, -1, -1]]
+        assert s.all_visible(4, 3) is hca and s.all_visible(4, 2) is not hca  # once per (ratio, width)
