@@ -303,6 +303,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_linear_decode(dev, g))
     if "mhc_decode" in only:
         out.update(sweep_mhc_decode(dev, g))
+    if "dense_decode" in only:
+        out.update(sweep_dense_decode(dev, g))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
@@ -488,32 +490,88 @@ def sweep_linear_decode(dev, g, m_list=(1, 8)):
     return out
 
 
-MHC_DECODE_VARIANTS = {  # name -> mhc CONFIG overrides ("SPLIT" cuts the mixes' sum in other slices: other bits)
+DENSE_DECODE = {  # name -> (N, K, chunk_rows, out fp32): the 16-bit weights a decode step multiplies (flash widths)
+    "CSA compressor [wkv; wgate]": (2048, 4096, 1024, False),
+    "HCA compressor [wkv; wgate]": (1024, 4096, 512, False),
+    "indexer compressor": (512, 4096, 256, False),
+    "router (256 experts)": (256, 4096, None, True),
+    "router (32 experts)": (32, 4096, None, True),
+    "indexer weights_proj": (64, 4096, None, False),
+}
+DENSE_DECODE_VARIANTS = {  # name -> dense_linear config["decode"] (None: the base tile); all the same bits
     "default": {},
-    "H_SLICE 256": dict(H_SLICE=256),
-    "H_SLICE 512": dict(H_SLICE=512),
-    "GATE_BLOCK_T 1": dict(GATE_BLOCK_T=1),
-    "GATE_BLOCK_T 1, H_SLICE 256": dict(GATE_BLOCK_T=1, H_SLICE=256),
-    "SPLIT 128": dict(SPLIT=128),
-    "SPLIT 128, H_SLICE 256": dict(SPLIT=128, H_SLICE=256),
-    "SPLIT 64, H_SLICE 256": dict(SPLIT=64, H_SLICE=256),
-    "MIX_BLOCK_T 16": dict(MIX_BLOCK_T=16),
+    "base tile": dict(decode=None),
+    **{f"BLOCK_N {bn}": dict(decode=dict(BLOCK_N=bn, num_warps=4, num_stages=4)) for bn in (32, 128)},
+    **{f"{w} warps": dict(decode=dict(BLOCK_N=64, num_warps=w, num_stages=4)) for w in (2, 8)},
+    **{f"{st} stages": dict(decode=dict(BLOCK_N=64, num_warps=4, num_stages=st)) for st in (2, 3, 6)},
+    "BLOCK_N 32, 2 warps": dict(decode=dict(BLOCK_N=32, num_warps=2, num_stages=4)),
 }
 
 
-def sweep_mhc_decode(dev, g, t_list=(1, 8)):
-    """mhc_post_pre (hc_post + the next hc_pre: two launches a layer boundary) at decode sizes under the
-    CONFIG overrides of ``MHC_DECODE_VARIANTS``: CUDA-graph µs of the pair and of each launch alone (the
-    launches of the default are timed apart from the graph of the pair), the bits against the default, and
-    the largest gate and collapsed differences against the torch oracle (``dsv4.model.mhc``; collapsed relative
-    to its largest value)."""
+def sweep_dense_decode(dev, g, m_list=(1, 8)):
+    """The 16-bit dense GEMM's decode launch (``DENSE_DECODE_VARIANTS``, and split vs fused mode) on the bf16
+    weights of a decode step: CUDA-graph median, the fraction of the copy bandwidth its bytes take, and its bits
+    against the default's (the K chunks are the base tile's in every variant: the same bits expected)."""
+    from dsv4.ops.triton import dense
+
+    bw = measure_bandwidth(dev)
+    out = {}
+    for name, (n, k, chunk_rows, f32) in DENSE_DECODE.items():
+        w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        for m in m_list:
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            nbytes = 2 * n * k + 2 * m * k + (4 if f32 else 2) * m * n
+            ref = None
+            for vname, c in (*DENSE_DECODE_VARIANTS.items(), ("split mode", "split"), ("fused mode", "fused")):
+                kw = dict(chunk_rows=chunk_rows, out_dtype=torch.float32 if f32 else None)
+                kw.update(mode=c) if isinstance(c, str) else kw.update(config=c or None)
+                run = (lambda kw=kw: dense.dense_linear(x, w, **kw))
+                try:
+                    y = run()
+                except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a row of the table
+                    print(f"sweep dense_decode {name} M={m} {vname}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                same = "-" if ref is None else ("same bits" if torch.equal(y, ref) else "DIFFERS")
+                ref = y if ref is None else ref
+                ms = bench_graph(run, 40)
+                frac = nbytes / bw / (ms * 1e-3) if ms else 0
+                print(f"sweep dense_decode {name:28s} [{n}x{k}] M={m}: {ms * 1e3:6.1f} us {100 * frac:5.1f}% of bw "
+                      f"{vname}: {same}", flush=True)
+                out[f"dense_decode {name} M={m} {vname}"] = (ms, frac, same)
+    return out
+
+
+MHC_DECODE_VARIANTS = {  # name -> mhc CONFIG overrides ("SPLIT" cuts the mixes' sum in other slices: other bits)
+    "default": {},
+    **{f"MIX_BLOCK_T_DECODE {bt}": dict(MIX_BLOCK_T_DECODE=bt) for bt in (4, 16, 32)},
+    **{f"MIX_WARPS {w}": dict(MIX_WARPS=w) for w in (2, 4)},
+    "apart (hc_post, then hc_pre)": dict(POST_MIX_FUSED_MAX_T=0),
+    "GATE_BLOCK_T 1": dict(GATE_BLOCK_T=1),
+    "SPLIT 512": dict(SPLIT=512),
+}
+MHC_PREFILL_VARIANTS = {  # the same bits as the default: the tokens are the mixes MMA's N side
+    "default": {},
+    **{f"MIX_BLOCK_T {bt}": dict(MIX_BLOCK_T=bt) for bt in (32, 128)},
+    **{f"MIX_WARPS_PREFILL {w}": dict(MIX_WARPS_PREFILL=w) for w in (1, 4)},
+    "fused (mhc_post_pre in two launches)": dict(POST_MIX_FUSED_MAX_T=None),
+    "GATE_BLOCK_T 8, GATE_WARPS 4": dict(GATE_BLOCK_T=8, GATE_WARPS=4),
+}
+
+
+def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
+    """mhc_post_pre (hc_post + the next hc_pre: two launches a layer boundary) under the CONFIG overrides of
+    ``MHC_DECODE_VARIANTS`` (decode sizes) and ``MHC_PREFILL_VARIANTS`` (prefill: hc_post, then hc_pre): CUDA-graph
+    µs of the op and, for the default, of the gate launch alone; the bits against the default, and the largest
+    gate and collapsed differences against the torch oracle (``dsv4.model.mhc``; collapsed relative to its
+    largest value)."""
     from dsv4.model.opset import reference_ops
     from dsv4.ops.triton import mhc as tm
 
     ref = reference_ops()
     n, h, iters, hc_eps, rms_eps = 4, 4096, 20, 1e-6, 1e-6
     out = {}
-    for t in t_list:
+    for t in (*t_list, *prefill_t):
+        variants = MHC_DECODE_VARIANTS if t in t_list else MHC_PREFILL_VARIANTS
         nmix = 2 * n + n * n
         s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
         o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
@@ -525,15 +583,25 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8)):
         args = (s, o, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
         pre_ref = ref.mhc_pre(ref.mhc_post(s, o, post, comb), fn, base, scale, iters, hc_eps, rms_eps)
         base_out = tm.mhc_post_pre(*args)
-        for vname, c in MHC_DECODE_VARIANTS.items():
+        cfg = dict(tm.CONFIG)
+        part = tm._part(t, n, h, cfg, dev)[0].uniform_(0.5, 1.0, generator=g)  # the gate's time: not the values'
+        y = base_out[0]
+        gate_ms = bench_graph(lambda: tm._gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg), 40)
+        print(f"sweep mhc_decode T={t} gate launch alone {gate_ms * 1e3:7.1f} us", flush=True)
+        out[f"mhc_decode T={t} gate alone"] = gate_ms
+        for vname, c in variants.items():
             run = (lambda c=c: tm.mhc_post_pre(*args, config=c))
-            got = run()
+            try:
+                got = run()
+            except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a row of the table
+                print(f"sweep mhc_decode T={t} {vname:36s} {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
             same = "same bits" if all(torch.equal(a, b) for a, b in zip(got, base_out)) else "other bits"
             d_gate = max((got[2] - pre_ref[1]).abs().max().item(), (got[3] - pre_ref[2]).abs().max().item())
             # relative to the output's scale: a near-zero collapsed value comes from cancellation (see kernels_mhc)
             d_col = ((got[1].float() - pre_ref[0].float()).abs().max() / pre_ref[0].float().abs().max()).item()
             ms = bench_graph(run, 40)
-            print(f"sweep mhc_decode T={t} {vname:32s} {ms * 1e3:7.1f} us  {same}; vs oracle: gates {d_gate:.1e} "
+            print(f"sweep mhc_decode T={t} {vname:36s} {ms * 1e3:7.1f} us  {same}; vs oracle: gates {d_gate:.1e} "
                   f"collapsed rel {d_col:.1e}", flush=True)
             out[f"mhc_decode T={t} {vname}"] = (ms, same, d_gate, d_col)
     return out
@@ -893,8 +961,8 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,mhc_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,linear_prefill,"
-        "moe_block_k,"
+        "(--only linear,linear_decode,mhc_decode,dense_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,"
+        "linear_prefill,moe_block_k,"
         "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
     )
     args = ap.parse_args(argv)
