@@ -144,9 +144,10 @@ def _indexer(attn, step, x, qr, visible, n_max: int) -> torch.Tensor:
     cos, sin = cos_sin(cfg.rope_compress, step.positions)
     fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
     q = ops.indexer_q_rope_quant(q, cos, sin, fmt)  # fp32; FP8 fake-quantized like the keys
-    w = ops.linear(x, attn.idx_weights).float() * (cfg.index_n_heads ** -0.5) * (cfg.index_head_dim ** -0.5)
+    w = ops.linear(x, attn.idx_weights)  # × Hi^-0.5 × D^-0.5 in fp32 where the op reads it (as the oracle's)
     key = (attn.layer, "index")
     n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
     k = min(cfg.index_topk, n_max)
     return ops.indexer(q, w, step.seq_ids, visible, kvc.comp[key], step.block_table, kvc.per_block(key), n_cols,
-                       k, fmt, ascending=True)
+                       k, fmt, ascending=True,
+                       weight_scales=(cfg.index_n_heads ** -0.5, cfg.index_head_dim ** -0.5))

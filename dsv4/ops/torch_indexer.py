@@ -51,11 +51,23 @@ def _keys(idx_pages, table_row, n_keys: int, width: int, entries_per_block: int,
     return torch.where(ok[:, None], rows, torch.zeros_like(rows))
 
 
+def scaled_weights(weights: torch.Tensor, scales: tuple[float, ...] = ()) -> torch.Tensor:
+    """The head weights in fp32 times each of ``scales`` in order, one fp32 rounding each (the model's
+    ``w.float() * Hi^-0.5 * D^-0.5``): the ops take the factors so that a backend can apply them where it
+    reads the weights instead of in launches of their own."""
+    w = weights.float()
+    for s in scales:
+        w = w * s
+    return w
+
+
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, seq_ids: torch.Tensor, n_visible: torch.Tensor,
                    idx_pages: torch.Tensor, block_table: torch.Tensor, entries_per_block: int, n_cols: int,
-                   fmt, **_) -> torch.Tensor:
-    """fp32 [T, n_cols] indexer logits, −inf at columns ≥ n_visible[t]."""
+                   fmt, *, weight_scales: tuple[float, ...] = (), **_) -> torch.Tensor:
+    """fp32 [T, n_cols] indexer logits, −inf at columns ≥ n_visible[t]; the head weights are
+    ``scaled_weights(weights, weight_scales)``."""
     t, h, d = q.shape
+    weights = scaled_weights(weights, weight_scales)
     if fmt is not None:
         fmt = get_fp8_format(fmt)
     out = torch.full((t, n_cols), float("-inf"), dtype=torch.float32, device=q.device)
@@ -94,9 +106,10 @@ def ascending_picks(sel: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 @eager_only
 def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
-                       n_cols: int, k: int, fmt, *, ascending: bool = False, **_) -> torch.Tensor:
+                       n_cols: int, k: int, fmt, *, ascending: bool = False, weight_scales: tuple[float, ...] = (),
+                       **_) -> torch.Tensor:
     """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded;
-    ``ascending``: the same set in ascending column order, −1 last."""
+    ``ascending``: the same set in ascending column order, −1 last; the head weights: ``scaled_weights``."""
     sel = indexer_topk(indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table,
-                                      entries_per_block, n_cols, fmt), k)
+                                      entries_per_block, n_cols, fmt, weight_scales=weight_scales), k)
     return ascending_picks(sel, n_cols) if ascending else sel

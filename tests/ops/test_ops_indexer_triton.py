@@ -151,6 +151,25 @@ def test_logits_and_topk_vs_torch_reference(mode):
     assert torch.equal(op_ref(*_args(c, n_cols), k, c["fmt"]).cpu(), ref.indexer_topk(r, k).cpu())
 
 
+@pytest.mark.parametrize("mode", ["ocp", "dense_fp32"])
+def test_weight_scales_apply_where_the_op_reads_the_weights(mode):
+    """The head weights as the GEMM leaves them (bf16) with ``weight_scales`` give, in each backend, the same
+    logits bits as the weights scaled beforehand by the model's formula (fp32, then each factor in turn)."""
+    c = _case(mode, seed=41)
+    w16 = c["w"].to(torch.bfloat16)
+    scales = (64 ** -0.5, 128 ** -0.5)
+    assert torch.equal(ref.scaled_weights(w16, scales), w16.float() * scales[0] * scales[1])
+    pre = {**c, "w": ref.scaled_weights(w16, scales)}
+    for mod in (ref, tri):
+        got = mod.indexer_logits(*_args({**c, "w": w16}, 192), c["fmt"], weight_scales=scales)
+        assert torch.equal(got, mod.indexer_logits(*_args(pre, 192), c["fmt"])), mod.__name__
+    k = 16
+    got = tri.paged_indexer_topk(*_args({**c, "w": w16}, 192), k, c["fmt"], ascending=True, weight_scales=scales)
+    assert torch.equal(got, tri.paged_indexer_topk(*_args(pre, 192), k, c["fmt"], ascending=True))
+    with pytest.raises(ValueError, match="weight_scales"):
+        tri.indexer_logits(*_args(c, 192), c["fmt"], weight_scales=(1.0, 2.0, 3.0))
+
+
 @pytest.mark.parametrize("heads", [12, 64])
 def test_multi_page_tiles_and_narrow_block_table(heads):
     """16 entries per page (a 64-entry tile spans 4 pages); n_cols beyond the table's width;

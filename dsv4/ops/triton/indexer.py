@@ -46,10 +46,10 @@ def _indexer_logits_kernel(q_ptr, w_ptr, seq_ptr, nvis_ptr, k_ptr, s_ptr, bt_ptr
                            H, n_cols, n_blocks,
                            stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                            stride_bs, stride_bb, stride_kp, stride_ke, stride_kd, stride_sp, scale_base,
-                           stride_ot,
+                           stride_ot, ws0, ws1,
                            HP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES,
                            EPB: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                           DOT_BF16: tl.constexpr, INTERP: tl.constexpr):
+                           DOT_BF16: tl.constexpr, N_WS: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0)
     first = tl.program_id(1) * (TILES * BLOCK)
     nv = tl.load(nvis_ptr + t).to(tl.int32)
@@ -60,6 +60,10 @@ def _indexer_logits_kernel(q_ptr, w_ptr, seq_ptr, nvis_ptr, k_ptr, s_ptr, bt_ptr
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=hm[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h * stride_wh, mask=hm, other=0.0).to(tl.float32)
+    if N_WS >= 1:  # the weight scales, in order, each an fp32 multiply (``scaled_weights``)
+        w = w * ws0
+    if N_WS >= 2:
+        w = w * ws1
     qd = q
     if DOT_BF16:
         qd = q.to(tl.bfloat16)  # exact: q is FP8 × 2^k here
@@ -139,13 +143,16 @@ def _pages_operands(idx_pages: torch.Tensor, entries_per_block: int, fmt):
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, seq_ids: torch.Tensor, n_visible: torch.Tensor,
                    idx_pages: torch.Tensor, block_table: torch.Tensor, entries_per_block: int, n_cols: int,
-                   fmt, *, config: dict | None = None) -> torch.Tensor:
+                   fmt, *, weight_scales: tuple[float, ...] = (), config: dict | None = None) -> torch.Tensor:
     """fp32 [T, n_cols] indexer logits, −inf at columns ≥ n_visible[t] (see the module docstring).
 
-    q [T, Hi, 128] fp32 (RoPE'd; FP8-representable when ``fmt`` is set), weights [T, Hi] fp32
-    (already scaled), seq_ids [T] (row of block_table), n_visible [T], idx_pages uint8
-    block-packed (fmt OCP/FNUZ) or dense [P, B, 128] (fmt None), block_table [S, n_blocks].
+    q [T, Hi, 128] fp32 (RoPE'd; FP8-representable when ``fmt`` is set), weights [T, Hi] (any float
+    dtype; in fp32 times ``weight_scales`` in order, ``torch_indexer.scaled_weights``, in the kernel), seq_ids
+    [T] (row of block_table), n_visible [T], idx_pages uint8 block-packed (fmt OCP/FNUZ) or dense [P, B, 128]
+    (fmt None), block_table [S, n_blocks].
     """
+    if len(weight_scales) > 2:
+        raise ValueError(f"weight_scales: at most 2 factors, got {len(weight_scales)}")
     if q.dim() != 3 or q.shape[2] != INDEXER_DIM:
         raise ValueError(f"q must be [T, Hi, {INDEXER_DIM}], got {tuple(q.shape)}")
     t, h, _ = q.shape
@@ -169,11 +176,12 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, seq_ids: torch.Tensor
         h, n_cols, block_table.shape[1],
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         block_table.stride(0), block_table.stride(1), skp, ske, skd, ssp, sbase, out.stride(0),
+        *(tuple(float(v) for v in weight_scales) + (1.0, 1.0))[:2],
         HP=max(16, triton.next_power_of_2(h)), D=INDEXER_DIM, BLOCK=BLOCK_E, TILES=cfg["TILES"],
         EPB=entries_per_block, FP8=f is not None,
         NATIVE=bool(cfg.get("native", f is not None and f.name == "ocp" and native_fp8(q.device))),
-        FNUZ=f is not None and f.name == "fnuz", DOT_BF16=f is not None, INTERP=interpreting(),
-        num_warps=NUM_WARPS, num_stages=cfg["num_stages"])
+        FNUZ=f is not None and f.name == "fnuz", DOT_BF16=f is not None, N_WS=len(weight_scales),
+        INTERP=interpreting(), num_warps=NUM_WARPS, num_stages=cfg["num_stages"])
     return out
 
 
@@ -251,10 +259,10 @@ def select_topk_ascending(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def paged_indexer_topk(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block: int,
-                       n_cols: int, k: int, fmt, *, ascending: bool = False,
+                       n_cols: int, k: int, fmt, *, ascending: bool = False, weight_scales: tuple[float, ...] = (),
                        config: dict | None = None) -> torch.Tensor:
     """The ``indexer`` op: top-k visible compressed entries per query, [T, k] int64, −1 padded;
     ``ascending``: the same set in ascending column order, −1 last (``select_topk_ascending``)."""
     logits = indexer_logits(q, weights, seq_ids, n_visible, idx_pages, block_table, entries_per_block, n_cols,
-                            fmt, config=config)
+                            fmt, weight_scales=weight_scales, config=config)
     return select_topk_ascending(logits, k) if ascending else indexer_topk(logits, k)
