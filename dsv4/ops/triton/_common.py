@@ -23,9 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..invariance import DECODE_MAX_ROWS
 from ..platform import interpreting as _interpreting_now
 
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, so this process's kernels run interpreted
@@ -57,44 +55,6 @@ def native_fp8(device: torch.device) -> bool:
         return False
     _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
     return (not hip) and cap >= (8, 9)
-
-
-# Programmatic dependent launch (PDL) of decode-size launches (≤ DECODE_MAX_ROWS rows) of the GEMMs, RMSNorm and
-# mHC kernels: each such program first lets the stream's next launch start (griddepcontrol.launch_dependents), the
-# GEMMs then prefetch their weight rows into L2, and only then wait for the previous launch's results
-# (griddepcontrol.wait): the next kernel's launch and its weights' first bytes overlap this one's run, which at
-# decode sizes is mostly latency. Nothing is read or written before the wait but the constant weights: the same
-# bits. ``--set dsv4.ops.triton._common.PDL=false``: plain launches.
-PDL = False
-PDL_PREFETCH = True  # with PDL, the GEMMs' weight prefetch before the wait
-
-
-def pdl_launch(device: torch.device, rows: int) -> bool:
-    """Whether a launch of ``rows`` rows on ``device`` goes out with PDL (``PDL``; CUDA sm_90+, compiled)."""
-    if not PDL or rows > DECODE_MAX_ROWS or device.type != "cuda" or interpreting():
-        return False
-    _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-    return (not hip) and cap >= (9, 0)
-
-
-def pdl_kwargs(on: bool) -> dict:
-    """The launch option of a PDL launch (none otherwise: the interpreter takes no such option)."""
-    return {"launch_pdl": True} if on else {}
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """A PDL launch's start: the next launch may begin, then wait for the previous one's results."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, nbytes):
-    """Bulk-prefetch ``nbytes`` (a multiple of 16) from each 16-byte-aligned address of ``row_ptrs`` into L2."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [row_ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)

@@ -39,21 +39,7 @@ import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS
 from . import _common
-from ._common import (
-    FIXUP_ROWS,
-    cast,
-    gdc_launch_dependents,
-    gdc_wait,
-    grouped_tile,
-    interpreting,
-    pdl_enter,
-    pdl_kwargs,
-    pdl_launch,
-    prefetch_rows_l2,
-    split_counters,
-    split_sum_last,
-    sum_in_order,
-)
+from ._common import FIXUP_ROWS, cast, grouped_tile, interpreting, split_counters, split_sum_last, sum_in_order
 
 __all__ = ["dense_linear", "rms_norm", "unit_rms_norm", "chunking", "config_for", "dot_acc", "CONFIGS", "rms_factor",
            "norm_launch"]
@@ -143,8 +129,7 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
                   out_ptr, cnt_ptr, stride_om, stride_on,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   SPLIT: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-                  FIXUP: tl.constexpr = False, N_PARTS: tl.constexpr = 1,
-                  PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                  FIXUP: tl.constexpr = False, N_PARTS: tl.constexpr = 1):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -152,15 +137,6 @@ def _dense_kernel(x_ptr, w_ptr, y_ptr, M, N, K, CHUNK,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    if PDL:  # (``_common.PDL``) the next launch may start; this program's weight bytes toward L2; then the wait
-        gdc_launch_dependents()
-        if PREFETCH:
-            k_lo = tl.program_id(1) * CHUNK if SPLIT else 0
-            k_hi = tl.minimum(k_lo + CHUNK, K) if SPLIT else K
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-            nbytes = (k_hi - k_lo) * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            prefetch_rows_l2(w_ptr + rows * stride_wn + k_lo, nbytes + 0 * offs_n)
-        gdc_wait()
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None] * stride_yn  # M·N may pass 2^31
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT:  # P_c of chunk c = program_id(1), in fp32; _common.sum_in_order adds them in order
@@ -237,17 +213,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None
     ys = dst.stride() if split else (0, *y.stride())
     fixup = split and _common.SPLIT_FIXUP
     cnt = split_counters(x.device, tiles) if fixup else y  # (unread unless fixup)
-    pdl = pdl_launch(x.device, m)
-    nb = w.element_size()
-    prefetch = pdl and _common.PDL_PREFETCH and w.stride(1) == 1 and (k * nb) % 16 == 0 and (chunk * nb) % 16 == 0 \
-        and (w.stride(0) * nb) % 16 == 0 and w.data_ptr() % 16 == 0
     _dense_kernel[(tiles, n_chunks if split else 1)](
         x2, w, dst, m, n, k, chunk,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), ys[0], ys[1], ys[2],
         y, cnt, y.stride(0), y.stride(1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         SPLIT=split, IEEE=w.dtype == torch.float32, INTERP=interp, FIXUP=fixup, N_PARTS=n_chunks if fixup else 1,
-        PDL=pdl, PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(pdl))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and not fixup:
         sum_in_order(dst, y)
     return y.reshape(*lead, n)
@@ -281,9 +253,7 @@ def norm_launch(d: int) -> tuple[int, int]:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, d_f, eps, stride_x, stride_y,
-                     HAS_W: tl.constexpr, UNIT: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                     HAS_W: tl.constexpr, UNIT: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     xr = x_ptr + row * stride_x
@@ -314,10 +284,9 @@ def _norm(x: torch.Tensor, weight, eps: float, unit: bool) -> torch.Tensor:
         return y.reshape(x.shape)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when there is no weight
     block, warps = norm_launch(d)
-    pdl = pdl_launch(x.device, rows)
     _rms_norm_kernel[(rows,)](x2, w, y, d, float(d), float(eps), x2.stride(0), y.stride(0),
                               HAS_W=weight is not None, UNIT=unit, BLOCK_D=block, INTERP=interpreting(),
-                              PDL=pdl, num_warps=warps, **pdl_kwargs(pdl))
+                              num_warps=warps)
     return y.reshape(x.shape)
 
 

@@ -57,15 +57,10 @@ from ._common import (
     fake_quant_rows,
     fp8_to_f32,
     fp8_weight_bytes,
-    gdc_launch_dependents,
-    gdc_wait,
     grouped_tile,
     interpreting,
     native_fp8,
     num_sms,
-    pdl_kwargs,
-    pdl_launch,
-    prefetch_rows_l2,
     scale_kind,
     split_counters,
     split_sum_last,
@@ -200,8 +195,6 @@ def _fp8_linear_kernel(
     FIXUP: tl.constexpr = False,
     N_PARTS: tl.constexpr = 1,
     EVEN_K: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -221,13 +214,6 @@ def _fp8_linear_kernel(
     # summed in the same order by sum_in_order; fused mode: all chunks here; same bits)
     c_lo = pid_s * CHUNKS_PER_PROGRAM
     c_hi = tl.minimum(c_lo + CHUNKS_PER_PROGRAM, tl.cdiv(K, CHUNK))
-    if PDL:  # (``_common.PDL``) the next launch may start; this program's weight bytes toward L2; then the wait
-        gdc_launch_dependents()
-        if PREFETCH:
-            k_lo = c_lo * CHUNK
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-            prefetch_rows_l2(w_ptr + rows * stride_wn + k_lo, tl.minimum(c_hi * CHUNK, K) - k_lo + 0 * offs_n)
-        gdc_wait()
     # swap-AB: acc[n, m] = W_tile · x_tileᵀ, so the decoded weight is the left (register) operand
     # and a small M only sets the MMA's N width (no padding of M to 64/128 rows).
     # ONE_CHUNK (every split-mode program, and fused mode when K is one chunk): the chunk's
@@ -334,14 +320,6 @@ def decode_block_m(m: int) -> int:
     if DECODE_BLOCK_M is not None:
         return DECODE_BLOCK_M
     return 16 if m <= 16 else (32 if m <= 32 else 64)
-
-
-def _prefetchable(w: torch.Tensor, k: int) -> bool:
-    """Whether ``prefetch_rows_l2`` can take a program's rows of the weight: 16-byte-aligned rows of unit inner
-    stride whose byte ranges are whole 16-byte units."""
-    nbytes = w.element_size()
-    return w.stride(-1) == 1 and (k * nbytes) % 16 == 0 and (w.stride(0) * nbytes) % 16 == 0 \
-        and w.data_ptr() % 16 == 0
 
 
 def invariant_chunk(n: int, k: int, device: torch.device) -> int:
@@ -558,7 +536,6 @@ def fp8_linear(
     s = cfg["split_k"]
     grid = (math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"]), s)
     fixup = s > 1 and _common.SPLIT_FIXUP
-    pdl = pdl_launch(x.device, m)
     if s > 1:
         y = torch.empty((s, m, n), dtype=torch.float32, device=x.device)
         ys = y.stride()
@@ -611,11 +588,8 @@ def fp8_linear(
         FIXUP=fixup,
         N_PARTS=s if fixup else 1,
         EVEN_K=k % BLOCK == 0,
-        PDL=pdl,
-        PREFETCH=pdl and _common.PDL_PREFETCH and w16 is None and _prefetchable(wb, k),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **pdl_kwargs(pdl),
     )
     if fixup:
         y = out

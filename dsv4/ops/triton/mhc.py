@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..invariance import DECODE_MAX_ROWS
-from ._common import cast, interpreting, pdl_enter, pdl_kwargs, pdl_launch
+from ._common import cast, interpreting
 from .dense import dot_acc
 
 __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
@@ -190,9 +190,7 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
                  T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
                  S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
-                 BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                 BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -337,15 +335,13 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
     base32 = base.float().reshape(-1).contiguous()
     scale32 = scale.float().reshape(-1).contiguous()
     e_hi, e_mid, e_lo = _f64_parts(float(hc_eps))
-    pdl = pdl_launch(dev, T)
     _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]) + 1)](
         part, streams, base32, scale32, collapsed, post, comb,
         T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
         part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
         post.stride(0), comb.stride(0),
         S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=cfg["GATE_BLOCK_T"],
-        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), PDL=pdl,
-        num_warps=cfg["GATE_WARPS"], **pdl_kwargs(pdl))
+        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=cfg["GATE_WARPS"])
     return collapsed, post, comb
 
 
@@ -448,12 +444,10 @@ def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
                      stride_st, stride_sn, stride_ot, stride_pot, stride_ct, stride_ci, stride_yt,
                      stride_fn, stride_fp, stride_ps, stride_pt,
                      N: tl.constexpr, NMIX: tl.constexpr, NMIX_P: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr, INTERP: tl.constexpr):
     """hc_post for one SPLIT slice of y [T, n·H] (``_post_kernel``'s arithmetic), then that slice's
     partial mixes and Σy² (``_mix_kernel``'s arithmetic, on the values it would read back). Tiles are
     [BLOCK_K, BLOCK_T] (k down, tokens across), as the mixes dot takes them."""
-    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -518,12 +512,11 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
     fw = _fn_operand(fn, streams.dtype, cfg)
     part, nmix_p, S = _part(T, n, H, cfg, dev)
     block_t = _mix_block_t(T, cfg)
-    pdl = pdl_launch(dev, T)
     _post_mix_kernel[(math.ceil(T / block_t), S)](
         streams, out, post, comb, y, fw, part, T, H, n * H,
         streams.stride(0), streams.stride(1), out.stride(0), post.stride(0), comb.stride(0), comb.stride(1),
         y.stride(0), fw.stride(-2), fw.stride(0), part.stride(0), part.stride(1),
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t,
-        BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(), PDL=pdl,
-        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"], **pdl_kwargs(pdl))
+        BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))
