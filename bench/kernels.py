@@ -25,8 +25,10 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 ``moe_kperm`` the MMA operands' K order permuted vs memory order, with the prefill-vs-decode-tile bit check;
 ``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one;
 ``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels); ``moe_tail`` the prefill
-tiles with and without the half-row launch for an expert's last block, and that launch's tile; each bit-compared
-with the default:
+tiles with and without the half-row launch for an expert's last block, and that launch's tile; ``linear_decode``
+the FP8 linear's decode launch on every decode-size linear of a layer; ``dense_decode`` the bf16 GEMM's decode
+launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
+launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default:
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """

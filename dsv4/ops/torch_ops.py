@@ -156,4 +156,5 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         hh = (F.silu(gate.double()) * up.double()).to(x.dtype)
         y = rows_linear(hh, wd)
         out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
-    return out.to(x.dtype) if add is None else out.to(x.dtype) + add
+    out = out.to(x.dtype)
+    return out if add is None else out + add
