@@ -28,7 +28,8 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 tiles with and without the half-row launch for an expert's last block, and that launch's tile; ``linear_decode``
 the FP8 linear's decode launch on every decode-size linear of a layer; ``dense_decode`` the bf16 GEMM's decode
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
-launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default:
+launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mma_rate`` the
+tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -307,10 +308,15 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_mhc_decode(dev, g))
     if "dense_decode" in only:
         out.update(sweep_dense_decode(dev, g))
+    if "mma_rate" in only:
+        from kernels_mma import sweep_mma_rate
+
+        out.update(sweep_mma_rate(dev, bench_graph))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
-                     ("moe_tail", sweep_moe_tail)):  # the grouped MXFP4 kernels' single-knob sweeps
+                     ("moe_tail", sweep_moe_tail), ("moe_merge", sweep_moe_merge)):
+        # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
     if {"moe_prefill", "linear_prefill"} & set(only):
@@ -829,6 +835,17 @@ def sweep_moe_tiles(dev, g, t_list=(1, 8, 64)):
 MOE_TAIL = ({"tail": False}, {"tail_num_warps": 4}, {"tail_BLOCK_N": 64, "tail_num_warps": 4}, {"tail_num_stages": 4})
 
 
+MOE_MERGE = ({"merge_gu": True}, {"merge_gu": True, "num_stages": 4}, {"merge_gu": True, "num_warps": 8},
+             {"merge_gu": True, "BLOCK_N": 32})
+
+
+def sweep_moe_merge(dev, g, t_list=(1, 8, 64)):
+    """The MXFP4 up kernel's gate and up rows as one 2·BLOCK_N-row MMA operand (``merge_gu``: two MMA groups a
+    K step instead of four) at the decode tile and around it; a row's products and their order do not change,
+    so every variant must give the default's bits. CUDA-graph µs."""
+    return {"moe_merge": _sweep_moe_variants(dev, g, "moe_merge", MOE_MERGE, t_list)}
+
+
 def sweep_moe_tail(dev, g, t_list=(1024, 2048, 4096, 8192)):
     """The prefill tiles with an expert's last block run at half the rows when its second half is empty
     (``tail``, the default) against one launch over all blocks (``tail=False``), and the tail launch's
@@ -965,9 +982,9 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,mhc_decode,dense_decode,route,moe,moe_decode,moe_decode_narrow,moe_prefill,"
-        "linear_prefill,moe_block_k,"
-        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail)",
+        "(--only linear,linear_decode,mhc_decode,dense_decode,mma_rate,route,moe,moe_decode,moe_decode_narrow,"
+        "moe_prefill,linear_prefill,moe_block_k,"
+        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
