@@ -205,6 +205,29 @@ def test_tail_blocks_at_half_the_rows_give_the_same_bits(fp4_layer, dtype, exper
         tmoe.pick_moe_config(1, K, 256, "fp4", {"tail": True})
 
 
+@pytest.mark.parametrize("t,dtype,cfg", [(1, torch.bfloat16, {}), (9, torch.float32, {"BLOCK_K": 64}),
+                                         (40, torch.bfloat16, {"BLOCK_M": 32, "tail": False})])
+def test_gate_and_up_rows_in_one_mma_operand_give_the_same_bits(fp4_layer, t, dtype, cfg):
+    """``merge_gu``: the up kernel multiplies the gate rows and the up rows as one 2·BLOCK_N-row tile. A
+    row's products and their order are the separate tiles', so compiled the output is theirs bit for bit
+    (a decode step, several K steps, several tokens per expert, a padding row); under the interpreter a dot
+    is numpy's matmul, whose order follows the operands' shapes, so there both are held to the torch op's
+    tolerance. FP8 experts ignore the key."""
+    x, ids, w, valid = _padded_batch(t, 71, dtype, pad_row=0) if t > 1 else (*_padded_batch(2, 71, dtype, 1)[:3], None)
+    if t == 1:
+        x, ids, w = x[:1], ids[:1], w[:1]
+    base = dict({"direct": False, "BLOCK_N": 64}, **cfg)
+    got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(base, merge_gu=True))
+    want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(base, merge_gu=False))
+    ref = torch_ops.moe_experts(x, ids, w, *fp4_layer)
+    if not interpreting():
+        assert torch.equal(got, want)
+    _check(got, ref, dtype)
+    _check(want, ref, dtype)
+    if valid is not None:
+        assert (got[~valid] == 0).all()
+
+
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
     from dsv4.ops.triton._common import ptx_fp4
 

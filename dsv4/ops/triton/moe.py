@@ -32,6 +32,8 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     code of the tensor is ≤ 128 (real checkpoints: scales far below 2) with the E2M1 bias folded into
     the scale (``e2m1_bytes_to_bf16_ptx_folded``: one multiply per value pair instead of two; same bits;
     ``fold_scales=False`` turns it off).
+    At the decode tile (``merge_gu``) the gate and up rows form one [2·BLOCK_N, 64] operand per K half, so a
+    K step issues two MMA groups instead of four (each group waits for the one before).
   * down kernel, program = (block, BLOCK_N columns of H): h rows × W2 tile, y rounded to x.dtype,
     stored at row ``slot`` of a [T·topk, H] buffer.
   * tail blocks: with ``tail`` (prefill tiles) each kernel runs twice, once over the blocks whose second
@@ -456,7 +458,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                    SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                    KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                   ROWS: tl.constexpr = None, PART: tl.constexpr = None):
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, MERGE_GU: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -468,6 +470,13 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
         x_rows = x_ptr + tok[:, None] * stride_xt
+        if MERGE_GU:  # FP4 only: the gate and up rows as one 2·BLOCK_N-row tile (see ``_merged_up``)
+            g_acc, u_acc = _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk,
+                                      stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4,
+                                      EVEN_K, KPERM, FOLD, DOT_F32)
+            _swiglu_store(g_acc, u_acc, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype,
+                          INTERP)
+            return
         acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gate, [n, m]
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # up
         sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
@@ -498,12 +507,48 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                 w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
                                  stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
                 acc3 = _dot(w3, xe, acc3, DOT_F32)
-        g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
-        u = cast(acc3, x_dtype, INTERP).to(tl.float32)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        hv = g / (1.0 + tl.exp(-g)) * u
-        hp = h_ptr + hrow.to(tl.int64)[None, :] * stride_hp + offs_n[:, None] * stride_hi
-        tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
+        _swiglu_store(acc1, acc3, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype, INTERP)
+
+
+@triton.jit
+def _swiglu_store(acc1, acc3, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """h = silu(min(g, limit)) · clamp(u, ±limit) of the fp32 gate / up tiles [BLOCK_N, BLOCK_M], g and u
+    rounded to x's dtype first (as the reference's x.dtype GEMMs), stored at the block's h rows."""
+    g = tl.minimum(cast(acc1, x_dtype, INTERP).to(tl.float32), limit)
+    u = cast(acc3, x_dtype, INTERP).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    hv = g / (1.0 + tl.exp(-g)) * u
+    hp = h_ptr + hrow.to(tl.int64)[None, :] * stride_hp + offs_n[:, None] * stride_hi
+    tl.store(hp, cast(hv, h_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
+
+
+@triton.jit
+def _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk, stride_sn, stride_sk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, x_dtype: tl.constexpr,
+               INTERP: tl.constexpr, PTX_FP4: tl.constexpr, EVEN_K: tl.constexpr, KPERM: tl.constexpr,
+               FOLD: tl.constexpr, DOT_F32: tl.constexpr):
+    """The MXFP4 up kernel's K loop with the gate rows (n) and the up rows (I + n) in one [2·BLOCK_N, K]
+    weight tile: two MMAs a K step (even k, odd k) over both, instead of four. A row's products and their
+    order are those of the separate tiles (the MMA's row blocks are independent), so are its bits; the
+    fewer, larger MMAs wait for each other half as often (each wgmma group waits for the previous one
+    before its register operand is rewritten). Returns the (gate, up) fp32 tiles [BLOCK_N, BLOCK_M]."""
+    r2 = tl.arange(0, 2 * BLOCK_N)
+    half = r2 // BLOCK_N  # 0: gate row, 1: up row
+    n_of = pid_n * BLOCK_N + r2 % BLOCK_N
+    rows = n_of + half * I
+    r_mask = n_of < I
+    acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sb = _fp4_scale_bytes(s_base, rows, r_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
+    for k0 in range(0, H, BLOCK_K):
+        xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, True, EVEN_K, KPERM)
+        nb = _fp4_scale_bytes(s_base, rows, r_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
+        lo, hi = _w_tile_fp4(w_base, sb, rows, r_mask, k0, H, stride_wn, stride_wk,
+                             2 * BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
+        acc = _dot(hi, xo, _dot(lo, xe, acc, DOT_F32), DOT_F32)
+        sb = nb
+    g_acc, u_acc = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    return g_acc, u_acc
 
 
 @triton.jit
@@ -665,6 +710,7 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, s
 
 
 DIRECT_MAX_SLOTS = 48
+DECODE_MERGE_GU = True  # the decode tile's up kernel with the gate and up rows as one MMA operand (``merge_gu``)
 # grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
 # the rows (``pick_moe_config``'s ``tail``)
 TAIL_MIN_BLOCK_M = 32
@@ -720,7 +766,9 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     tiles of BLOCK_M ≥ TAIL_MIN_BLOCK_M; default on): the blocks whose second half holds no slot (an
     expert's last block, about half the time) run in a second launch of BLOCK_M / 2 rows with their own
     ``tail_BLOCK_N`` / ``tail_num_warps`` / ``tail_num_stages``, so those MMAs skip the empty half;
-    a row's K steps do not change, so neither do its bits."""
+    a row's K steps do not change, so neither do its bits. ``merge_gu`` (MXFP4; default on at the decode tile,
+    ``DECODE_MERGE_GU``): the up kernel's gate and up rows as one 2·BLOCK_N-row MMA operand (``_merged_up``): the
+    same products in the same order, so the same bits, with half the MMA groups (and waits) a K step."""
     n = t * topk
     if batch_invariant() and t <= DECODE_MAX_ROWS:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
@@ -732,7 +780,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         # between a prompt alone and in a larger chunk. The down kernel takes 128 columns (with the
         # folded decode: T=1/8/64 in 69.7/276.0/1159.6 against 71.4/280.7/1172.4 us at 64, same bits:
         # BLOCK_N does not change a row's K steps)
-        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128)
+        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128,
+                   merge_gu=DECODE_MERGE_GU)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
         # 94 us vs 137 us for 64 x 128)
@@ -949,7 +998,8 @@ def moe_experts(
         )
         # (PART, up launch, down launch): one launch per kernel, or with ``tail`` the blocks whose second
         # half is empty in a second launch of half the rows (``_block_rows``)
-        parts = [(0, dict(up, BLOCK_N=bn), dict(down, BLOCK_N=cfg["down_BLOCK_N"]))]
+        merge = bool(cfg.get("merge_gu", False)) and expert_dtype == "fp4"
+        parts = [(0, dict(up, BLOCK_N=bn, MERGE_GU=merge), dict(down, BLOCK_N=cfg["down_BLOCK_N"]))]
         if cfg["tail"]:
             half = dict(
                 common,
