@@ -28,7 +28,9 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 tiles with and without the half-row launch for an expert's last block, and that launch's tile; ``linear_decode``
 the FP8 linear's decode launch on every decode-size linear of a layer; ``dense_decode`` the bf16 GEMM's decode
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
-launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mma_rate`` the
+launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
+op with the next sub-layer's RMSNorm in its gate launch, at its launch shapes, against the op then the RMSNorm
+launch; ``mma_rate`` the
 tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
@@ -306,6 +308,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_linear_decode(dev, g))
     if "mhc_decode" in only:
         out.update(sweep_mhc_decode(dev, g))
+    if "mhc_norm" in only:
+        out.update(sweep_mhc_norm(dev, g))
     if "dense_decode" in only:
         out.update(sweep_dense_decode(dev, g))
     if "mma_rate" in only:
@@ -614,6 +618,53 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
             print(f"sweep mhc_decode T={t} {vname:36s} {ms * 1e3:7.1f} us  {same}; vs oracle: gates {d_gate:.1e} "
                   f"collapsed rel {d_col:.1e}", flush=True)
             out[f"mhc_decode T={t} {vname}"] = (ms, same, d_gate, d_col)
+    return out
+
+
+MHC_NORM_VARIANTS = {f"{bt} token(s), {w} warp(s)": dict(NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
+                     for bt, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4))}
+
+
+def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):
+    """mhc_post_pre with the next sub-layer's RMSNorm in its gate launch (``norm``) under the launch shapes of
+    ``MHC_NORM_VARIANTS`` (the same bits at every one), against the former pair: mhc_post_pre without it, then
+    the RMSNorm launch. CUDA-graph µs of the op and of the gate launch alone."""
+    from dsv4.ops.triton import dense as td
+    from dsv4.ops.triton import mhc as tm
+
+    n, h, iters, hc_eps, rms_eps = 4, 4096, 20, 1e-6, 1e-6
+    out = {}
+    for t in t_list:
+        nmix = 2 * n + n * n
+        s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
+        o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+        post = torch.rand(t, n, device=dev, generator=g) * 2
+        comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
+        fn = torch.randn(nmix, n * h, device=dev, generator=g) / math.sqrt(n * h)
+        base = torch.randn(nmix, device=dev, generator=g) * 0.5
+        scale = torch.rand(3, device=dev, generator=g) * 0.5 + 0.5
+        w = (torch.rand(h, device=dev, generator=g) + 0.5).to(torch.bfloat16)
+        args = (s, o, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
+
+        def pair():
+            y, x, p, c = tm.mhc_post_pre(*args)
+            return y, td.rms_norm(x, w, rms_eps), p, c
+
+        ms = bench_graph(pair, 40)
+        print(f"sweep mhc_norm T={t} mhc_post_pre, then rms_norm     {ms * 1e3:7.1f} us", flush=True)
+        out[f"mhc_norm T={t} pair"] = ms
+        base_out = tm.mhc_post_pre(*args, w)
+        for vname, c in MHC_NORM_VARIANTS.items():
+            run = (lambda c=c: tm.mhc_post_pre(*args, w, config=c))
+            same = "same bits" if all(torch.equal(a, b) for a, b in zip(run(), base_out)) else "other bits"
+            ms = bench_graph(run, 40)
+            cfg = dict(tm.CONFIG, **c)
+            part = tm._part(t, n, h, cfg, dev)[0].uniform_(0.5, 1.0, generator=g)
+            y = base_out[0]
+            gate_ms = bench_graph(lambda: tm._gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg, w), 40)
+            print(f"sweep mhc_norm T={t} norm in the gate, {vname:22s} {ms * 1e3:7.1f} us (gate launch "
+                  f"{gate_ms * 1e3:.1f})  {same}", flush=True)
+            out[f"mhc_norm T={t} {vname}"] = (ms, gate_ms, same)
     return out
 
 
@@ -982,7 +1033,7 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,mhc_decode,dense_decode,mma_rate,route,moe,moe_decode,moe_decode_narrow,"
+        "(--only linear,linear_decode,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,moe_decode_narrow,"
         "moe_prefill,linear_prefill,moe_block_k,"
         "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge)",
     )

@@ -28,8 +28,10 @@ def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_pre(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           iters: int, hc_eps: float, rms_eps: float):
-    """streams [T, n, H] → (collapsed [T, H] in stream dtype, post [T, n], comb [T, n, n]) (fp32 mixes)."""
+           iters: int, hc_eps: float, rms_eps: float, norm: torch.Tensor | None = None):
+    """streams [T, n, H] → (collapsed [T, H] in stream dtype, post [T, n], comb [T, n, n]) (fp32 mixes).
+    ``norm``: the sub-layer's RMSNorm weight; the collapsed input then comes back normalised (eps ``rms_eps``),
+    which is all the sub-layer reads of it (one launch fewer on the fast path)."""
     T, n, _ = streams.shape
     flat = ops.unit_rms_norm(streams.reshape(T, -1).float(), rms_eps)
     mixes = ops.linear(flat, fn.float()).double()
@@ -40,6 +42,8 @@ def hc_pre(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     comb0 = torch.softmax(comb_m.view(T, n, n) * scale[2] + base[2 * n:].view(n, n), dim=-1) + hc_eps
     comb = sinkhorn(comb0, iters, hc_eps).float()
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    if norm is not None:
+        collapsed = ops.rms_norm(collapsed, norm, rms_eps)
     return collapsed, post, comb
 
 
@@ -51,11 +55,11 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
 
 def hc_post_then_pre(ops, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-                     rms_eps: float):
+                     rms_eps: float, norm: torch.Tensor | None = None):
     """(new streams [T, n, H], collapsed [T, H], post' [T, n], comb' [T, n, n]): ``ops``' mhc_post of
-    (streams, out, post, comb), then its mhc_pre of the new streams with (fn, base, scale)."""
+    (streams, out, post, comb), then its mhc_pre of the new streams with (fn, base, scale, norm)."""
     new = ops.mhc_post(streams, out, post, comb)
-    return (new, *ops.mhc_pre(new, fn, base, scale, iters, hc_eps, rms_eps))
+    return (new, *ops.mhc_pre(new, fn, base, scale, iters, hc_eps, rms_eps, norm))
 
 
 def hc_head(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -1,9 +1,10 @@
 """The reference DeepSeek-V4 forward (the oracle every fast path is checked against).
 
-embed → 4 mHC streams → per layer [mHC-pre → attention → mHC-post → mHC-pre → MoE → mHC-post]
-→ hc_head → norm → head. Each post but the last is computed together with the pre that follows it
+embed → 4 mHC streams → per layer [mHC-pre → attn_norm → attention → mHC-post → mHC-pre → ffn_norm → MoE →
+mHC-post] → hc_head → norm → head. Each post but the last is computed together with the pre that follows it
 (the ``mhc_post_pre`` op: attention post + MoE pre, MoE post + the next layer's attention pre), which
-the fast path runs as one fused kernel. The MTP block predicts one token further from the pre-hc_head
+the fast path runs as one fused kernel; a pre also applies the sub-layer's RMSNorm (its ``norm`` argument),
+the only reader of the collapsed streams, which the fast path does in the same launch. The MTP block predicts one token further from the pre-hc_head
 streams. Every building block is called through the op set the model was built with
 (``dsv4.model.opset``): without kernels, plain torch — the oracle.
 A batch is a list of sequence chunks (:class:`~dsv4.model.step.SeqChunk`) concatenated along the
@@ -42,9 +43,11 @@ class Block:
         self.moe = MoE(w, f"{prefix}.ffn", cfg, cfg.is_hash_layer(layer), act_quant, ops, tp=tp, ep=ep)
 
     def attn_pre(self, streams: torch.Tensor):
-        """The attention's mHC pre: (collapsed, post, comb) of ``streams``."""
+        """The attention's mHC pre: (the attention's input, i.e. the collapsed streams after attn_norm, post,
+        comb) of ``streams``."""
         c = self.cfg
-        return self.ops.mhc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return self.ops.mhc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                                self.attn_norm)
 
     def run(self, streams: torch.Tensor, pre, step: Step, token_ids: torch.Tensor,
             next_block: "Block | None" = None):
@@ -55,13 +58,14 @@ class Block:
         MoE's pre."""
         c, ops = self.cfg, self.ops
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        x, post, comb = pre
-        a = self.attn.forward(ops.rms_norm(x, self.attn_norm, c.rms_norm_eps), step)
-        streams, x, post, comb = ops.mhc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc)
-        f = self.moe.forward(ops.rms_norm(x, self.ffn_norm, c.rms_norm_eps), token_ids)
+        x, post, comb = pre  # x: the attention's input (the collapsed streams after attn_norm)
+        a = self.attn.forward(x, step)
+        streams, x, post, comb = ops.mhc_post_pre(streams, a, post, comb, *self.hc_ffn, *hc, self.ffn_norm)
+        f = self.moe.forward(x, token_ids)
         if next_block is None:
             return ops.mhc_post(streams, f, post, comb), None
-        streams, x, post, comb = ops.mhc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc)
+        streams, x, post, comb = ops.mhc_post_pre(streams, f, post, comb, *next_block.hc_attn, *hc,
+                                                  next_block.attn_norm)
         return streams, (x, post, comb)
 
     def forward(self, streams: torch.Tensor, step: Step, token_ids: torch.Tensor) -> torch.Tensor:

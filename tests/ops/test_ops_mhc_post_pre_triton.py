@@ -39,13 +39,13 @@ def _inputs(T, n, H, seed, dtype):
     return tuple(t.to(DEV) for t in (s, out, post, comb, fn, base, scale))
 
 
-def _pair(s, out, post, comb, fn, base, scale, config=None):
+def _pair(s, out, post, comb, fn, base, scale, config=None, norm=None):
     y = tm.hc_post(s, out, post, comb, config=config)
-    return (y, *tm.hc_pre(y, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=config))
+    return (y, *tm.hc_pre(y, fn, base, scale, ITERS, HC_EPS, RMS_EPS, norm, config=config))
 
 
-def _fused(s, out, post, comb, fn, base, scale, config=None):
-    return tm.mhc_post_pre(s, out, post, comb, fn, base, scale, ITERS, HC_EPS, RMS_EPS, config=config)
+def _fused(s, out, post, comb, fn, base, scale, config=None, norm=None):
+    return tm.mhc_post_pre(s, out, post, comb, fn, base, scale, ITERS, HC_EPS, RMS_EPS, norm, config=config)
 
 
 def _assert_same(got, want, what):
@@ -76,6 +76,18 @@ def test_post_pre_bitwise_equals_post_then_pre(dtype, H):
     for T in (1, 3, 37):  # 37: a full and a partial 32-token block
         args = _inputs(T, 4, H, 100 + T + H, dtype)
         _assert_same(_fused(*args), _pair(*args), (dtype, H, T))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_post_pre_with_the_sublayer_norm_bitwise_equals_post_then_pre(dtype):
+    """``norm`` (the next sub-layer's RMSNorm weight): the fused op's normalised rows are hc_post then hc_pre's
+    with the same norm, bit for bit, fused and apart (above POST_MIX_FUSED_MAX_T)."""
+    w = (torch.rand(256, generator=gen(12)) + 0.5).to(DEV)
+    for T in (1, 37):
+        args = _inputs(T, 4, 256, 300 + T, dtype)
+        want = _pair(*args, norm=w)
+        _assert_same(_fused(*args, norm=w), want, (dtype, T))
+        _assert_same(_fused(*args, config={"POST_MIX_FUSED_MAX_T": 0}, norm=w), want, (dtype, T, "apart"))
 
 
 def test_post_pre_wide_h_and_other_tiles():

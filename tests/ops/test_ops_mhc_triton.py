@@ -169,6 +169,38 @@ def test_hc_pre_batch_invariant():
                 assert torch.equal(got[pos], want[0]), (m, int(probe[p_idx]), pos)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_h", [None, 64])  # one step over H = 256 (the default 1024), or four
+def test_hc_pre_with_the_sublayer_norm(dtype, block_h):
+    """``norm``: the collapsed rows come back RMS-normalised by the gate launch. post and comb are the plain
+    launch's bit for bit; the rows are the RMSNorm of the plain launch's rows within the norm's own
+    rounding (one spacing of the stream dtype: Σx² is summed in another order); a row's bits are the same
+    alone and in a batch, and at any tokens and warps per program; the oracle op set normalises too."""
+    from dsv4.model import norms
+
+    T, n, H = 20, 4, 256
+    s, fn, base, scale = _inputs(T, n, H, 31, dtype)
+    w = (torch.rand(H, generator=gen(32)) + 0.5).to(DEV)
+    cfg = {} if block_h is None else {"NORM_BLOCK_H": block_h}
+    col, post, comb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
+    ncol, npost, ncomb = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=cfg)
+    assert torch.equal(npost, post) and torch.equal(ncomb, comb) and ncol.dtype == dtype
+    want = norms.rms_norm(col, w, RMS_EPS).float()
+    spacing = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-21
+    assert ((ncol.float() - want).abs() <= spacing * want.abs() + 1e-30).all()
+    for r in (0, 7, 19):
+        alone = tm.hc_pre(s[r : r + 1], fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=cfg)[0]
+        assert torch.equal(alone[0], ncol[r]), r
+    other = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w,
+                      config=dict(cfg, NORM_GATE_BLOCK_T=4, NORM_GATE_WARPS=2))[0]
+    assert torch.equal(other, ncol)
+    o_col = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)[0]
+    o_ncol = reference_ops().mhc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w)[0]
+    assert torch.equal(o_ncol, norms.rms_norm(o_col, w, RMS_EPS))
+    with pytest.raises(ValueError, match="norm"):
+        tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w[:-1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_hc_post_matches_oracle_and_is_batch_invariant(dtype):
     """The kernel rounds as the oracle does (post, comb, post·out and the i-sum each to the stream

@@ -14,7 +14,11 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    rsqrt on CPU), mixes = r·(fn·xᵀ); then in **float64** like the oracle, each rounded to fp32: the
    slices' programs make pre = sigmoid + eps and the collapse Σ_i pre_i·R_i of their slice in fp32
    (i in order), rounded to the stream dtype; the last program makes post = 2·sigmoid and
-   comb = Sinkhorn(softmax + eps) (20 serial iterations, off the collapse's path).
+   comb = Sinkhorn(softmax + eps) (20 serial iterations, off the collapse's path). With ``norm`` (the
+   sub-layer's RMSNorm weight) each collapse program holds whole rows (NORM_BLOCK_H columns a step) and
+   normalises them in place, replacing the RMSNorm launch after it: Σx² of the rounded rows per lane,
+   the lanes in a fixed tree (``_sum_lanes``), then x·r·w as ``dense._rms_norm_kernel`` forms it. Every
+   Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T.
 
 The oracle normalises x before the GEMM ((x·r)·fnᵀ); here r is applied after (r·(fn·xᵀ)), one
 rounding apart per product: the mixes differ from the oracle by summation order and that
@@ -84,6 +88,13 @@ CONFIG = dict(
     H_SLICE=1024,    # hidden columns per collapse program (256 to 2048: the same µs, the Sinkhorn's program is the
     # launch's longest: the gate launch alone 7.8 µs at T = 1)
     GATE_BLOCK_H=256,  # hidden columns per collapse step
+    NORM_BLOCK_H=1024,  # with the sub-layer's RMSNorm (``norm``): columns per collapse step, also the Σx² lanes
+    # (it sets that sum's order); a program holds whole rows
+    NORM_GATE_BLOCK_T=1,  # tokens per gate/collapse program with the RMSNorm (every value: the same bits)
+    NORM_GATE_WARPS=2,    # its warps; H200, ``--sweep --only mhc_norm``, mhc_post_pre with the norm at T = 1 / 64 /
+    # 1024: 1 token at 1 warp 14.3 / 17.5 / 69.3 µs, at 2 warps 13.8 / 17.0 / 82.7, 2 tokens at 2 warps 13.3 / 16.2 /
+    # 65.4 (measured at 43 layers: 1 token, 2 warps), 4 at 4 warps 18.0 / 21.4 / 84.5; the former pair (the op,
+    # then the RMSNorm launch) 16.2 / 19.2 / 68.6
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
@@ -186,11 +197,12 @@ def _sum_slices(ptrs, mask, stride_ps, S: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
+def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, norm_ptr,
                  T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
                  S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
-                 BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+                 BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+                 NORM: tl.constexpr = False):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -245,6 +257,7 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
         h_begin = pid_h * H_SLICE
         h_end = tl.minimum(h_begin + H_SLICE, H)
         out_dtype = col_ptr.dtype.element_ty
+        sq = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for h0 in range(h_begin, h_end, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             mh = t_mask[:, None] & (hh < H)[None, :]
@@ -253,7 +266,26 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
                 p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
                 x = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=mh, other=0.0)
                 acc += p_i[:, None] * x.to(tl.float32)
-            tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], cast(acc, out_dtype, INTERP), mask=mh)
+            xo = cast(acc, out_dtype, INTERP)
+            tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], xo, mask=mh)
+            if NORM:
+                xf = xo.to(tl.float32)
+                sq += xf * xf
+        if NORM:
+            # 4. the sub-layer's RMSNorm of the collapsed row (this program holds whole rows: H_SLICE ≥ H), in
+            # place: Σx² per lane over the BLOCK_H steps, then a fixed tree over the lanes (``_sum_lanes``: the
+            # order does not follow BLOCK_T or the warps); then x·r·w as ``dense._rms_norm_kernel`` forms it
+            ss = _sum_lanes(tl.trans(sq), BLOCK_H)
+            ms = tl.div_rn(ss, tl.zeros_like(ss) + tl.cast(H, tl.float32))
+            rn = tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + tl.cast(rms_eps, tl.float32)))
+            tl.debug_barrier()  # the rows read back below were stored by other threads of this program
+            for h0 in range(h_begin, h_end, BLOCK_H):
+                hh = h0 + tl.arange(0, BLOCK_H)
+                mh = t_mask[:, None] & (hh < H)[None, :]
+                cp = col_ptr + rows[:, None] * stride_ct + hh[None, :]
+                y = tl.load(cp, mask=mh, other=0.0).to(tl.float32) * rn[:, None]
+                y = tl.load(norm_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)[None, :] * y
+                tl.store(cp, cast(y, out_dtype, INTERP), mask=mh)
 
 
 def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
@@ -324,9 +356,20 @@ def _part(T: int, n: int, H: int, cfg: dict, dev):
     return torch.empty((S, T, nmix_p), dtype=torch.float32, device=dev), nmix_p, S
 
 
+def _check_norm(norm: torch.Tensor | None, H: int) -> torch.Tensor | None:
+    if norm is None:
+        return None
+    if tuple(norm.shape) != (H,) or not norm.is_floating_point():
+        raise ValueError(f"norm (the sub-layer's RMSNorm weight) must be a float [{H}], got {tuple(norm.shape)} "
+                         f"{norm.dtype}")
+    return norm.contiguous()
+
+
 def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           iters: int, hc_eps: float, rms_eps: float, cfg: dict):
-    """``_gate_kernel`` over the summed partials: (collapsed, post, comb) of ``streams``."""
+           iters: int, hc_eps: float, rms_eps: float, cfg: dict, norm: torch.Tensor | None = None):
+    """``_gate_kernel`` over the summed partials: (collapsed, post, comb) of ``streams``; with ``norm`` the
+    collapsed rows come back RMS-normalised (weight ``norm``, eps ``rms_eps``) by the programs that form them,
+    each of which then holds whole rows (NORM_BLOCK_H columns a step; its own tokens and warps)."""
     T, n, H = streams.shape
     dev = streams.device
     collapsed = torch.empty((T, H), dtype=streams.dtype, device=dev)
@@ -335,13 +378,18 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
     base32 = base.float().reshape(-1).contiguous()
     scale32 = scale.float().reshape(-1).contiguous()
     e_hi, e_mid, e_lo = _f64_parts(float(hc_eps))
-    _gate_kernel[(math.ceil(T / cfg["GATE_BLOCK_T"]), math.ceil(H / cfg["H_SLICE"]) + 1)](
-        part, streams, base32, scale32, collapsed, post, comb,
+    if norm is None:
+        block_t, h_slice, block_h, warps = cfg["GATE_BLOCK_T"], cfg["H_SLICE"], cfg["GATE_BLOCK_H"], cfg["GATE_WARPS"]
+    else:
+        block_t, block_h, warps = cfg["NORM_GATE_BLOCK_T"], cfg["NORM_BLOCK_H"], cfg["NORM_GATE_WARPS"]
+        h_slice = math.ceil(H / block_h) * block_h
+    _gate_kernel[(math.ceil(T / block_t), math.ceil(H / h_slice) + 1)](
+        part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
         T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
         part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
         post.stride(0), comb.stride(0),
-        S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=cfg["GATE_BLOCK_T"],
-        H_SLICE=cfg["H_SLICE"], BLOCK_H=cfg["GATE_BLOCK_H"], INTERP=interpreting(), num_warps=cfg["GATE_WARPS"])
+        S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
+        H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None, num_warps=warps)
     return collapsed, post, comb
 
 
@@ -351,13 +399,15 @@ def _empty_pre(T: int, n: int, H: int, dtype, dev):
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           iters: int, hc_eps: float, rms_eps: float, *, config: dict | None = None):
+           iters: int, hc_eps: float, rms_eps: float, norm: torch.Tensor | None = None, *,
+           config: dict | None = None):
     """Same contract as ``dsv4.model.mhc.hc_pre``: streams [T, n, H] → (collapsed [T, H] in the
-    stream dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    stream dtype, RMS-normalised with weight ``norm`` when given, post [T, n] fp32, comb [T, n, n] fp32)."""
     streams = _check_streams(streams)
     T, n, H = streams.shape
     nmix, k = 2 * n + n * n, n * H
     _check_pre_weights(n, H, fn, base, scale, streams.shape)
+    norm = _check_norm(norm, H)
     cfg = dict(CONFIG, **(config or {}))
     if T == 0:
         return _empty_pre(T, n, H, streams.dtype, streams.device)
@@ -369,7 +419,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t, BLOCK_K=cfg["MIX_BLOCK_K"],
         BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
         num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
-    return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg)
+    return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg, norm)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -493,18 +543,19 @@ def fusable(H: int, config: dict | None = None) -> bool:
 
 def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-                 rms_eps: float, *, config: dict | None = None):
-    """``hc_post(streams, out, post, comb)`` then ``hc_pre`` of the result with (fn, base, scale):
+                 rms_eps: float, norm: torch.Tensor | None = None, *, config: dict | None = None):
+    """``hc_post(streams, out, post, comb)`` then ``hc_pre`` of the result with (fn, base, scale, norm):
     → (new streams [T, n, H], collapsed [T, H], post [T, n], comb [T, n, n]), bitwise those of the
     two ops (same contract as ``dsv4.model.mhc.hc_post_pre``)."""
     streams, out, post, comb = _check_post(streams, out, post, comb)
     T, n, H = streams.shape
     _check_pre_weights(n, H, fn, base, scale, streams.shape)
+    norm = _check_norm(norm, H)
     cfg = dict(CONFIG, **(config or {}))
     fused_max = cfg["POST_MIX_FUSED_MAX_T"]
     if not fusable(H, cfg) or (fused_max is not None and T > fused_max):
         y = hc_post(streams, out, post, comb, config=config)
-        return (y, *hc_pre(y, fn, base, scale, iters, hc_eps, rms_eps, config=config))
+        return (y, *hc_pre(y, fn, base, scale, iters, hc_eps, rms_eps, norm, config=config))
     dev = streams.device
     y = torch.empty((T, n, H), dtype=streams.dtype, device=dev)
     if T == 0:
@@ -519,4 +570,4 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t,
         BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
         num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
-    return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg))
+    return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg, norm))
