@@ -570,6 +570,19 @@ MHC_PREFILL_VARIANTS = {  # the same bits as the default: the tokens are the mix
 }
 
 
+def _mhc_inputs(dev, g, t, n, h):
+    """(streams, sub-layer output, post, comb, fn, base, scale) for mhc_post_pre at the checkpoint's scales."""
+    nmix = 2 * n + n * n
+    s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
+    o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    post = torch.rand(t, n, device=dev, generator=g) * 2
+    comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
+    fn = torch.randn(nmix, n * h, device=dev, generator=g) / math.sqrt(n * h)
+    base = torch.randn(nmix, device=dev, generator=g) * 0.5
+    scale = torch.rand(3, device=dev, generator=g) * 0.5 + 0.5
+    return s, o, post, comb, fn, base, scale
+
+
 def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
     """mhc_post_pre (hc_post + the next hc_pre: two launches a layer boundary) under the CONFIG overrides of
     ``MHC_DECODE_VARIANTS`` (decode sizes) and ``MHC_PREFILL_VARIANTS`` (prefill: hc_post, then hc_pre): CUDA-graph
@@ -584,14 +597,7 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
     out = {}
     for t in (*t_list, *prefill_t):
         variants = MHC_DECODE_VARIANTS if t in t_list else MHC_PREFILL_VARIANTS
-        nmix = 2 * n + n * n
-        s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
-        o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
-        post = torch.rand(t, n, device=dev, generator=g) * 2
-        comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
-        fn = torch.randn(nmix, n * h, device=dev, generator=g) / math.sqrt(n * h)
-        base = torch.randn(nmix, device=dev, generator=g) * 0.5
-        scale = torch.rand(3, device=dev, generator=g) * 0.5 + 0.5
+        s, o, post, comb, fn, base, scale = _mhc_inputs(dev, g, t, n, h)
         args = (s, o, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
         pre_ref = ref.mhc_pre(ref.mhc_post(s, o, post, comb), fn, base, scale, iters, hc_eps, rms_eps)
         base_out = tm.mhc_post_pre(*args)
@@ -635,14 +641,7 @@ def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):
     n, h, iters, hc_eps, rms_eps = 4, 4096, 20, 1e-6, 1e-6
     out = {}
     for t in t_list:
-        nmix = 2 * n + n * n
-        s = (torch.randn(t, n, h, device=dev, generator=g) * 3).to(torch.bfloat16)
-        o = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
-        post = torch.rand(t, n, device=dev, generator=g) * 2
-        comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
-        fn = torch.randn(nmix, n * h, device=dev, generator=g) / math.sqrt(n * h)
-        base = torch.randn(nmix, device=dev, generator=g) * 0.5
-        scale = torch.rand(3, device=dev, generator=g) * 0.5 + 0.5
+        s, o, post, comb, fn, base, scale = _mhc_inputs(dev, g, t, n, h)
         w = (torch.rand(h, device=dev, generator=g) + 0.5).to(torch.bfloat16)
         args = (s, o, post, comb, fn, base, scale, iters, hc_eps, rms_eps)
 
