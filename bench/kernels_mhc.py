@@ -105,8 +105,10 @@ def _hc_inputs(t, h, g, dev):
 
 
 def bench_mhc(results, dev, shapes, bw, peak):
-    from dsv4.model import mhc as ref
+    from dsv4.model.opset import reference_ops
     from dsv4.ops.triton import mhc as tm
+
+    oracle = reference_ops()  # the torch op set: the oracle's functions (mhc_pre needs its GEMM and norm)
 
     plain, graph = _timers(dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -114,7 +116,7 @@ def bench_mhc(results, dev, shapes, bw, peak):
     for t in shapes["tokens"]:
         s, fn, base, scale = _hc_inputs(t, h, g, dev)
         args = (s, fn, base, scale, ITERS, HC_EPS, RMS_EPS)
-        a, o = tm.hc_pre(*args), ref.hc_pre(*args)
+        a, o = tm.hc_pre(*args), oracle.mhc_pre(*args)
         d_gate = max((a[1] - o[1]).abs().max().item(), (a[2] - o[2]).abs().max().item())
         d_col = ((a[0].float() - o[0].float()).abs() / (o[0].float().abs() + 1e-3)).max().item()
         alone = tm.hc_pre(s[:1], fn, base, scale, ITERS, HC_EPS, RMS_EPS)
@@ -126,21 +128,21 @@ def bench_mhc(results, dev, shapes, bw, peak):
         nbytes = s.numel() * 2 + fn.numel() * 4 + t * h * 2 + t * (N_HC + N_HC * N_HC) * 4
         flops = 2 * t * fn.shape[0] * fn.shape[1] + 2 * t * N_HC * h
         shape = f"T={t} H={h} n={N_HC}"
-        _row(results, "hc_pre", shape, "torch", plain(lambda: ref.hc_pre(*args)), graph(lambda: ref.hc_pre(*args)),
-             nbytes, flops, bw, peak, chk)
+        _row(results, "hc_pre", shape, "torch", plain(lambda: oracle.mhc_pre(*args)),
+             graph(lambda: oracle.mhc_pre(*args)), nbytes, flops, bw, peak, chk)
         _row(results, "hc_pre", shape, "triton", plain(lambda: tm.hc_pre(*args)), graph(lambda: tm.hc_pre(*args)),
              nbytes, flops, bw, peak, chk)
         out = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
         pargs = (s, out, o[1], o[2])
-        y, yo = tm.hc_post(*pargs), ref.hc_post(*pargs)
+        y, yo = tm.hc_post(*pargs), oracle.mhc_post(*pargs)
         # relative to the output's scale: near-zero outputs come from cancellation, where one bf16
         # rounding of an O(1) term is already a large relative error
         d = ((y.float() - yo.float()).abs().max() / yo.float().abs().max()).item()
         chk = f"rel {d:.1e}" if d <= 2 ** -7 else f"FAIL rel {d:.1e}"
         nbytes = (2 * N_HC + 1) * t * h * 2 + t * (N_HC + N_HC * N_HC) * 4
         flops = 2 * t * N_HC * (N_HC + 1) * h
-        _row(results, "hc_post", shape, "torch", plain(lambda: ref.hc_post(*pargs)),
-             graph(lambda: ref.hc_post(*pargs)), nbytes, flops, bw, peak, chk)
+        _row(results, "hc_post", shape, "torch", plain(lambda: oracle.mhc_post(*pargs)),
+             graph(lambda: oracle.mhc_post(*pargs)), nbytes, flops, bw, peak, chk)
         _row(results, "hc_post", shape, "triton", plain(lambda: tm.hc_post(*pargs)),
              graph(lambda: tm.hc_post(*pargs)), nbytes, flops, bw, peak, chk)
         s = out = a = o = y = yo = None  # freed (a timed closure above refers to them)
