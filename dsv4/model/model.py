@@ -4,9 +4,9 @@ embed → 4 mHC streams → per layer [mHC-pre → attn_norm → attention → m
 mHC-post] → hc_head → norm → head. Each post but the last is computed together with the pre that follows it
 (the ``mhc_post_pre`` op: attention post + MoE pre, MoE post + the next layer's attention pre), which
 the fast path runs as one fused kernel; a pre also applies the sub-layer's RMSNorm (its ``norm`` argument),
-the only reader of the collapsed streams, which the fast path does in the same launch. The MTP block predicts one token further from the pre-hc_head
-streams. Every building block is called through the op set the model was built with
-(``dsv4.model.opset``): without kernels, plain torch — the oracle.
+the only reader of the collapsed streams, which the fast path does in the same launch. The MTP block
+predicts one token further from the pre-hc_head streams. Every building block is called through the op set the
+model was built with (``dsv4.model.opset``): without kernels, plain torch — the oracle.
 A batch is a list of sequence chunks (:class:`~dsv4.model.step.SeqChunk`) concatenated along the
 token axis; each chunk carries its own cache, so prefill, decode and chunked prefill are the same
 call. The attention layers read the forward's metadata, a :class:`~dsv4.model.step.Step` (a list of
