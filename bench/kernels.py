@@ -30,8 +30,8 @@ the FP8 linear's decode launch on every decode-size linear of a layer; ``dense_d
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
 launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
 op with the next sub-layer's RMSNorm in its gate launch, at its launch shapes, against the op then the RMSNorm
-launch; ``mma_rate`` the
-tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
+launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA operand and
+around it; ``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
