@@ -137,10 +137,13 @@ def tiers_line(config: EngineConfig, kv: KVCacheManager) -> str:
 
 def kv_cache_memory(config: EngineConfig, device: torch.device) -> int:
     """The bytes the KV cache may take: ``kv_cache_memory``, else what ``gpu_memory_utilization``
-    leaves free on a CUDA device, else 1 GiB."""
+    leaves free on a CUDA device, else 1 GiB. The caching allocator's unused blocks (what loading freed,
+    e.g. the originals of the weights stacked at load: 23 MB a layer at Flash's widths) are handed back
+    first, so the driver counts them as free."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return int(max(0, free - (1 - config.gpu_memory_utilization) * total))
     return 1 << 30

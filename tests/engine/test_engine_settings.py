@@ -102,3 +102,26 @@ def test_dspark_drafting_under_tensor_parallelism_is_refused_by_name():
     with pytest.raises(ValueError, match="tensor_parallel_size=2, nnodes=1: DSpark drafting runs in a single process"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative_config=dspark)
     EngineConfig(model="m", tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_kv_cache_sizing_hands_the_allocators_cache_back_before_reading_free_memory(monkeypatch):
+    """On a GPU the KV budget is what ``gpu_memory_utilization`` leaves of the driver's free memory; the
+    blocks the caching allocator kept from loading (e.g. the originals of the weights stacked at load) are
+    returned first, or the driver would count them as used. An explicit ``kv_cache_memory`` wins."""
+    import torch
+
+    from dsv4.engine.build import kv_cache_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        return (60 << 30) if "empty_cache" in calls else (59 << 30), 100 << 30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    cfg = EngineConfig(model="m", gpu_memory_utilization=0.5)
+    assert kv_cache_memory(cfg, torch.device("cuda")) == 10 << 30
+    assert calls == ["empty_cache", "mem_get_info"]
+    assert kv_cache_memory(EngineConfig(model="m", kv_cache_memory=123), torch.device("cuda")) == 123
+    assert kv_cache_memory(cfg, torch.device("cpu")) == 1 << 30
