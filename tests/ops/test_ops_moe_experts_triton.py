@@ -213,9 +213,8 @@ def test_gate_and_up_rows_in_one_mma_operand_give_the_same_bits(fp4_layer, t, dt
     (a decode step, several K steps, several tokens per expert, a padding row); under the interpreter a dot
     is numpy's matmul, whose order follows the operands' shapes, so there both are held to the torch op's
     tolerance. FP8 experts ignore the key."""
-    x, ids, w, valid = _padded_batch(t, 71, dtype, pad_row=0) if t > 1 else (*_padded_batch(2, 71, dtype, 1)[:3], None)
-    if t == 1:
-        x, ids, w = x[:1], ids[:1], w[:1]
+    x, ids, w, valid = _padded_batch(max(t, 2), 71, dtype, pad_row=0 if t > 1 else 1)
+    x, ids, w, valid = x[:t], ids[:t], w[:t], valid[:t]  # t = 1: the batch's valid row alone
     base = dict({"direct": False, "BLOCK_N": 64}, **cfg)
     got = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(base, merge_gu=True))
     want = tmoe.moe_experts(x, ids, w, *fp4_layer, config=dict(base, merge_gu=False))
@@ -224,8 +223,7 @@ def test_gate_and_up_rows_in_one_mma_operand_give_the_same_bits(fp4_layer, t, dt
         assert torch.equal(got, want)
     _check(got, ref, dtype)
     _check(want, ref, dtype)
-    if valid is not None:
-        assert (got[~valid] == 0).all()
+    assert (got[~valid] == 0).all()
 
 
 def test_ptx_decode_asked_where_it_cannot_run_is_refused_by_name(fp4_layer):
