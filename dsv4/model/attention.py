@@ -169,23 +169,32 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """The layer over the step's tokens; ``step`` (``dsv4.model.step``) picks the backend."""
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, kv_raw): the query latent after q_norm (the indexer's input too) and the raw wkv projection."""
         cfg, ops = self.cfg, self.ops
-        T = x.shape[0]
-        hd = cfg.head_dim
-        nh = self.wq_b.shape[0] // hd  # query heads held here: all, or this rank's share under TP
-        cos, sin = cos_sin(self.rope, step.positions)
         if self.wq_a_kv is not None:  # one GEMM; its column halves go on as views (their readers take a row stride)
             q_lat, kv_raw = ops.linear(x, self.wq_a_kv, self.act_quant).split(
                 [self.wq_a.shape[0], self.wkv.shape[0]], dim=-1)
         else:
             q_lat, kv_raw = ops.linear(x, self.wq_a, self.act_quant), ops.linear(x, self.wkv, self.act_quant)
-        qr = ops.rms_norm(q_lat, self.q_norm, cfg.rms_norm_eps)
-        q = ops.linear(qr, self.wq_b, self.act_quant).view(T, nh, hd)
+        return ops.rms_norm(q_lat, self.q_norm, cfg.rms_norm_eps), kv_raw
+
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' queries [T, h, d] from the latent: wq_b, then each head's unit RMSNorm and RoPE."""
+        cfg, ops = self.cfg, self.ops
+        nh = self.wq_b.shape[0] // cfg.head_dim  # query heads held here: all, or this rank's share under TP
+        q = ops.linear(qr, self.wq_b, self.act_quant).view(qr.shape[0], nh, cfg.head_dim)
         q = ops.unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
         self._check("q", q)
-        out = BACKENDS[step.kind].attend(self, step, x, qr, q, kv_raw, cos, sin)
+        return q
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """The layer over the step's tokens; ``step`` (``dsv4.model.step``) picks the backend, which
+        also orders the projections (``latent``, ``queries``) among its sequence work."""
+        cfg, ops = self.cfg, self.ops
+        T = x.shape[0]
+        cos, sin = cos_sin(self.rope, step.positions)
+        out = BACKENDS[step.kind].attend(self, step, x, cos, sin)
         o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
@@ -262,10 +271,11 @@ class Attention:
 class AttentionBackend(Protocol):
     """The sequence-dependent part of a layer's attention for a step: one per metadata kind."""
 
-    def attend(self, attn: Attention, step: Step, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
-               kv_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Every token's attention output [T, h, d] (before the inverse rope), its window KV (from
-        ``kv_raw`` with the main rope's ``cos``/``sin``) stored on the way."""
+    def attend(self, attn: Attention, step: Step, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Every token's attention output [T, h, d] (before the inverse rope): the queries from
+        ``attn.latent(x)`` and ``attn.queries``, the window KV (from the latent's ``kv_raw`` with the
+        main rope's ``cos``/``sin``) stored on the way."""
 
     def store_kv(self, attn: Attention, step: Step, kv_raw: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
@@ -276,7 +286,9 @@ class ReferenceAttention:
     """The oracle's backend: each chunk through its own sequence cache, ``Attention._attend`` (a
     DSpark draft block's ``_attend_block``)."""
 
-    def attend(self, attn, step, x, qr, q, kv_raw, cos, sin):
+    def attend(self, attn, step, x, cos, sin):
+        qr, kv_raw = attn.latent(x)
+        q = attn.queries(qr, cos, sin)
         kv = attn.window_kv(kv_raw, cos, sin)
         out = torch.empty_like(q)
         one = attn._attend_block if step.block else attn._attend

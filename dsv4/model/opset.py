@@ -37,8 +37,10 @@ class OpSet:
     attention and sampler ops not given are None (dequantized weights, the per-request attention, the
     torch pick). ``backends``: op name → backend name, for the startup table and reports."""
 
-    def __init__(self, fns: Mapping[str, Callable] | None = None, backends: Mapping[str, str] | None = None):
-        from . import linear, mhc, moe, norms, rope
+    def __init__(self, fns: Mapping[str, Callable] | None = None, backends: Mapping[str, str] | None = None,
+                 fork: Callable | None = None):
+        """``fork``: how the model's concurrent branches run (``dsv4.model.branches``; default in order)."""
+        from . import branches, linear, mhc, moe, norms, rope
 
         fns = dict(fns or {})
         unknown = sorted(set(fns) - set(OPS))
@@ -54,6 +56,7 @@ class OpSet:
         self.backends = {op: (backends or {}).get(op, "custom") if op in fns else off.get(op, "torch") for op in OPS}
         for op in WEIGHT_OPS + ATTENTION_OPS + SAMPLER_OPS:
             setattr(self, op, fns.get(op))
+        self.fork = fork or branches.serial_fork
         k = self.kernels
         # leaves
         self.dense_linear = k.get("dense_linear", linear.dense_reference)
@@ -87,7 +90,8 @@ class OpSet:
         by: dict[str, list[str]] = {}
         for op in OPS:
             by.setdefault(self.backends[op], []).append(op)
-        return "; ".join(f"{name}: {', '.join(ops)}" for name, ops in by.items())
+        branches = getattr(self.fork, "label", "in order")
+        return "; ".join(f"{name}: {', '.join(ops)}" for name, ops in by.items()) + f"; branches: {branches}"
 
 
 REFERENCE: OpSet | None = None

@@ -41,7 +41,7 @@ class PagedAttention:
     """The backend of a ``PagedStep`` (``attention.AttentionBackend``): everything
     ``Attention._attend`` does per chunk, for all tokens of the step at once."""
 
-    def attend(self, attn, step, x, qr, q, kv_raw, cos, sin) -> torch.Tensor:
+    def attend(self, attn, step, x, cos, sin) -> torch.Tensor:
         """The window KV goes from ``kv_raw`` (the wkv projection) and the main rope's ``cos``/``sin``
         to ``kv_norm_rope_insert``, which computes and stores it in one op (with validation hooks,
         ``kv_insert`` stores the finished KV the hook saw). ``step.block`` > 0: the tokens are
@@ -49,32 +49,45 @@ class PagedAttention:
         their positions like window KV — past the request's computed tokens, where the drafter's
         next context write overwrites it before any read — and each query reads the
         ``sliding_window`` positions before its block and all of the block: the window of the
-        block's last position, ``block`` positions wider."""
+        block's last position, ``block`` positions wider.
+
+        Concurrent branches (``ops.fork``, ``dsv4.model.branches``) beside the query projections:
+        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor and then
+        the indexer, which reads the query latent; the sparse attention joins them."""
         ops, cfg, layer = attn.ops, attn.cfg, attn.layer
         kvc = step.kvc
         fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
-        kv = None if attn.hooks is None else attn.window_kv(kv_raw, cos, sin)
-        insert_window_kv(attn, step, kv, kv_raw, cos, sin)
         comp_pages, per = None, 1
-        comp_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        comp_idx = torch.empty(x.shape[0], 0, dtype=torch.long, device=x.device)
         positions, window, block = step.positions, cfg.sliding_window, step.block
         if block:
             if attn.compressor is not None:
                 raise ValueError(f"layer {layer}: a DSpark draft block needs a window-only layer")
-            row = torch.arange(q.shape[0], device=q.device) % block
+            row = torch.arange(x.shape[0], device=x.device) % block
             positions, window = positions + (block - 1 - row), window + block
+        n_max = 0 if attn.compressor is None else step.max_end // attn.ratio
+        csa = attn.type == LayerType.CSA
+        branches = []  # every one joined before the sparse attention
+        if attn.compressor is not None:  # they read x only: beside the projections
+            branches.append(ops.fork(_compress, attn.compressor, step, x, lane=0))
+            if csa:
+                branches.append(ops.fork(_compress, attn.idx_compressor, step, x, lane=1))
+        qr, kv_raw = attn.latent(x)
+        selected = None
+        if csa and n_max > 0:
+            visible = step.visible(attn.ratio)  # the forward's tables, made here on the main path: shared
+            cos_sin(cfg.rope_compress, step.positions)
+            selected = ops.fork(_indexer, attn, step, x, qr, visible, n_max, lane=1)  # after its compressor
+            branches.append(selected)
+        kv = None if attn.hooks is None else attn.window_kv(kv_raw, cos, sin)
+        branches.append(ops.fork(insert_window_kv, attn, step, kv, kv_raw, cos, sin, lane=0))
+        q = attn.queries(qr, cos, sin)
+        for b in branches:
+            b.result()
         if attn.compressor is not None:
-            _compress(attn.compressor, step, x)
-            if attn.type == LayerType.CSA:
-                _compress(attn.idx_compressor, step, x)
-            n_max = step.max_end // attn.ratio
             comp_pages, per = kvc.comp[(layer, "kv")], kvc.per_block((layer, "kv"))
             if n_max > 0:
-                visible = step.visible(attn.ratio)
-                if attn.type == LayerType.CSA:
-                    comp_idx = _indexer(attn, step, x, qr, visible, n_max)
-                else:
-                    comp_idx = step.all_visible(attn.ratio, n_max)
+                comp_idx = selected.result() if csa else step.all_visible(attn.ratio, n_max)
         return ops.sparse_attention(q, positions, step.seq_ids, kvc.swa[layer], step.swa_table, comp_pages,
                                     step.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5, window, fmt)
 

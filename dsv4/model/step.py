@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from ..config import LayerType, ModelConfig
+from . import branches
 
 # ---- the paged geometry ---------------------------------------------------------------------
 SWA_PAGE = 64  # tokens of a sliding-window KV page
@@ -98,6 +99,8 @@ def per_forward(key, positions: torch.Tensor, fn):
     k = (key, id(positions), positions._version)
     hit = memo.get(k)
     if hit is None or hit[0] is not positions:
+        if branches.inside():  # made in a concurrent branch: another lane might read it unwritten
+            return fn(positions)
         hit = memo[k] = (positions, fn(positions))
     return hit[1]
 
@@ -267,6 +270,8 @@ class PagedStep(Step):
                 t = torch.frombuffer(cols[0] + cols[1] + cols[2] + cols[3], dtype=torch.long).view(4, -1)
                 cuda = self.kvc.device.type == "cuda"
                 t = t.pin_memory().to(self.kvc.device, non_blocking=True) if cuda else t.clone()
+            if branches.inside():  # as ``per_forward``: a branch's table is its own
+                return t
             self._emitting[r] = t
         return self._emitting[r]
 

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ..model.opset import ATTENTION_OPS, BLOCK_OPS, SAMPLER_OPS, WEIGHT_OPS, OpSet
+from . import streams
 from .registry import resolve
 
 log = logging.getLogger("dsv4.ops")
@@ -29,7 +30,8 @@ def resolve_op_set(backend: str = "auto", attention: str = "auto", device="cpu",
     interpreter). ``attention``: ``batched`` (a step's attention over the pages at once),
     ``reference`` (per request, through the oracle) or ``auto`` (batched on the fast path). On the
     fast path weights stay in their checkpoint formats; a building block keeps the oracle's torch code
-    unless a real kernel is chosen for it. ``force`` (and ``DSV4_OPS``) pin single ops
+    unless a real kernel is chosen for it, and the model's concurrent branches run on CUDA side streams
+    (``dsv4.ops.streams``). ``force`` (and ``DSV4_OPS``) pin single ops
     (``dsv4.ops.registry``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
@@ -50,6 +52,7 @@ def resolve_op_set(backend: str = "auto", attention: str = "auto", device="cpu",
             pin = {**{op: backend for op in ATTENTION_OPS}, **pin}
         for op in ATTENTION_OPS:
             chosen[op] = resolve(op, force=pin)
-    ops = OpSet({op: fn for op, (_, fn) in chosen.items()}, {op: name for op, (name, _) in chosen.items()})
+    ops = OpSet({op: fn for op, (_, fn) in chosen.items()}, {op: name for op, (name, _) in chosen.items()},
+                fork=streams.fork if fast else None)
     log.info("dsv4 ops (backend=%s, attention=%s, %s): %s", backend, attention, torch.device(device), ops.describe())
     return ops

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..formats import dequantize_block_fp8, dequantize_mxfp4, fake_quant_fp8_pow2, get_fp8_format
 from ..formats.experts import as_bytes, expert_dtype_of
+from ..model.branches import resolve
 from ..model.linear import rows_linear
 
 __all__ = ["fp8_linear", "moe_route", "moe_experts", "greedy_pick", "act_format"]
@@ -140,7 +141,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
                 s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
                 expert_dtype: str | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped); ``add``
-    ([T, H] in x.dtype, e.g. the shared expert's output) added to that, in x.dtype."""
+    ([T, H] in x.dtype, e.g. the shared expert's output, or a ``Pending`` branch giving it, joined where it
+    is added) added to that, in x.dtype."""
     expert_dtype = expert_dtype or expert_dtype_of(w13)
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
@@ -157,4 +159,4 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         y = rows_linear(hh, wd)
         out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
     out = out.to(x.dtype)
-    return out if add is None else out + add
+    return out if add is None else out + resolve(add)

@@ -175,3 +175,25 @@ def test_decode_graphs_only_with_graph_safe_ops():
     kernel.__module__ = "dsv4.ops.triton.sparse_attention"
     assert _graph_capturable(OpSet({op: kernel for op in ATTENTION_OPS}))
     assert not _graph_capturable(OpSet())  # no batched attention: nothing to capture
+
+
+def test_deferred_branches_give_the_same_tokens(tiny_ckpt, monkeypatch):
+    """The batched attention's concurrent branches (the compressors and the window KV insert on one
+    lane, the indexer's compressor and the indexer on another, ``PagedAttention.attend``) run as late
+    as their joins allow (``DeferredLanes``): the in-order tokens and logprobs bitwise, through prefill
+    chunks, decodes and the CSA/HCA entries they close, and every branch joined."""
+    from deferred_lanes import DeferredLanes
+
+    from dsv4.model import branches
+
+    prompts = rand_prompts(23, [30, 126, 254])
+    params = greedy(6)
+    want = [signature(o) for o in make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch",
+                                           max_num_batched_tokens=100).generate(prompts, params)]
+    lanes = DeferredLanes()
+    monkeypatch.setattr(branches, "serial_fork", lanes)  # the op set's default fork
+    llm = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_batched_tokens=100)
+    assert llm.engine.model.ops.fork is lanes
+    got = [signature(o) for o in llm.generate(prompts, params)]
+    assert lanes.forks > 0 and lanes.unjoined() == 0
+    assert got == want

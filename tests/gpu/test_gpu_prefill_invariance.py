@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TARGETS = (10, 70, 300)  # below, just above and well above the 64-row decode tiles
 
 
-@pytest.fixture(scope="module")
-def flash_width_ckpt(tmp_path_factory):
-    from dsv4.checkpoint.synthetic import write_checkpoint
-
-    return write_checkpoint(tmp_path_factory.mktemp("fw2"), preset="flash-width", layers=2, device="cuda",
-                            progress=False)
-
-
 def _prompts(n, lo, hi, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 120000, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()

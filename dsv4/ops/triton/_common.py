@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...model import branches
 from ..platform import interpreting as _interpreting_now
 
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, so this process's kernels run interpreted
@@ -300,11 +301,12 @@ _COUNTERS: dict = {}
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for ``split_sum_last``, one per output tile. A tile's last
-    program puts its counter back to 0, so one buffer serves every launch of the device's stream
-    (CUDA-graph replays included); it is made outside any capture (the warm-up's first launch) and
-    replaced by a larger one only if a launch has more tiles (the old one stays alive for the graphs
-    that captured it)."""
-    key = (device.type, device.index)
+    program puts its counter back to 0, so one buffer serves every launch of one stream in turn
+    (CUDA-graph replays included), but not two launches at once: each lane of the model's concurrent
+    branches (``dsv4.model.branches.current_lane``, a side stream each) has its own. It is made
+    outside any capture (the warm-up's first launch) and replaced by a larger one only if a launch
+    has more tiles (the old one stays alive for the graphs that captured it)."""
+    key = (device.type, device.index, branches.current_lane())
     bufs = _COUNTERS.setdefault(key, [])
     if not bufs or bufs[-1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...model.branches import resolve
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -825,6 +826,12 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     return cfg
 
 
+def _checked_add(add: torch.Tensor | None, t: int, hdim: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if add is not None and (tuple(add.shape) != (t, hdim) or add.dtype != dtype):
+        raise ValueError(f"add must be [T, H] = {(t, hdim)} in {dtype}, got {tuple(add.shape)} {add.dtype}")
+    return add
+
+
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -839,7 +846,8 @@ def moe_experts(
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``dsv4.ops.torch_ops.moe_experts`` (``add`` in the combine kernel's epilogue)."""
+    """Same contract as ``dsv4.ops.torch_ops.moe_experts`` (``add`` in the combine kernel's epilogue; a
+    ``Pending`` one is joined just before that launch, so its branch runs beside the expert GEMMs)."""
     from ...formats.experts import expert_dtype_of
 
     expert_dtype = expert_dtype or expert_dtype_of(w13)
@@ -878,10 +886,9 @@ def moe_experts(
         s3_row = math.ceil(idim / 128)
     else:
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
-    if add is not None and (tuple(add.shape) != (t, hdim) or add.dtype != x.dtype):
-        raise ValueError(f"add must be [T, H] = {(t, hdim)} in {x.dtype}, got {tuple(add.shape)} {add.dtype}")
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
+        _checked_add(resolve(add), t, hdim, x.dtype)
         return out
     cfg = pick_moe_config(t, topk, n_exp, expert_dtype, config, x.dtype)
     bm = cfg["BLOCK_M"]
@@ -1066,6 +1073,7 @@ def moe_experts(
                 **down_l,
             )
     block_h = min(1024, triton.next_power_of_2(hdim))
+    add = _checked_add(resolve(add), t, hdim, x.dtype)
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
         y,
         ids32,

@@ -1,0 +1,67 @@
+"""Concurrent branches of a forward: work that reads what the main path has made but that the main
+path does not need until later (the shared expert beside the routed ones, the compressors and the
+indexer beside the query projection).
+
+The model marks such work with its op set's ``fork(fn, *inputs, lane=)`` and takes the result where
+it is needed with ``Pending.result()``. The oracle's ``fork`` (``serial_fork``) runs it at once, so
+the reference's order and bits are the model's; a backend's ``fork`` may run it beside the main path
+(``dsv4.ops.streams``: a CUDA side stream per lane), which changes no value: each branch runs the
+same ops on the same operands, only the launch order between branches differs. ``fn`` gets the
+main path's tensors it reads as ``inputs`` (a backend keeps them alive until the join), and a table
+of the forward (``step.per_forward``) that a concurrent branch is the first to ask for is not shared
+(``inside``): another lane could read it before it is written. Every ``Pending`` is joined before
+the forward ends, so whatever follows the forward (a graph's end, a cache copy) sees its work.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+_lanes: list = []  # the lanes of the branches whose work is being issued now, innermost last
+
+
+@contextmanager
+def branch(lane=None):
+    """The ``with`` body issues a branch's work on ``lane`` (``inside()`` is true)."""
+    _lanes.append(lane)
+    try:
+        yield
+    finally:
+        _lanes.pop()
+
+
+def inside() -> bool:
+    """Whether the work being issued now belongs to a concurrent branch."""
+    return bool(_lanes)
+
+
+def current_lane():
+    """The lane whose work is being issued now (None: the main path). A kernel's device state that one
+    launch at a time may use (split-K arrival counters) is kept per lane: lanes run at the same time."""
+    return _lanes[-1] if _lanes else None
+
+
+class Pending:
+    """A branch's result. ``result()`` joins it to the main path (after its ``join``, once) and
+    returns its value; calling it again is free."""
+
+    def __init__(self, value, join: Callable[[], None] | None = None, keep=()):
+        self._value, self._join, self._keep = value, join, keep
+
+    def result(self):
+        if self._join is not None:
+            join, self._join, self._keep = self._join, None, ()
+            join()
+        return self._value
+
+
+def serial_fork(fn: Callable, *inputs, lane: int = 0) -> Pending:
+    """The oracle's fork: ``fn(*inputs)`` now, in the main path's order (its tables shared as the
+    main path's: nothing runs beside it)."""
+    return Pending(fn(*inputs))
+
+
+def resolve(value):
+    """``value``'s result if it is a ``Pending``, else ``value`` (what an op that takes either reads)."""
+    return value.result() if isinstance(value, Pending) else value

@@ -1,0 +1,53 @@
+"""The model's concurrent branches on CUDA side streams (``dsv4.model.branches``).
+
+A decode step's kernels are small: most use a fraction of the SMs for a few microseconds, and in
+one stream each waits for the one before. A branch the model marks (the shared expert, the
+compressors, the indexer) is issued on a side stream of its lane instead, after the main stream's
+work so far, and the main stream waits for it only where it reads the result; in a CUDA graph the
+two become parallel paths of one graph. No value changes: the same kernels run on the same
+operands.
+
+Memory: a branch's inputs are kept alive until its join, so the main stream cannot reuse their
+blocks while the side stream reads them; what a branch allocates belongs to its side stream's pool,
+reused there only by a later branch, which starts after the main stream's work that read it.
+Only batches of at most ``MAX_TOKENS`` tokens branch (the decode steps whose kernels leave SMs
+idle); larger ones, and tensors not on a CUDA device, run in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.branches import Pending, branch, serial_fork
+
+ENABLED = True  # False: every branch runs in order (for A/B measurements: --set dsv4.ops.streams.ENABLED=false)
+MAX_TOKENS = 256  # larger batches run in order: their kernels fill the GPU on their own
+_lanes: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
+    """The side stream of ``lane`` on ``device`` (made once: a CUDA graph keeps using it)."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+    if key not in _lanes:
+        _lanes[key] = torch.cuda.Stream(device=key[0])
+    return _lanes[key]
+
+
+def fork(fn, *inputs, lane: int = 0) -> Pending:
+    """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far;
+    its ``result()`` makes the current stream wait for it. In order (``serial_fork``) when disabled,
+    off CUDA or for a large batch (the first tensor input's rows)."""
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if not ENABLED or first is None or not first.is_cuda or first.shape[0] > MAX_TOKENS:
+        return serial_fork(fn, *inputs, lane=lane)
+    main = torch.cuda.current_stream(first.device)
+    side = lane_stream(first.device, lane)
+    side.wait_stream(main)
+    with torch.cuda.stream(side), branch(lane):
+        value = fn(*inputs)
+    done = torch.cuda.Event()
+    done.record(side)
+    return Pending(value, lambda: torch.cuda.current_stream(first.device).wait_event(done), keep=inputs)
+
+
+fork.label = "CUDA side streams"

@@ -1,0 +1,39 @@
+"""A fork that runs every branch as late as a side stream may (``dsv4.model.branches``): when it is
+joined, after the earlier branches of its lane. A model run through it must give the in-order bits."""
+
+from __future__ import annotations
+
+from dsv4.model import branches
+from dsv4.model.branches import Pending
+
+
+class DeferredLanes:
+    """A fork that issues nothing until a branch is joined; then it runs that lane's queued branches up
+    to the joined one, in fork order (a lane is one side stream)."""
+
+    def __init__(self):
+        self.queues: dict[int, list[_Deferred]] = {}
+        self.forks = 0
+
+    def __call__(self, fn, *inputs, lane: int = 0) -> Pending:
+        p = _Deferred(self.queues.setdefault(lane, []), fn, inputs)
+        self.queues[lane].append(p)
+        self.forks += 1
+        return p
+
+    def unjoined(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+
+class _Deferred(Pending):
+    def __init__(self, queue, fn, inputs):
+        super().__init__(None)
+        self.queue, self.fn, self.inputs, self.done = queue, fn, inputs, False
+
+    def result(self):
+        while not self.done:
+            head = self.queue.pop(0)
+            with branches.branch():
+                head._value = head.fn(*head.inputs)
+            head.done = True
+        return self._value

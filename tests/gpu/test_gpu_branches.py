@@ -1,0 +1,60 @@
+"""The model's concurrent branches on CUDA side streams (``dsv4.ops.streams``): a branch runs on its
+lane's stream and its result is complete where it is joined; an engine whose decode graphs hold the
+branches as parallel paths gives the logits of one that runs them in order, bitwise."""
+
+import pytest
+import torch
+from step_control import add, decode_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_fork_runs_on_the_lane_stream_and_join_orders_the_main_stream():
+    from dsv4.ops import streams
+
+    a = torch.randn(2048, 2048, device="cuda")
+    x = torch.randn(streams.MAX_TOKENS, 2048, device="cuda")  # as many rows as still branch
+    seen = []
+
+    def slow(x):  # long enough that an unjoined read would see it unfinished
+        seen.append(torch.cuda.current_stream())
+        for _ in range(20):
+            x = torch.tanh(x @ a) * 0.5
+        return x
+
+    main = torch.cuda.current_stream()
+    want = slow(x.clone())
+    p = streams.fork(slow, x.clone(), lane=1)
+    assert seen[-1] != main and seen[-1] == streams.lane_stream(a.device, 1)
+    got = p.result().clone()  # on the main stream, after the join
+    assert torch.equal(got, want)
+    assert streams.fork(lambda t: torch.cuda.current_stream(), a).result() == main  # past MAX_TOKENS: in order
+
+
+def test_decode_graphs_and_prefills_with_branches_equal_in_order(flash_width_ckpt, monkeypatch):
+    """Real widths (split-K GEMMs in the branches and beside them, the indexer over real entries):
+    eager prefills of branched size and decode-graph replays at batch 1 and 4 give the in-order bits."""
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+    from dsv4.ops import streams
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in (200, 120, 61, 250)]
+
+    def run(enabled):
+        monkeypatch.setattr(streams, "ENABLED", enabled)
+        eng = LLMEngine(EngineConfig(model=str(flash_width_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
+                                     max_num_seqs=8, kv_cache_memory=4 << 30, enable_prefix_caching=False,
+                                     async_scheduling=False))
+        assert eng.runner.graphs is not None
+        out = []
+        for b in (1, 4):
+            reqs = [add(eng, p) for p in prompts[:b]]
+            out += decode_logits(eng, reqs[0], reqs[1:], 5, target_at=b // 2)
+            for r in reqs:
+                eng.abort_request(r.request_id)
+        return out
+
+    in_order, branched = run(False), run(True)
+    assert streams._lanes, "no branch ran on a side stream"
+    for s, (x, y) in enumerate(zip(in_order, branched)):
+        assert torch.isfinite(x).all() and torch.equal(x, y), f"step {s}: max |Δ| {(x - y).abs().max().item():.3g}"
