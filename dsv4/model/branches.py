@@ -55,6 +55,11 @@ class Pending:
             join()
         return self._value
 
+    def on_lane(self):
+        """The value without a join, for a later branch of the same lane only: its work is issued after
+        this branch's on the same stream, which orders it there."""
+        return self._value
+
 
 def serial_fork(fn: Callable, *inputs, lane: int = 0) -> Pending:
     """The oracle's fork: ``fn(*inputs)`` now, in the main path's order (its tables shared as the

@@ -71,13 +71,14 @@ class PagedAttention:
         if attn.compressor is not None:  # they read x only: beside the projections
             branches.append(ops.fork(_compress, attn.compressor, step, x, lane=0))
             if csa:
-                branches.append(ops.fork(_compress, attn.idx_compressor, step, x, lane=1))
+                branches.append(ops.fork(_index_inputs, attn, step, x, n_max > 0, lane=1))
         qr, kv_raw = attn.latent(x)
         selected = None
         if csa and n_max > 0:
             visible = step.visible(attn.ratio)  # the forward's tables, made here on the main path: shared
             cos_sin(cfg.rope_compress, step.positions)
-            selected = ops.fork(_indexer, attn, step, x, qr, visible, n_max, lane=1)  # after its compressor
+            # after its compressor and head weights, on their lane
+            selected = ops.fork(_indexer, attn, step, qr, branches[-1], visible, n_max, lane=1)
             branches.append(selected)
         kv = None if attn.hooks is None else attn.window_kv(kv_raw, cos, sin)
         branches.append(ops.fork(insert_window_kv, attn, step, kv, kv_raw, cos, sin, lane=0))
@@ -149,15 +150,24 @@ def _pool_insert(comp, step, rows: torch.Tensor, closing, ape: torch.Tensor | No
         numerics.fmt if numerics.quantized else None, kvc.per_block(key), ape=ape)
 
 
-def _indexer(attn, step, x, qr, visible, n_max: int) -> torch.Tensor:
-    """Top-k compressed entries of every query, ascending, −1 last ([T, min(k, n_max)])."""
+def _index_inputs(attn, step, x, scoring: bool) -> torch.Tensor | None:
+    """What the indexer reads of ``x``: its compressor's entries (into the pages) and, when it will score
+    (``scoring``), the heads' weights ``x·weights_projᵀ`` (returned)."""
+    _compress(attn.idx_compressor, step, x)
+    # × Hi^-0.5 × D^-0.5 in fp32 where the indexer op reads it (as the oracle's)
+    return attn.ops.linear(x, attn.idx_weights) if scoring else None
+
+
+def _indexer(attn, step, qr, inputs, visible, n_max: int) -> torch.Tensor:
+    """Top-k compressed entries of every query, ascending, −1 last ([T, min(k, n_max)]); ``inputs``: the
+    ``_index_inputs`` branch of its lane."""
     ops, cfg, kvc = attn.ops, attn.cfg, step.kvc
-    t = x.shape[0]
+    t = qr.shape[0]
     q = ops.linear(qr, attn.idx_wq_b, attn.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
     cos, sin = cos_sin(cfg.rope_compress, step.positions)
     fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
     q = ops.indexer_q_rope_quant(q, cos, sin, fmt)  # fp32; FP8 fake-quantized like the keys
-    w = ops.linear(x, attn.idx_weights)  # × Hi^-0.5 × D^-0.5 in fp32 where the op reads it (as the oracle's)
+    w = inputs.on_lane()
     key = (attn.layer, "index")
     n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
     k = min(cfg.index_topk, n_max)

@@ -33,12 +33,17 @@ def lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     return _lanes[key]
 
 
+def concurrent(t: torch.Tensor) -> bool:
+    """Whether a batch whose first tensor input is ``t`` runs its branches beside the main path."""
+    return ENABLED and t.is_cuda and t.shape[0] <= MAX_TOKENS
+
+
 def fork(fn, *inputs, lane: int = 0) -> Pending:
     """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far;
     its ``result()`` makes the current stream wait for it. In order (``serial_fork``) when disabled,
     off CUDA or for a large batch (the first tensor input's rows)."""
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-    if not ENABLED or first is None or not first.is_cuda or first.shape[0] > MAX_TOKENS:
+    if first is None or not concurrent(first):
         return serial_fork(fn, *inputs, lane=lane)
     main = torch.cuda.current_stream(first.device)
     side = lane_stream(first.device, lane)
