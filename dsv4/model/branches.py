@@ -18,13 +18,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-_lanes: list = []  # the lanes of the branches whose work is being issued now, innermost last
+_lanes: list = []  # (lane, concurrent) of the branches whose work is being issued now, innermost last
 
 
 @contextmanager
-def branch(lane=None):
-    """The ``with`` body issues a branch's work on ``lane`` (``inside()`` is true)."""
-    _lanes.append(lane)
+def branch(lane=None, concurrent: bool = True):
+    """The ``with`` body issues a branch's work on ``lane``: beside the main path (``inside()`` is
+    true), or in order with the lane's own device state (``concurrent=False``)."""
+    _lanes.append((lane, concurrent))
     try:
         yield
     finally:
@@ -33,13 +34,13 @@ def branch(lane=None):
 
 def inside() -> bool:
     """Whether the work being issued now belongs to a concurrent branch."""
-    return bool(_lanes)
+    return any(c for _, c in _lanes)
 
 
 def current_lane():
     """The lane whose work is being issued now (None: the main path). A kernel's device state that one
     launch at a time may use (split-K arrival counters) is kept per lane: lanes run at the same time."""
-    return _lanes[-1] if _lanes else None
+    return _lanes[-1][0] if _lanes else None
 
 
 class Pending:

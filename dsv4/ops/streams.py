@@ -3,15 +3,19 @@
 A decode step's kernels are small: most use a fraction of the SMs for a few microseconds, and in
 one stream each waits for the one before. A branch the model marks (the shared expert, the
 compressors, the indexer) is issued on a side stream of its lane instead, after the main stream's
-work so far, and the main stream waits for it only where it reads the result; in a CUDA graph the
+work so far, and the main stream waits for it only where it reads the result: in a CUDA graph the
 two become parallel paths of one graph. No value changes: the same kernels run on the same
 operands.
+
+Only a CUDA-graph capture branches (the decode and speculative graphs, batches of at most
+``MAX_TOKENS`` tokens): an eager step pays each fork's stream switches and events on the host at
+every step, and measured slower with them (H200, 43 layers, 128-token prefill: 977 against 1,128
+tok/s). An eager step runs a branch in order but with its lane's device state (its split-K
+counters, its stream), so that the uncaptured runs before a capture make them.
 
 Memory: a branch's inputs are kept alive until its join, so the main stream cannot reuse their
 blocks while the side stream reads them; what a branch allocates belongs to its side stream's pool,
 reused there only by a later branch, which starts after the main stream's work that read it.
-Only batches of at most ``MAX_TOKENS`` tokens branch (the decode steps whose kernels leave SMs
-idle); larger ones, and tensors not on a CUDA device, run in order.
 """
 
 from __future__ import annotations
@@ -33,18 +37,21 @@ def lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     return _lanes[key]
 
 
-def concurrent(t: torch.Tensor) -> bool:
-    """Whether a batch whose first tensor input is ``t`` runs its branches beside the main path."""
+def _lane_work(t: torch.Tensor) -> bool:
     return ENABLED and t.is_cuda and t.shape[0] <= MAX_TOKENS
 
 
 def fork(fn, *inputs, lane: int = 0) -> Pending:
-    """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far;
-    its ``result()`` makes the current stream wait for it. In order (``serial_fork``) when disabled,
-    off CUDA or for a large batch (the first tensor input's rows)."""
+    """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far, in a
+    CUDA-graph capture; its ``result()`` makes the current stream wait for it. In order otherwise:
+    eager, disabled, off CUDA or for a large batch (the first tensor input's rows)."""
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-    if first is None or not concurrent(first):
+    if first is None or not _lane_work(first):
         return serial_fork(fn, *inputs, lane=lane)
+    if not torch.cuda.is_current_stream_capturing():  # eager: in order, the lane's state made for a capture
+        lane_stream(first.device, lane)
+        with branch(lane, concurrent=False):
+            return Pending(fn(*inputs))
     main = torch.cuda.current_stream(first.device)
     side = lane_stream(first.device, lane)
     side.wait_stream(main)

@@ -9,31 +9,40 @@ from step_control import add, decode_logits
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_fork_runs_on_the_lane_stream_and_join_orders_the_main_stream():
+def test_fork_runs_on_the_lane_stream_in_a_capture_and_join_orders_the_main_stream():
+    """In a CUDA-graph capture a branch is issued on its lane's stream and the join orders the main
+    stream after it (the replay's result is the eager one); eager, and past MAX_TOKENS, it runs in order
+    on the main stream."""
     from dsv4.ops import streams
 
     a = torch.randn(2048, 2048, device="cuda")
     x = torch.randn(streams.MAX_TOKENS, 2048, device="cuda")  # as many rows as still branch
     seen = []
 
-    def slow(x):  # long enough that an unjoined read would see it unfinished
+    def slow(t):  # long enough that an unjoined read would see it unfinished
         seen.append(torch.cuda.current_stream())
         for _ in range(20):
-            x = torch.tanh(x @ a) * 0.5
-        return x
+            t = torch.tanh(t @ a) * 0.5
+        return t
 
     main = torch.cuda.current_stream()
-    want = slow(x.clone())
-    p = streams.fork(slow, x.clone(), lane=1)
-    assert seen[-1] != main and seen[-1] == streams.lane_stream(a.device, 1)
-    got = p.result().clone()  # on the main stream, after the join
+    want = slow(x)
+    assert streams.fork(slow, x, lane=1).result() is not None and seen[-1] == main  # eager: in order
+    assert streams.fork(lambda t: torch.cuda.current_stream(), a).result() == main  # past MAX_TOKENS
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        p = streams.fork(slow, x, lane=1)
+        assert seen[-1] == streams.lane_stream(a.device, 1)
+        got = p.result() + 0.0  # on the capture stream, after the join
+    g.replay()
+    torch.cuda.synchronize()
     assert torch.equal(got, want)
-    assert streams.fork(lambda t: torch.cuda.current_stream(), a).result() == main  # past MAX_TOKENS: in order
 
 
-def test_decode_graphs_and_prefills_with_branches_equal_in_order(flash_width_ckpt, monkeypatch):
+def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch):
     """Real widths (split-K GEMMs in the branches and beside them, the indexer over real entries):
-    eager prefills of branched size and decode-graph replays at batch 1 and 4 give the in-order bits."""
+    decode-graph replays at batch 1 and 4 with the branches as parallel paths give the bits of graphs
+    captured in order."""
     from dsv4.engine.engine import EngineConfig, LLMEngine
     from dsv4.ops import streams
 

@@ -72,6 +72,8 @@ def test_split_counters_are_per_lane():
         with branches.branch(1):
             one = split_counters(dev, 10)
     assert branches.current_lane() is None
+    with branches.branch(1, concurrent=False):  # an eager step's in-order branch: the lane's state, tables shared
+        assert split_counters(dev, 10) is one and not branches.inside()
     assert len({main.data_ptr(), zero.data_ptr(), one.data_ptr()}) == 3
     assert split_counters(dev, 10) is main
     with branches.branch(1):
