@@ -485,3 +485,29 @@ def test_add_is_a_torch_add_of_the_rounded_sum(fp4_layer, dtype):
         tmoe.moe_experts(x, ids, w, *fp4_layer, add=a[:4])
     with pytest.raises(ValueError, match="add must be"):
         tmoe.moe_experts(x, ids, w, *fp4_layer, add=a.double())
+
+
+def test_add_as_a_pending_branch_is_joined_once_before_the_combine(fp4_layer):
+    """``add`` as a ``Pending`` (the shared expert forked beside the routed ones): both backends join it once
+    and give the tensor's result; the Triton op has joined it when it launches the combine, which adds it."""
+    from dsv4.model.branches import Pending
+
+    x, ids, w, _ = _padded_batch(5, 43, torch.bfloat16, pad_row=1)
+    a = randn((5, H), gen(44), dtype=torch.bfloat16)
+    launched, joins = [], []
+    real = tmoe._moe_combine_kernel
+
+    class Spy:  # records when the combine launches, relative to the join
+        def __getitem__(self, grid):
+            launched.append(len(joins))
+            return real[grid]
+
+    for op in (tmoe.moe_experts, torch_ops.moe_experts):
+        p = Pending(a, join=lambda: joins.append(op))
+        tmoe._moe_combine_kernel = Spy()
+        try:
+            got = op(x, ids, w, *fp4_layer, add=p)
+        finally:
+            tmoe._moe_combine_kernel = real
+        assert torch.equal(got, op(x, ids, w, *fp4_layer, add=a)) and joins.count(op) == 1, op
+    assert launched == [1]  # the Triton combine launched after the one join
