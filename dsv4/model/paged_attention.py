@@ -52,8 +52,8 @@ class PagedAttention:
         block's last position, ``block`` positions wider.
 
         Concurrent branches (``ops.fork``, ``dsv4.model.branches``) beside the query projections:
-        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor and then
-        the indexer, which reads the query latent; the sparse attention joins them."""
+        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor and head
+        weights and then its scoring, which reads the query latent; the sparse attention joins them."""
         ops, cfg, layer = attn.ops, attn.cfg, attn.layer
         kvc = step.kvc
         fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
