@@ -26,15 +26,15 @@ from ..model.branches import Pending, branch, serial_fork
 
 ENABLED = True  # False: every branch runs in order (for A/B measurements: --set dsv4.ops.streams.ENABLED=false)
 MAX_TOKENS = 256  # larger batches run in order: their kernels fill the GPU on their own
-_lanes: dict[tuple[int, int], torch.cuda.Stream] = {}
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, lane) → its side stream
 
 
 def lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     """The side stream of ``lane`` on ``device`` (made once: a CUDA graph keeps using it)."""
     key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
-    if key not in _lanes:
-        _lanes[key] = torch.cuda.Stream(device=key[0])
-    return _lanes[key]
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=key[0])
+    return _streams[key]
 
 
 def _lane_work(t: torch.Tensor) -> bool:

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...model.branches import resolve
+from ...model.branches import Pending, resolve
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -886,6 +886,8 @@ def moe_experts(
         s3_row = math.ceil(idim / 128)
     else:
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
+    if not isinstance(add, Pending):  # a tensor is checked before any launch; a pending one where it is joined
+        _checked_add(add, t, hdim, x.dtype)
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
         _checked_add(resolve(add), t, hdim, x.dtype)
