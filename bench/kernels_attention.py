@@ -3,7 +3,8 @@
 Decode batches of T ∈ {1, 8, 64} tokens, each its own sequence at position N-1, H = 64 bf16 query
 heads, fp8_ds_mla pages (OCP) in shuffled page order:
 
-* CSA: window 128 + 512 compressed entries (a random ascending top-512 of the N/4 visible), 64 a page;
+* CSA: window 128 + 512 compressed entries (a random ascending top-512 of the N/4 visible, −1 padded to 512
+  columns where fewer are visible), 64 a page;
 * HCA: window 128 + all N/128 entries, 2 a page; N = 8K and 64K.
 
 Each row: µs per call from CUDA-graph replay (after warm-up), bytes moved (KV records read once +
@@ -14,6 +15,7 @@ checked once against the torch backend (fp32 and bf16 q).
 Part of ``bench/kernels.py`` (``--only attention``); alone:
 
     PYTHONPATH=. python3 bench/kernels_attention.py [--out attn.json]   # on the GPU
+    PYTHONPATH=. python3 bench/kernels_attention.py --chunks            # the decode launches' key chunkings
     python3 bench/kernels_attention.py --small                          # CPU interpreter, tiny shapes
 """
 
@@ -61,13 +63,15 @@ def make_case(kind: str, T: int, N: int, dev, g, heads: int = H, qdtype=torch.bf
     n_swa = -(-N // SWA_B)
     comp_pages = _fill_pages(T * n_blk + 1, per, dev, g)
     block_table = torch.randperm(T * n_blk, device=dev, generator=g).view(T, n_blk)
-    live = -(-WINDOW // SWA_B) + 1  # pages the window of position N-1 can touch
+    live = min(-(-WINDOW // SWA_B) + 1, n_swa)  # pages the window of position N-1 can touch
     swa_pages = _fill_pages(T * live + 1, SWA_B, dev, g)
     swa_table = torch.full((T, n_swa), -1, dtype=torch.long, device=dev)
     swa_table[:, n_swa - live:] = torch.randperm(T * live, device=dev, generator=g).view(T, live)
     if kind == "csa":
         k = min(512, n_ent)
         comp_idx = torch.rand(T, n_ent, device=dev, generator=g).topk(k, dim=1).indices.sort(dim=1).values
+        # the indexer's rows are 512 wide whatever the context: short ones padded with -1
+        comp_idx = torch.cat([comp_idx, comp_idx.new_full((T, 512 - k), -1)], dim=1)
     else:
         comp_idx = torch.arange(n_ent, device=dev).expand(T, n_ent).contiguous()
     positions = torch.full((T,), N - 1, dtype=torch.long, device=dev)
@@ -177,7 +181,13 @@ PREFILL_SWEEP = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st)
                                        (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 1))]
 
 
-def run(device, results: list, small: bool = False, prefill_only: bool = False) -> list:
+# decode-sized launches with the query's keys in other chunkings (``chunks`` runs of ≥ ``chunk_min`` blocks; each
+# its own bits) and the default chunks joined in one program (``split=False``: the default's bits)
+CHUNK_SWEEP = [dict(chunks=c, chunk_min=m) for c in (1, 2, 4, 8) for m in (1, 2, 4) if c > 1 or m == 1] + \
+    [dict(split=False)]
+
+
+def run(device, results: list, small: bool = False, prefill_only: bool = False, chunks_only: bool = False) -> list:
     """Time the kernels on ``device``; append one dict per row to ``results`` (and print a table)."""
     from dsv4.formats import OCP
     from dsv4.ops.triton.kv_insert import kv_insert
@@ -207,6 +217,19 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False) 
         print(f"{kernel:<17} {case:<24} {cfg_txt:<28} {us:>9.1f} {nbytes:>11,d} {bound:>9.2f} "
               f"{100 * bound / us:>7.1f}%", flush=True)
 
+    if chunks_only:  # and a 64-token context, as bench/e2e.py's decode steps (its 32-token prompts)
+        for kind in ("csa", "hca"):
+            for n in (64,) + ns:
+                for t in ts:
+                    args, nbytes = make_case(kind, t, n, dev, g, heads)
+                    case = f"{kind} N={n // 1024}K T={t}" if n >= 1024 else f"{kind} N={n} T={t}"
+                    row("sparse_attention", case, "default", lambda: paged_sparse_attention(*args), nbytes)
+                    for cfg in CHUNK_SWEEP[:2] if small else CHUNK_SWEEP:
+                        txt = " ".join(f"{k}={v}" for k, v in cfg.items())
+                        row("sparse_attention", case, txt, lambda cfg=cfg: paged_sparse_attention(*args, config=cfg),
+                            nbytes)
+                    args = None
+        return results
     sweep_at = {("csa", ns[0], ts[0])} if small else {("csa", ns[0], ts[0]), ("csa", ns[-1], ts[-1])}
     for kind in (() if prefill_only else ("csa", "hca")):
         for n in ns:
@@ -252,13 +275,15 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
+    ap.add_argument("--chunks", action="store_true", help="only the decode launches' key chunkings (CHUNK_SWEEP)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.small:
             ap.error("no CUDA device: use --small (Triton interpreter on CPU)")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     results: list = []
-    run("cuda" if torch.cuda.is_available() else "cpu", results, small=a.small, prefill_only=a.prefill_only)
+    run("cuda" if torch.cuda.is_available() else "cpu", results, small=a.small, prefill_only=a.prefill_only,
+        chunks_only=a.chunks)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
 

@@ -298,6 +298,35 @@ def test_an_explicit_tile_does_not_become_the_default(monkeypatch):
 
 
 
+@pytest.mark.parametrize("kind,qdtype,chunks,chunk_min", [("csa", torch.bfloat16, 4, 1), ("hca", torch.bfloat16, 3, 2),
+                                                          ("swa", torch.float32, 4, 1), ("hca", torch.float32, 2, 1)])
+def test_chunks_split_over_programs_give_the_one_program_bits(kind, qdtype, chunks, chunk_min):
+    """Each chunk of a query's keys in its own program, joined by the tile's last program (decode-sized
+    steps), against one program joining the same chunks as it goes: the same joins in the same order, so
+    bitwise the same compiled; both held to the oracle's bound. 16-key blocks and a 128-token window (40 for
+    fp32 q: on the 128-token scene the H200 kernel's fp32 error is 4.5x the oracle's, above ``ACCURACY``, with
+    every chunking alike, one chunk of 32-key blocks included: its logits', not the joins') give the queries
+    1 to 10 blocks: chunks of one to several blocks, straddling the compressed and window keys, and programs
+    with no chunk to compute (they only arrive). Under the interpreter (BLAS dots) the two are held to the
+    sum of their bounds."""
+    sc = Scene(OCP, kind, LENS, QUERIES, 128 if qdtype == torch.bfloat16 else 40, gen(30 + len(kind)))
+    cfg = {"BLOCK_N": 16, "chunks": chunks, "chunk_min": chunk_min}
+    q, sink, split = _check(sc, 16, qdtype, 31, config=dict(cfg, split=True))
+    _, _, joined = _check(sc, 16, qdtype, 31, config=dict(cfg, split=False))
+    _, a, gmax = _float64_reference(sc, q, sink, 512 ** -0.5)
+    ref = _run(torch_attention.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    assert_bits_if_compiled(split, joined, 2 * _bound(q, ref, a, gmax))
+    again = _run(lambda *a: tsa.paged_sparse_attention(*a, config=dict(cfg, split=True)), sc, q, sink, 512 ** -0.5)
+    assert torch.equal(again, split)  # the arrival counters were put back: a second launch joins the same way
+
+
+def test_chunk_settings_are_checked():
+    sc = Scene(OCP, "swa", LENS, QUERIES[:2], 40, gen(4))
+    q = torch.zeros(2, 16, 512, device=DEV)
+    with pytest.raises(ValueError, match="chunks and chunk_min"):
+        _run(lambda *a: tsa.paged_sparse_attention(*a, config={"chunks": 0}), sc, q, torch.zeros(16, device=DEV), 1.0)
+
+
 @pytest.mark.parametrize("fmt", [OCP, FNUZ], ids=["ocp", "fnuz"])
 @pytest.mark.parametrize("kind,qdtype,H", [("csa", torch.bfloat16, 16), ("hca", torch.float32, 16),
                                            ("swa", torch.bfloat16, 16), ("csa", torch.bfloat16, 64)])

@@ -1,7 +1,8 @@
 """Triton sparse attention over the paged KV cache (window + compressed entries), read in-kernel.
 
-One program per (query token, block of BLOCK_H heads), 1-D grid T·ceil(H/BLOCK_H) with a token's
-programs adjacent (they read the same keys, so the others' reads hit L2); BLOCK_H is 16 for every
+One program per (query token, block of BLOCK_H heads) and, for decode-sized steps, per chunk of the
+query's keys (see "Chunks"); grid axis 0 is T·ceil(H/BLOCK_H) with a token's programs adjacent
+(they read the same keys, so the others' reads hit L2); BLOCK_H is 16 for every
 head count where the keys are decoded in registers (H200 sweep, ``bench/kernels_attention.py``: at
 H = 64 four 16-head programs per token beat one 64-head program 20× at decode and 5× at prefill,
 whose 64×512 fp32 accumulator does not fit in registers; splitting the output dims over two programs
@@ -9,8 +10,9 @@ was slower than either), 32 where a prefill step decoded them once (below). All 
 share one KV row (K = V, 512 dims), so each key block is loaded and decoded once per program and
 multiplied against the whole head block (GQA-style). Per program:
 
-1. q [BLOCK_H, 512] (heads ≥ H masked to 0) and the sink logits; the online softmax starts from
-   the sink as a zero-valued key: m = sink, l = 1, acc = 0 (the sink is not scaled).
+1. q [BLOCK_H, 512] (heads ≥ H masked to 0) and the sink logits; the softmax state starts from
+   the sink as a zero-valued key: m = sink, l = 1, acc = 0 (the sink is not scaled); each chunk's
+   online softmax starts from nothing (m = −inf, l = 0, acc = 0) and is joined to the state in order.
 2. compressed keys: the query's comp_idx row in blocks of BLOCK_N, up to its last valid entry only
    (found by a first pass over the row), so the padding width Lc of the batch never changes the
    work or the result; entry e is read from page block_table[s, e // entries_per_block] at offset
@@ -54,10 +56,19 @@ compiled PTX and in the bits on the H200). The two forms are arranged to agree p
   (kernel error 3.4x the oracle's against 4.2x): FP8 bytes loaded in the iteration, and the bf16 pages'
   column mask read from a byte tensor (``KEEP``), which adds an 8-bit load to their dots' trace.
 
-Batch invariance: a program reads only its own query's rows; tile sizes, key order and block
-boundaries depend on the query alone (not on T, Lc or the other tokens), and nothing is split
-across programs, so a token's output is bitwise the same alone or in any batch. Which form a step
-takes depends on its size, but both forms give the same bits (the two paragraphs above).
+Chunks. A query's key blocks (its compressed blocks, then its window's) are cut into at most CHUNKS runs
+of at least CHUNK_MIN blocks each (fewer, longer runs only when the query has few or many blocks); each
+run's online softmax is computed alone and the runs are joined in order, (m, l, acc) ⊕ (m_c, l_c, acc_c)
+with explicit FMAs (``_merge``). Up to SPLIT_MAX_T tokens every run is its own program (grid axis 1), which
+stores its fp32 state; the last of a tile's programs to arrive (an acq_rel counter, as the split GEMMs'
+``_common.split_sum_last``) joins them. Above that, and for predecoded keys, one program joins its runs as it
+goes. Same runs, same joins in the same order: the same bits. At batch 1 the four 16-head programs of the
+one-program form walked a 1K-token CSA query's ~12 blocks one after the other; split, 16 programs walk ~3.
+
+Batch invariance: a program reads only its own query's rows; tile sizes, key order, block and chunk
+boundaries depend on the query alone (not on T, Lc or the other tokens), so a token's output is bitwise
+the same alone or in any batch. Which form a step takes (split chunks or not, keys predecoded or not)
+depends on its size, but every form gives the same bits (the paragraphs above).
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ from triton.runtime.errors import OutOfResources
 
 from ...formats.fp8 import get_fp8_format
 from ...formats.kv_record import KV_DIM, RECORD_BYTES
-from ._common import cast, fp8_to_f32, interpreting, native_fp8, ue8m0_to_f32
+from ._common import cast, fp8_to_f32, interpreting, native_fp8, split_counters, ue8m0_to_f32
 
 __all__ = ["decode_pages", "paged_sparse_attention", "pick_config"]
 
@@ -193,10 +204,10 @@ def _attend_keys(k, valid, q, q1, q2, q3, m, l, acc, scale_log2,
 
 
 @triton.jit
-def _comp_block(cidx_ptr, btab_ptr, t, sid, c0, n, s_ct, s_ctj, s_bt, s_btj, COMP_B, BLOCK_N: tl.constexpr):
-    """(page, offset, valid) of the query's compressed-entry columns c0 .. c0+BLOCK_N-1 (< n)."""
+def _comp_block(cidx_ptr, btab_ptr, t, sid, c0, hi, s_ct, s_ctj, s_bt, s_btj, COMP_B, BLOCK_N: tl.constexpr):
+    """(page, offset, valid) of the query's compressed-entry columns c0 .. c0+BLOCK_N-1 (< hi)."""
     cols = c0 + tl.arange(0, BLOCK_N)
-    ids = tl.load(cidx_ptr + t * s_ct + cols * s_ctj, mask=cols < n, other=-1).to(tl.int64)
+    ids = tl.load(cidx_ptr + t * s_ct + cols * s_ctj, mask=cols < hi, other=-1).to(tl.int64)
     valid = ids >= 0
     e = tl.where(valid, ids, 0)
     page = tl.load(btab_ptr + sid * s_bt + (e // COMP_B) * s_btj, mask=valid, other=-1).to(tl.int64)
@@ -204,10 +215,10 @@ def _comp_block(cidx_ptr, btab_ptr, t, sid, c0, n, s_ct, s_ctj, s_bt, s_btj, COM
 
 
 @triton.jit
-def _window_block(swa_tab_ptr, sid, j0, p_abs, s_st, s_stj, SWA_B, BLOCK_N: tl.constexpr):
-    """(page, offset, valid) of the window positions j0 .. j0+BLOCK_N-1 (≤ p_abs)."""
+def _window_block(swa_tab_ptr, sid, j0, hi, s_st, s_stj, SWA_B, BLOCK_N: tl.constexpr):
+    """(page, offset, valid) of the window positions j0 .. j0+BLOCK_N-1 (< hi ≤ the query's position + 1)."""
     wp = j0 + tl.arange(0, BLOCK_N)
-    inw = wp <= p_abs
+    inw = wp < hi
     page = tl.load(swa_tab_ptr + sid * s_st + (wp // SWA_B) * s_stj, mask=inw, other=-1).to(tl.int64)
     return page, (wp % SWA_B).to(tl.int64), inw & (page >= 0)
 
@@ -234,15 +245,81 @@ def _decode_pages_kernel(pages_ptr, table_ptr, out_ptr, tab_out_ptr, NCOLS, TOKE
                  mask=valid[:, None] & (d < 512)[None, :])
 
 
+@triton.jit
+def _attend_chunk(b0, b1, nbc, n, lo, p_end, t, sid, q, q1, q2, q3, keep, scale_log2,
+                  swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr, cidx_ptr, SWA_B, COMP_B,
+                  s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj, s_ct, s_ctj,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr, PP: tl.constexpr,
+                  KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr, NATIVE: tl.constexpr,
+                  INTERP: tl.constexpr, AHEAD: tl.constexpr):
+    """The online softmax (m, l, acc) from nothing seen (−inf, 0, 0) over the query's key blocks b0 .. b1-1
+    of its block list: the nbc compressed blocks (columns < n), then the window's (positions lo .. p_end-1)."""
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    # compressed columns c_lo .. c_hi-1. AHEAD: every block's loads are issued in the previous iteration
+    # (loop-carried), see "MMA operand grouping"; the bound masks the look-ahead past the chunk's end
+    c_lo = b0 * BLOCK_N
+    c_hi = tl.minimum(tl.minimum(b1, nbc) * BLOCK_N, n)
+    if AHEAD:
+        page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, c_lo, c_hi, s_ct, s_ctj, s_bt, s_btj, COMP_B,
+                                       BLOCK_N)
+        codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
+    for c0 in range(c_lo, c_hi, BLOCK_N):
+        if not AHEAD:
+            page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, c0, c_hi, s_ct, s_ctj, s_bt, s_btj, COMP_B,
+                                           BLOCK_N)
+            codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
+        k = _decode_raw(codes, sb, rope16, BLOCK_N, DENSE, FNUZ, NATIVE)
+        m, l, acc = _attend_keys(k, valid, q, q1, q2, q3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, INTERP)
+        if AHEAD:
+            page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, c0 + BLOCK_N, c_hi, s_ct, s_ctj, s_bt, s_btj,
+                                           COMP_B, BLOCK_N)
+            codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
+    # window positions j_lo .. j_hi-1
+    j_lo = lo + (tl.maximum(b0, nbc) - nbc) * BLOCK_N
+    j_hi = tl.minimum(lo + (b1 - nbc) * BLOCK_N, p_end)
+    if AHEAD:
+        page, off, valid = _window_block(swa_tab_ptr, sid, j_lo, j_hi, s_st, s_stj, SWA_B, BLOCK_N)
+        codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N, DENSE)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        if not AHEAD:
+            page, off, valid = _window_block(swa_tab_ptr, sid, j0, j_hi, s_st, s_stj, SWA_B, BLOCK_N)
+            codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N,
+                                          DENSE)
+        k = _decode_raw(codes, sb, rope16, BLOCK_N, DENSE, FNUZ, NATIVE)
+        m, l, acc = _attend_keys(k, valid, q, q1, q2, q3, m, l, acc, scale_log2,
+                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, INTERP)
+        if AHEAD:
+            page, off, valid = _window_block(swa_tab_ptr, sid, j0 + BLOCK_N, j_hi, s_st, s_stj, SWA_B, BLOCK_N)
+            codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N,
+                                          DENSE)
+    return m, l, acc
+
+
+@triton.jit
+def _merge(m, l, acc, mc, lc, accc):
+    """The softmax state (m, l, acc) joined with a chunk's (mc, lc, accc), both in log2 units. Explicit
+    FMAs: the compiler cannot contract them differently where the chunk comes from registers (one
+    program) and where it comes from memory (split programs), so both give the same bits."""
+    m_new = tl.maximum(m, mc)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing on either side yet: avoid inf - inf
+    a = tl.exp2(m - m_use)
+    b = tl.exp2(mc - m_use)
+    return m_new, tl.fma(l, a, lc * b), tl.fma(acc, a[:, None], accc * b[:, None])
+
+
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "swa_tab_ptr", "btab_ptr", "cidx_ptr", "sink_ptr", "Lc", "s_st",
                                 "s_stj", "s_bt", "s_btj", "s_ct", "s_ctj"])
 def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr, cidx_ptr, sink_ptr,
-                        ones_ptr, out_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
+                        ones_ptr, out_ptr, part_ptr, cnt_ptr, H, NHB, Lc, W, SWA_B, COMP_B, scale_log2,
                         s_qt, s_qh, s_qd, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd, s_bt, s_btj,
                         s_ct, s_ctj, s_ot, s_oh, s_od,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,
                         PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
-                        NATIVE: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr, KEEP: tl.constexpr):
+                        NATIVE: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr, KEEP: tl.constexpr,
+                        CHUNKS: tl.constexpr, CHUNK_MIN: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr):
     pid = tl.program_id(0)
     hb = pid % NHB
     t = (pid // NHB).to(tl.int64)
@@ -256,57 +333,65 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
     q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=hmask[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
     q1, q2, q3 = _split3(q)
+    # the softmax starts from the sink, a zero-valued key (not scaled)
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
     l = tl.where(m == float("-inf"), 0.0, 1.0)
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
     p_abs = tl.load(pos_ptr + t).to(tl.int32)
     sid = tl.load(seq_ptr + t).to(tl.int64)
-    cols0 = tl.arange(0, BLOCK_N)
 
-    # compressed entries: only up to the query's last valid column (batch padding never matters)
+    # the query's key blocks: compressed entries only up to its last valid column (batch padding never
+    # matters), then its window positions max(0, p-w+1) .. p; cut into at most CHUNKS chunks of at least
+    # CHUNK_MIN blocks, a function of the query alone (see "Chunks")
     n = pid * 0
-    for c0 in range(0, Lc, BLOCK_N):
+    cols0 = tl.arange(0, SCAN)
+    for c0 in range(0, Lc, SCAN):  # SCAN columns a load: a top-512 row in one round trip, not 16 in turn
         cols = c0 + cols0
         ids = tl.load(cidx_ptr + t * s_ct + cols * s_ctj, mask=cols < Lc, other=-1)
         n = tl.maximum(n, tl.max(tl.where(ids >= 0, cols + 1, 0), 0))
-    # AHEAD: every block's loads are issued in the previous iteration (loop-carried), see "MMA operand grouping"
-    if AHEAD:
-        page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, 0, n, s_ct, s_ctj, s_bt, s_btj, COMP_B, BLOCK_N)
-        codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
-    for c0 in range(0, n, BLOCK_N):
-        if not AHEAD:
-            page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, c0, n, s_ct, s_ctj, s_bt, s_btj, COMP_B,
-                                           BLOCK_N)
-            codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
-        k = _decode_raw(codes, sb, rope16, BLOCK_N, DENSE, FNUZ, NATIVE)
-        m, l, acc = _attend_keys(k, valid, q, q1, q2, q3, m, l, acc, scale_log2,
-                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, INTERP)
-        if AHEAD:
-            page, off, valid = _comp_block(cidx_ptr, btab_ptr, t, sid, c0 + BLOCK_N, n, s_ct, s_ctj, s_bt, s_btj,
-                                           COMP_B, BLOCK_N)
-            codes, sb, rope16 = _load_raw(comp_ptr, page, off, valid, keep, s_cp, s_cb, s_cd, COMP_B, BLOCK_N, DENSE)
-
-    # window: positions max(0, p-w+1) .. p
     lo = tl.maximum(p_abs - W + 1, 0)
-    if AHEAD:
-        page, off, valid = _window_block(swa_tab_ptr, sid, lo, p_abs, s_st, s_stj, SWA_B, BLOCK_N)
-        codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N, DENSE)
-    for j0 in range(lo, p_abs + 1, BLOCK_N):
-        if not AHEAD:
-            page, off, valid = _window_block(swa_tab_ptr, sid, j0, p_abs, s_st, s_stj, SWA_B, BLOCK_N)
-            codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N,
-                                          DENSE)
-        k = _decode_raw(codes, sb, rope16, BLOCK_N, DENSE, FNUZ, NATIVE)
-        m, l, acc = _attend_keys(k, valid, q, q1, q2, q3, m, l, acc, scale_log2,
-                                 BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, INTERP)
-        if AHEAD:
-            page, off, valid = _window_block(swa_tab_ptr, sid, j0 + BLOCK_N, p_abs, s_st, s_stj, SWA_B, BLOCK_N)
-            codes, sb, rope16 = _load_raw(swa_ptr, page, off, valid, keep, s_swp, s_swb, s_swd, SWA_B, BLOCK_N,
-                                          DENSE)
-
-    out = acc / l[:, None]
-    tl.store(out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od,
-             cast(out, out_ptr.dtype.element_ty, INTERP), mask=hmask[:, None] & (d < 512)[None, :])
+    p_end = p_abs + 1
+    nbc = (n + BLOCK_N - 1) // BLOCK_N
+    nb = nbc + (tl.maximum(p_end - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    per = tl.maximum((nb + CHUNKS - 1) // CHUNKS, CHUNK_MIN)
+    nch = (nb + per - 1) // per
+    o_ptrs = out_ptr + t * s_ot + heads[:, None] * s_oh + d[None, :] * s_od
+    o_mask = hmask[:, None] & (d < 512)[None, :]
+    if SPLIT:
+        # one chunk per program (axis 1); the tile's last program to arrive joins the chunks in order
+        c = tl.program_id(1)
+        tile = t * NHB + hb
+        slot = (tile * CHUNKS + c) * BLOCK_H
+        hh = tl.arange(0, BLOCK_H)
+        if c < nch:
+            mc, lc, accc = _attend_chunk(c * per, tl.minimum(c * per + per, nb), nbc, n, lo, p_end, t, sid,
+                                         q, q1, q2, q3, keep, scale_log2, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr,
+                                         cidx_ptr, SWA_B, COMP_B, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd,
+                                         s_bt, s_btj, s_ct, s_ctj, BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ,
+                                         NATIVE, INTERP, AHEAD)
+            tl.store(part_ptr + (slot + hh[:, None]) * 514 + d[None, :], accc)
+            tl.store(part_ptr + (slot + hh) * 514 + 512, mc)
+            tl.store(part_ptr + (slot + hh) * 514 + 513, lc)
+        tl.debug_barrier()  # every thread's share of the partial stored before the arrival counts
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == CHUNKS - 1:
+            for c2 in range(0, nch):
+                row = (tile * CHUNKS + c2) * BLOCK_H + hh
+                accc = tl.load(part_ptr + row[:, None] * 514 + d[None, :], cache_modifier=".cg")
+                mc = tl.load(part_ptr + row * 514 + 512, cache_modifier=".cg")
+                lc = tl.load(part_ptr + row * 514 + 513, cache_modifier=".cg")
+                m, l, acc = _merge(m, l, acc, mc, lc, accc)
+            tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    else:
+        for c in range(0, nch):
+            mc, lc, accc = _attend_chunk(c * per, tl.minimum(c * per + per, nb), nbc, n, lo, p_end, t, sid,
+                                         q, q1, q2, q3, keep, scale_log2, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr,
+                                         cidx_ptr, SWA_B, COMP_B, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd,
+                                         s_bt, s_btj, s_ct, s_ctj, BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ,
+                                         NATIVE, INTERP, AHEAD)
+            m, l, acc = _merge(m, l, acc, mc, lc, accc)
+        tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
 
 
 def pick_config(num_heads: int, device: torch.device, config: dict | None = None, predecoded: bool = False) -> dict:
@@ -326,6 +411,14 @@ def pick_config(num_heads: int, device: torch.device, config: dict | None = None
         raise ValueError(f"BLOCK_H and BLOCK_N must be ≥ 16 (tl.dot minimum), got {cfg}")
     return cfg
 
+
+# Chunks (see the module docstring): a query's key blocks in at most CHUNKS chunks of at least CHUNK_MIN blocks.
+# Both set the order of a token's arithmetic, so they are constants, the same at every T; SPLIT_MAX_T is a launch
+# choice (the same bits either way): up to that many tokens each chunk is its own program.
+CHUNKS = 4
+CHUNK_MIN = 2
+SPLIT_MAX_T = 32
+SCAN = 512  # comp_idx columns a load when finding a query's last valid entry (any value: the same n)
 
 _Q_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
@@ -411,21 +504,31 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     key = (H, q.dtype, keys_f32, dense, predecoded, str(q.device))
     first = pick_config(H, q.device, config, predecoded)
     cands = [first] if config else ([_WORKING[key]] if key in _WORKING else _fallbacks(first))
+    chunks, chunk_min = int((config or {}).get("chunks", CHUNKS)), int((config or {}).get("chunk_min", CHUNK_MIN))
+    if chunks < 1 or chunk_min < 1:
+        raise ValueError(f"chunks and chunk_min must be ≥ 1, got {chunks} and {chunk_min}")
+    split = (config or {}).get("split")
+    split = (T <= SPLIT_MAX_T and not predecoded and chunks > 1) if split is None else bool(split)
     for i, cfg in enumerate(cands):
         nhb = math.ceil(H / cfg["BLOCK_H"])
         native = cfg.get("native", native_fp8(q.device) and not fnuz and not dense)
+        if split:  # each chunk's (acc [BLOCK_H, 512], m, l) in fp32, and the tiles' arrival counters
+            part = torch.empty((T * nhb * chunks * cfg["BLOCK_H"], KV_DIM + 2), dtype=torch.float32, device=q.device)
+            cnt = split_counters(q.device, T * nhb)
+        else:
+            part, cnt = out, positions  # never read
         try:
-            _sparse_attn_kernel[(T * nhb,)](
+            _sparse_attn_kernel[(T * nhb, chunks if split else 1)](
                 q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, cidx, sink,
-                _ones(q.device) if keep else swa_pages, out,
+                _ones(q.device) if keep else swa_pages, out, part, cnt,
                 H, nhb, Lc, int(window), swa_b, int(entries_per_block), float(scale) * LOG2E,
                 *q.stride(), *_strides3(swa_pages), *swa_table.stride(), *_strides3(comp_pages),
                 *block_table.stride(), *cidx_strides, *out.stride(),
                 BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], QP=_Q_PARTS[q.dtype],
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
-                AHEAD=not dense and not kwidth4, KEEP=keep,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                AHEAD=not dense and not kwidth4, KEEP=keep, CHUNKS=chunks, CHUNK_MIN=chunk_min, SPLIT=split,
+                SCAN=SCAN, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         except OutOfResources:
             if i == len(cands) - 1:
                 raise
