@@ -31,7 +31,8 @@ launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode a
 launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
 op with the next sub-layer's RMSNorm in its gate launch, at its launch shapes, against the op then the RMSNorm
 launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA operand and
-around it; ``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
+around it; ``moe_waves`` one token over 1..12 experts (the decode tile's programs against the SMs);
+``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -312,6 +313,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_mhc_norm(dev, g))
     if "dense_decode" in only:
         out.update(sweep_dense_decode(dev, g))
+    if "moe_waves" in only:
+        out.update(sweep_moe_waves(dev, g))
     if "mma_rate" in only:
         from kernels_mma import sweep_mma_rate
 
@@ -963,6 +966,28 @@ def _sweep_moe_variants(dev, g, name, variants, t_list, experts=None):
     return rows
 
 
+def sweep_moe_waves(dev, g, used=(1, 2, 3, 4, 5, 6, 8, 12)):
+    """One token whose top-k holds 1..12 distinct experts: the grouped kernels' decode tile launches 32 up and
+    32 down programs an expert (more than 4 experts: more programs than the H200's 132 SMs). CUDA-graph µs of
+    the whole op, at the default tile and at 32 columns (twice the programs, each half the rows): whether a
+    batch-1 step's MoE time follows its waves of programs or its MMAs."""
+    from dsv4.ops.triton import moe as tmoe
+
+    w13, s13, w2, s2 = random_fp4_experts(dev, g)
+    x = torch.randn(1, HID, device=dev, dtype=torch.bfloat16, generator=g)
+    rows = []
+    for k in used:
+        ids = torch.arange(k, device=dev, dtype=torch.long).view(1, k) * (N_EXP // max(used))
+        wts = torch.full((1, k), 1.0 / k, device=dev)
+        base = tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)
+        for cap in ({}, {"BLOCK_N": 32}, {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_warps": 8}, {"down_BLOCK_N": 256}):
+            ms, same = _bitwise_trial(lambda cap=cap: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2, config=cap), base)
+            rows.append(dict(experts=k, config=cap, us=ms and ms * 1e3, bits=same))
+            txt = f"{ms * 1e3:8.1f} us  ({ms * 1e3 / k:6.1f} us an expert)" if ms else "-"
+            print(f"moe_waves experts={k:2d} {str(cap):36s} {txt}  {same}", flush=True)
+    return {"moe_waves": rows}
+
+
 def sweep_moe_decode(dev, g, w13, s13, w2, s2, narrow: bool = False):
     """The batch-invariant decode tile of the grouped MoE kernels (``pick_moe_config``: one tile for
     every T ≤ DECODE_MAX_ROWS, so a token's rows are computed the same way in any batch): each
@@ -1033,6 +1058,7 @@ def main(argv=None):
         action="store_true",
         help="time candidate tile configurations instead "
         "(--only linear,linear_decode,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,moe_decode_narrow,"
+        "moe_waves,"
         "moe_prefill,linear_prefill,moe_block_k,"
         "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge)",
     )

@@ -218,7 +218,7 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False, 
               f"{100 * bound / us:>7.1f}%", flush=True)
 
     if chunks_only:  # and a 64-token context, as bench/e2e.py's decode steps (its 32-token prompts)
-        for kind in ("csa", "hca"):
+        for kind in (() if prefill_only else ("csa", "hca")):
             for n in (64,) + ns:
                 for t in ts:
                     args, nbytes = make_case(kind, t, n, dev, g, heads)
@@ -229,6 +229,17 @@ def run(device, results: list, small: bool = False, prefill_only: bool = False, 
                         row("sparse_attention", case, txt, lambda cfg=cfg: paged_sparse_attention(*args, config=cfg),
                             nbytes)
                     args = None
+        # a prefill-sized launch (predecoded keys, one program joining its chunks): its tile's warps, each against
+        # the default's bits, and one chunk (the kernel before the chunks) for the cost of the joins
+        t_pre = 16 if small else 2048
+        args, nbytes = make_case("csa", t_pre, ns[0], dev, g, heads)
+        case = f"csa N={ns[0] // 1024}K T={t_pre} (prefill)"
+        want = paged_sparse_attention(*args)
+        for cfg in ({}, {"num_warps": 8}, {"chunks": 1}, {"chunks": 1, "num_warps": 8}):
+            got = paged_sparse_attention(*args, config=cfg or None)
+            same = "" if "chunks" in cfg else (" same bits" if torch.equal(got, want) else " BITS DIFFER")
+            row("sparse_attention", case, (" ".join(f"{k}={v}" for k, v in cfg.items()) or "default") + same,
+                lambda cfg=cfg: paged_sparse_attention(*args, config=cfg or None), nbytes)
         return results
     sweep_at = {("csa", ns[0], ts[0])} if small else {("csa", ns[0], ts[0]), ("csa", ns[-1], ts[-1])}
     for kind in (() if prefill_only else ("csa", "hca")):
@@ -275,7 +286,8 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill-sized launch and its tile sweep")
-    ap.add_argument("--chunks", action="store_true", help="only the decode launches' key chunkings (CHUNK_SWEEP)")
+    ap.add_argument("--chunks", action="store_true", help="only the decode launches' key chunkings (CHUNK_SWEEP) and "
+                    "the prefill launch's joins (with --prefill-only: only those)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.small:
