@@ -454,6 +454,8 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     with position < 0 and no valid compressed entry reads nothing (not even its seq_ids row) and
     gets zeros. Entry ids, block-table and window-table columns are not bounds-checked: the caller
     guarantees them (as the engine's tables do); freed window pages (−1) are skipped, not raised.
+    ``config``: tile overrides (``pick_config``), ``predecode``, and the key chunks' ``chunks`` / ``chunk_min``
+    (a token's bits follow them) and ``split`` (each chunk its own program or not: the same bits).
     """
     if q.dim() != 3 or q.shape[2] != KV_DIM:
         raise ValueError(f"q must be [T, H, {KV_DIM}], got {tuple(q.shape)}")
