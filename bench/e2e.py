@@ -13,7 +13,8 @@ and its smoke run on the CPU (the same procedure on the tiny checkpoint, no band
     python bench/e2e.py --device cpu --ckpt /tmp/tiny --make-preset tiny --host-tier 1024 --prefill 512
 
 Measures, for the same `flash-width` checkpoint (real widths, CSA/HCA layers):
-- decode ms/step at batch 1, 8, 64 through the dsv4 engine (steady-state decode steps only);
+- decode ms/step at batch 1, 8, 64 through the dsv4 engine (steady-state decode steps only; each request has
+  a `--decode-prompt`-token prompt, 32 by default);
 - prefill tok/s at 1K and 8K tokens (one request, one chunk);
 - the same figures for transformers' DeepseekV4ForCausalLM (bf16, eager, dequantized weights);
 - the HBM bound of one decode step: the bytes it must read in the checkpoint's own formats
@@ -185,16 +186,17 @@ def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> tuple[dict, 
     return groups, rows
 
 
-def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tuple[float, tuple | None]:
-    """ms per steady-state decode step of B requests (32-token prompts), and ``profile_decode``'s
-    (groups, top kernels) when ``profile``."""
+def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
+                 prompt: int = 32) -> tuple[float, tuple | None]:
+    """ms per steady-state decode step of B requests (``prompt``-token prompts: the context every step's
+    attention reads), and ``profile_decode``'s (groups, top kernels) when ``profile``."""
     from dsv4 import SamplingParams
 
-    for i in range(B):
-        eng.add_request(prompt_token_ids=torch.randint(3, 120000, (32,), generator=g).tolist(),
-                        params=SamplingParams(temperature=0, max_tokens=steps + 12 + (6 if profile else 0),
-                                              ignore_eos=True))
-    eng.step()  # prefill of all B prompts
+    ids = [eng.add_request(prompt_token_ids=torch.randint(3, 120000, (prompt,), generator=g).tolist(),
+                           params=SamplingParams(temperature=0, max_tokens=steps + 12 + (6 if profile else 0),
+                                                 ignore_eos=True)) for _ in range(B)]
+    while any(len(eng.requests[i][0].output_token_ids) == 0 for i in ids):  # every prompt prefilled (in chunks)
+        eng.step()
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
@@ -211,7 +213,7 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False) -> tupl
 
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
-               profile_prefill: list[int] | None = None, ab: list[str] | None = None) -> dict:
+               profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
@@ -223,8 +225,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
 
-    res: dict = {}
-    max_len = max(prefill_lens) + 64
+    res: dict = {"decode_prompt": decode_prompt}
+    max_len = max(max(prefill_lens), decode_prompt) + 64
     llm = LLM(ckpt, dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", max_model_len=max_len, max_num_seqs=max(batches),
               max_num_batched_tokens=max(prefill_lens), kv_cache_memory=16 << 30, enable_prefix_caching=False,
               backend=backend)
@@ -251,7 +253,8 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
                 continue  # the per-request path takes seconds per step at 64
             # profiled: eager steps (every kernel a launch) and graph replays (kernels inside the
             # graph; the step's wall time minus their sum is host time)
-            ms, prof = decode_tok_s(eng, B, g, profile=(variant in ("eager", "graphs") and B in (1, max(batches))))
+            ms, prof = decode_tok_s(eng, B, g, profile=(variant in ("eager", "graphs") and B in (1, max(batches))),
+                                    prompt=decode_prompt)
             res[f"decode_ms_b{B}" + ("" if variant == "graphs" else f"_{variant}")] = ms
             if prof:
                 suffix = "_graphs" if variant == "graphs" else ""
@@ -689,6 +692,8 @@ def main() -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--variants", default="graphs,sync,eager,fastest", help="decode-path variants (see bench_dsv4)")
+    ap.add_argument("--decode-prompt", type=int, default=32,
+                    help="prompt tokens of each decode-step request (the context every decode step's attention reads)")
     ap.add_argument("--long-context", type=int, default=0, help="also prefill+decode one prompt of this length")
     ap.add_argument("--long-repeat", type=int, default=1, help="prefill that many long prompts (the first compiles)")
     ap.add_argument("--long-profile", action="store_true", help="profile the last long prompt's last chunk")
@@ -757,7 +762,8 @@ def main() -> int:
     rows.update(measure_peaks())
     rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context,
                               a.long_repeat, a.long_profile,
-                              [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab)
+                              [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab,
+                              a.decode_prompt)
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12
