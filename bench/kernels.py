@@ -969,8 +969,9 @@ def _sweep_moe_variants(dev, g, name, variants, t_list, experts=None):
 def sweep_moe_waves(dev, g, used=(1, 2, 3, 4, 5, 6, 8, 12)):
     """One token whose top-k holds 1..12 distinct experts: the grouped kernels' decode tile launches 32 up and
     32 down programs an expert (more than 4 experts: more programs than the H200's 132 SMs). CUDA-graph µs of
-    the whole op, at the default tile and at 32 columns (twice the programs, each half the rows): whether a
-    batch-1 step's MoE time follows its waves of programs or its MMAs."""
+    the whole op and its bits against the default's, at the default tile, at 32 and 128 up columns (twice /
+    half the programs, half / twice the rows each; 128 also at 8 warps) and a 256-column down tile: whether a
+    batch-1 step's MoE time follows its waves of programs or each program's K loop."""
     from dsv4.ops.triton import moe as tmoe
 
     w13, s13, w2, s2 = random_fp4_experts(dev, g)

@@ -80,7 +80,7 @@ def make_case(kind: str, T: int, N: int, dev, g, heads: int = H, qdtype=torch.bf
     sink = torch.randn(heads, device=dev, generator=g)
     args = (q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, per, comp_idx, sink,
             D ** -0.5, WINDOW, OCP)
-    keys = comp_idx.shape[1] + min(WINDOW, N)
+    keys = (k if kind == "csa" else n_ent) + min(WINDOW, N)  # the records read (not the -1 padding)
     nbytes = T * (keys * RECORD + 2 * heads * D * q.element_size() + comp_idx.shape[1] * 8)
     return args, nbytes
 
