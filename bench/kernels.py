@@ -307,6 +307,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_route(dev, g))
     if "linear_decode" in only:
         out.update(sweep_linear_decode(dev, g))
+    if "linear_act_quant" in only:
+        out.update(sweep_linear_act_quant(dev, g))
     if "mhc_decode" in only:
         out.update(sweep_mhc_decode(dev, g))
     if "mhc_norm" in only:
@@ -501,6 +503,41 @@ def sweep_linear_decode(dev, g, m_list=(1, 8)):
                       f"{100 * frac:5.1f}% of bw {vname}: {same}", flush=True)
                 out[f"linear_decode {name} M={m} {vname}"] = (ms, frac, same)
         w = sc = None
+        torch.cuda.empty_cache()
+    return out
+
+
+ACT_QUANT_LINEARS = ("wq_a+wkv", "wq_b", "wo_b", "shared_w13", "shared_w2", "idx_wq_b")
+
+
+def sweep_linear_act_quant(dev, g, m_list=(1, 8, 1024, 8192)):
+    """The FP8 linears that take act_quant (activations FP8-rounded per 128: x quantized in a launch of its own, then
+    the GEMM) against the same GEMM without it, the weights cold in L2 as in a decode step (the graph cycles through
+    copies holding 4x the L2): µs a launch, the quantization launch included, and the share of the copy bandwidth
+    the weight bytes take."""
+    from dsv4.ops.triton import fp8_linear as tfl
+
+    bw = measure_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    out = {"bandwidth_Bps": bw}
+    for name in ACT_QUANT_LINEARS:
+        n, k, groups = DECODE_LINEARS[name]
+        copies = max(2, (200 << 20) // (n * k))
+        ws = [torch.randint(0, 126, (n, k), device=dev, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+              for _ in range(copies)]
+        sc = torch.randint(118, 124, (math.ceil(n / 128), math.ceil(k / 128)), device=dev, dtype=torch.uint8,
+                           generator=g)
+        for m in m_list:
+            x = torch.randn(m, groups * k, device=dev, dtype=torch.bfloat16, generator=g)
+            for aq in (True, False):
+                ms = bench_graph(lambda aq=aq: [tfl.fp8_linear(x, w, sc, groups=groups, act_quant=aq) for w in ws], 80)
+                us = ms * 1e3 / copies if ms else None
+                frac = n * k / bw / (us * 1e-6) if us else 0
+                arm = "act_quant" if aq else "no act_quant"
+                print(f"sweep linear_act_quant {name} [{n}x{k}/{groups}] M={m}: {us:8.1f} us {100 * frac:5.1f}% "
+                      f"of bw, {arm}", flush=True)
+                out[f"linear_act_quant {name} M={m} {arm}"] = (us, frac)
+        ws = None
         torch.cuda.empty_cache()
     return out
 
@@ -1058,7 +1095,8 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,moe_decode_narrow,"
+        "(--only linear,linear_decode,linear_act_quant,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,"
+        "moe_decode_narrow,"
         "moe_waves,"
         "moe_prefill,linear_prefill,moe_block_k,"
         "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge)",

@@ -9,7 +9,7 @@ at most one bf16 spacing (up to 2^-7 relative, ``BF16_SPACING_MAX``) on top of t
 import pytest
 import torch
 
-from dsv4.ops.invariance import set_batch_invariant
+from dsv4.ops.invariance import DECODE_MAX_ROWS, set_batch_invariant
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
@@ -195,6 +195,35 @@ def test_act_quant_random_and_platform_default(monkeypatch):
     assert torch.equal(xf, xq)
     with pytest.raises(ValueError, match="multiple of 128"):
         tfl.fp8_linear(randn((1, 200), g), *_weights(8, 200, g), act_quant=True)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("ocp", torch.bfloat16), ("fnuz", torch.float32)])
+def test_act_quant_rows_is_the_codec(fmt, dtype):
+    """The decode sizes' once-per-row quantization (``act_quant_rows``) gives the codec's values bit for bit, rounded
+    to x's dtype (exact): blocks of zeros (amax floor), underflow to the subnormal grid, 1e-3..1e3 magnitudes, and
+    a block count that is not a power of two (K = 384)."""
+    g = gen(19)
+    k = 384
+    x = (randn((6, k), g) * torch.logspace(-3, 3, k, device=DEV)).to(dtype)
+    x[1, 128:256] = 0.0
+    x[2, 7] = 1e-30
+    got = tfl.act_quant_rows(x, *tfl.act_quant_consts(fmt))
+    assert got.dtype == dtype
+    assert torch.equal(got, fake_quant_fp8_pow2(x.float().cpu(), 128, fmt).to(dtype).to(DEV))
+
+
+@pytest.mark.parametrize("m,groups,cfg", [(1, 1, None), (5, 2, None), (DECODE_MAX_ROWS + 3, 1, None),
+                                          (DECODE_MAX_ROWS + 3, 1, {"w16": True})])
+def test_act_quant_is_the_gemm_of_the_quantized_rows(m, groups, cfg):
+    """act_quant quantizes x once (``act_quant_rows``) and multiplies the result: bit for bit the GEMM of the codec's
+    rounded x, at the decode launch (a grouped weight, K in several chunks) and the prefill tiles (with the weight
+    dequantized beforehand too)."""
+    g = gen(20)
+    wq, s = _weights(256, 512, g)
+    x = randn((m, groups * 512), g)
+    got = tfl.fp8_linear(x, wq, s, groups=groups, act_quant=True, act_fmt="ocp", config=cfg)
+    xq = fake_quant_fp8_pow2(x.float().cpu(), 128, "ocp").to(x.dtype).to(DEV)
+    assert torch.equal(tfl.fp8_linear(xq, wq, s, groups=groups, config=cfg), got)
 
 
 def test_registry_resolves_to_this_kernel():

@@ -4,8 +4,6 @@ Per program: a [BLOCK_M, BLOCK_N] output tile over a run of K chunks (see "Batch
 Per K step (BLOCK_K = 128 = one scale block column):
 
 1. load the x tile [BLOCK_M, 128] (bf16/fp16/fp32; rows ≥ M and columns ≥ K masked to 0);
-   with ``act_quant`` round it to FP8 per row with a power-of-two scale (exactly the reference's
-   ``fake_quant_fp8_pow2`` over that 128-block);
 2. load the weight bytes [BLOCK_N, 128] (rows ≥ N, columns ≥ K masked to 0) and the BLOCK_N
    scales of this block column (row n uses scale[n // 128, k // 128]; UE8M0 bytes or float32);
 3. decode to fp32 (hardware e4m3 conversion on sm_89+, exact integer decode elsewhere), multiply
@@ -31,6 +29,13 @@ BLOCK_M 16/32/64, BLOCK_N 64/128, and split-K so that about two programs per SM 
 small) and prefill (BLOCK_M 256 × BLOCK_N 128, 8 warps, when that gives ≥ 96 tiles — 256 × 64 for a
 weight of ≤ 2048 rows whose K is several chunks — else 128 × 64 with 4 warps; grouped program
 order for L2 reuse of weight tiles).
+
+``act_quant`` (the release's FP8 activations): each 128-column block of each x row is rounded to FP8 with a
+power-of-two scale, exactly the reference's ``fake_quant_fp8_pow2``, once, in a launch of its own
+(``act_quant_rows``), before the GEMM. Done in the K loop, every program re-quantized its x tile (a row max and a
+register round trip before each MMA), N / BLOCK_N times over at prefill: H200, weights cold in L2, the decode
+launch of wq_b took 23.8 µs against 15.0 with the separate launch, and M = 8192 5.0 ms against 1.29
+(``bench/kernels.py --sweep --only linear_act_quant``). The MMA sees the same values, so the same bits.
 
 Long prefills (M ≥ W16_MIN_M) of a weight whose K is several chunks take the weight dequantized to
 x's dtype first (``dequant_weight``: one launch computing step 3's values) and load that tile as it is
@@ -72,6 +77,7 @@ from .dense import dot_acc
 __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
 
 BLOCK = 128
+BLOCK_Q = tl.constexpr(BLOCK)  # the activation quantization's block (one FP8 scale per 128 columns)
 
 
 @triton.jit
@@ -113,10 +119,6 @@ def _chunk(
     FNUZ: tl.constexpr,
     DOT_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    ACT_QUANT: tl.constexpr,
-    Q_MANT: tl.constexpr,
-    Q_EXP: tl.constexpr,
-    MIN_E: tl.constexpr,
     W16: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
 ):
@@ -135,8 +137,6 @@ def _chunk(
             xm = m_mask[:, None] & k_mask[None, :]
             wm = n_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
-        if ACT_QUANT:
-            x = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E).to(x_dtype)  # exact in x_dtype
         if W16:
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
         else:
@@ -150,6 +150,38 @@ def _chunk(
         else:
             acc += tl.dot(w, tl.trans(x))
     return acc
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_xk, stride_ym, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
+                      MIN_E: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):
+    """Row program_id(0) of x as [K/128 blocks, 128]: each block's FP8 round trip (``fake_quant_rows``, the codec's
+    ``fake_quant_fp8_pow2``), stored in x's dtype (exact there)."""
+    row = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, NB)[:, None] * BLOCK_Q + tl.arange(0, BLOCK_Q)[None, :]
+    m = kk < K
+    x = tl.load(x_ptr + row * stride_xm + kk * stride_xk, mask=m, other=0.0)
+    q = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E)
+    tl.store(y_ptr + row * stride_ym + kk, cast(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+
+
+def act_quant_consts(act_fmt=None) -> tuple[int, int, int]:
+    """(Q_MANT, Q_EXP, MIN_E) of ``fake_quant_rows`` for the FP8 format ``act_fmt`` (default: the platform's)."""
+    from ..torch_ops import act_format
+
+    fmt = act_format(act_fmt)
+    mant, ex = math.frexp(fmt.quant_max)
+    return int(round((mant * 2 - 1) * (1 << 23))), ex, 1 - (8 if fmt.name == "fnuz" else 7)
+
+
+def act_quant_rows(x2: torch.Tensor, q_mant: int, q_exp: int, min_e: int) -> torch.Tensor:
+    """x [M, K] (K a multiple of 128) with every 128-column block of every row FP8-round-tripped, in x's dtype."""
+    m, k = x2.shape
+    y = torch.empty((m, k), dtype=x2.dtype, device=x2.device)
+    nb = triton.next_power_of_2(k // BLOCK)
+    _act_quant_kernel[(m,)](x2, y, k, x2.stride(0), x2.stride(1), y.stride(0), Q_MANT=q_mant, Q_EXP=q_exp,
+                            MIN_E=min_e, NB=nb, INTERP=interpreting(), num_warps=4 if nb <= 32 else 8)
+    return y
 
 
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROGRAM", "stride_ys"])
@@ -186,10 +218,6 @@ def _fp8_linear_kernel(
     FNUZ: tl.constexpr,
     DOT_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    ACT_QUANT: tl.constexpr,
-    Q_MANT: tl.constexpr,
-    Q_EXP: tl.constexpr,
-    MIN_E: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
     W16: tl.constexpr = False,
     FIXUP: tl.constexpr = False,
@@ -247,10 +275,6 @@ def _fp8_linear_kernel(
                 FNUZ,
                 DOT_F32,
                 INTERP,
-                ACT_QUANT,
-                Q_MANT,
-                Q_EXP,
-                MIN_E,
                 W16,
                 EVEN_K,
             )
@@ -285,10 +309,6 @@ def _fp8_linear_kernel(
                 FNUZ,
                 DOT_F32,
                 INTERP,
-                ACT_QUANT,
-                Q_MANT,
-                Q_EXP,
-                MIN_E,
                 W16,
                 EVEN_K,
             )
@@ -501,22 +521,15 @@ def fp8_linear(
             f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "
             f"(expected {(math.ceil(n / BLOCK), math.ceil(k / BLOCK))})"
         )
-    q_mant = q_exp = min_e = 0
-    if act_quant:
-        if k % BLOCK:
-            raise ValueError(f"act_quant needs K to be a multiple of {BLOCK}, got {k}")
-        from ..torch_ops import act_format
-
-        fmt = act_format(act_fmt)
-        mant, ex = math.frexp(fmt.quant_max)
-        q_exp = ex
-        q_mant = int(round((mant * 2 - 1) * (1 << 23)))
-        min_e = 1 - (8 if fmt.name == "fnuz" else 7)
+    if act_quant and k % BLOCK:
+        raise ValueError(f"act_quant needs K to be a multiple of {BLOCK}, got {k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, groups * k)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
+    if act_quant:
+        x2 = act_quant_rows(x2, *act_quant_consts(act_fmt))
     cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
@@ -579,10 +592,6 @@ def fp8_linear(
         FNUZ=fnuz,
         DOT_F32=dot_f32,
         INTERP=interpreting(),
-        ACT_QUANT=bool(act_quant),
-        Q_MANT=q_mant,
-        Q_EXP=q_exp,
-        MIN_E=min_e,
         ONE_CHUNK=cfg["chunks_per_program"] == 1,
         W16=w16 is not None,
         FIXUP=fixup,
