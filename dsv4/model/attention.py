@@ -199,12 +199,14 @@ class Attention:
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
         o = o.view(T, g, -1)
-        if self.act_quant:
+        grouped_op = not isinstance(self.wo_a, torch.Tensor) and self.wo_a.op is not None
+        if self.act_quant and not grouped_op:
             o = fake_quant_fp8_pow2(o.float(), 128, OCP).to(o.dtype)
         if isinstance(self.wo_a, torch.Tensor):
             z = torch.cat([ops.linear(o[:, i], w_i) for i, w_i in enumerate(self.wo_a.view(g, r, -1))], dim=-1)
-        elif self.wo_a.op is not None:  # the fp8_linear op: all groups in one launch
-            z = self.wo_a.op(o.reshape(T, -1), self.wo_a.weight, self.wo_a.scale, groups=g)
+        elif grouped_op:  # the fp8_linear op: all groups in one launch (with act_quant it rounds o itself)
+            quant = {"act_quant": True, "act_fmt": OCP} if self.act_quant else {}
+            z = self.wo_a.op(o.reshape(T, -1), self.wo_a.weight, self.wo_a.scale, groups=g, **quant)
         else:
             z = torch.cat([ops.linear(o[:, i], self.wo_a.rows(i * r, (i + 1) * r)) for i in range(g)], dim=-1)
         y = ops.linear(z, self.wo_b, self.act_quant)

@@ -43,12 +43,14 @@ def linear(x: torch.Tensor, w, act_quant: bool = False, dense: Callable | None =
     ``dense``, the op set's dense GEMM; default ``rows_linear``) or an ``FP8Weight`` (its fp8_linear
     op, or its dequantized values).
     """
+    if not isinstance(w, torch.Tensor) and w.op is not None:  # an FP8Weight: the registered fp8_linear op
+        if act_quant:  # the op rounds x itself, the same values (Triton: one launch, not ~20 torch kernels)
+            return w.op(x, w.weight, w.scale, act_quant=True, act_fmt=OCP)
+        return w.op(x, w.weight, w.scale)
     if act_quant:
         x = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
-    if not isinstance(w, torch.Tensor):  # an FP8Weight: the registered fp8_linear op (GPU path)
-        if w.op is None:
-            return rows_linear(x, w.dequantize(x.dtype))
-        return w.op(x, w.weight, w.scale)
+    if not isinstance(w, torch.Tensor):
+        return rows_linear(x, w.dequantize(x.dtype))
     return (dense or rows_linear)(x.to(w.dtype), w)
 
 

@@ -87,6 +87,28 @@ def test_stacked_gemm_is_the_two_calls_within_tolerance(m, dtype, act_quant):
     _assert_close(yb, linear(x, b0, act_quant), x, b0, act_quant)
 
 
+@pytest.mark.parametrize("op", [tfl.fp8_linear, torch_ops.fp8_linear], ids=["triton", "torch"])
+def test_act_quant_reaches_the_fp8_op(op):
+    """``linear(x, w, act_quant=True)`` with an FP8 weight hands the rounding to its fp8_linear op (the Triton one
+    quantizes x in one launch; the model's torch rounding took ~20 small kernels a call): the output is the op's
+    on the codec's rounded x, bit for bit, and the op was asked for OCP, the format the model rounds to."""
+    g = gen(5)
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return op(*a, **kw)
+
+    w = _fp8(256, 384, g, spy)
+    x = randn((3, 384), g, dtype=torch.bfloat16)
+    got = linear(x, w, act_quant=True)
+    assert calls == [{"act_quant": True, "act_fmt": OCP}]
+    xq = fake_quant_fp8_pow2(x.float(), 128, OCP).to(x.dtype)
+    assert torch.equal(got, op(xq, w.weight, w.scale))
+    assert torch.equal(linear(x, FP8Weight(w.weight, w.scale, None), act_quant=True),
+                       linear(xq, FP8Weight(w.weight, w.scale, None)))  # no op: rounded here, then dequantized
+
+
 def test_stacked_only_when_both_are_fp8_weights_with_one_op_k_and_whole_scale_blocks():
     g = gen(3)
     op = tfl.fp8_linear
