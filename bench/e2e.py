@@ -213,7 +213,8 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
 
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
-               profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32) -> dict:
+               profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32,
+               act_quant: bool = False) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
@@ -225,11 +226,11 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
 
-    res: dict = {"decode_prompt": decode_prompt}
+    res: dict = {"decode_prompt": decode_prompt, "act_quant": act_quant}
     max_len = max(max(prefill_lens), decode_prompt) + 64
     llm = LLM(ckpt, dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", max_model_len=max_len, max_num_seqs=max(batches),
               max_num_batched_tokens=max(prefill_lens), kv_cache_memory=16 << 30, enable_prefix_caching=False,
-              backend=backend)
+              backend=backend, act_quant=act_quant)
     eng, llm.engine = llm.engine, None
     model, tok, cfg0 = eng.model, eng.tokenizer, eng.config
     res["graph_capture_s"] = getattr(eng.runner.graphs, "capture_seconds", None)
@@ -694,6 +695,8 @@ def main() -> int:
     ap.add_argument("--variants", default="graphs,sync,eager,fastest", help="decode-path variants (see bench_dsv4)")
     ap.add_argument("--decode-prompt", type=int, default=32,
                     help="prompt tokens of each decode-step request (the context every decode step's attention reads)")
+    ap.add_argument("--act-quant", action="store_true",
+                    help="the engine setting act_quant: activations FP8-rounded per 128 before each FP8 GEMM")
     ap.add_argument("--long-context", type=int, default=0, help="also prefill+decode one prompt of this length")
     ap.add_argument("--long-repeat", type=int, default=1, help="prefill that many long prompts (the first compiles)")
     ap.add_argument("--long-profile", action="store_true", help="profile the last long prompt's last chunk")
@@ -763,7 +766,7 @@ def main() -> int:
     rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context,
                               a.long_repeat, a.long_profile,
                               [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab,
-                              a.decode_prompt)
+                              a.decode_prompt, a.act_quant)
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12
