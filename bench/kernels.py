@@ -26,7 +26,8 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 ``moe_fold`` the MXFP4 decode with the E2M1 bias folded into the scale (default) against the two-multiply one;
 ``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels); ``moe_tail`` the prefill
 tiles with and without the half-row launch for an expert's last block, and that launch's tile; ``linear_decode``
-the FP8 linear's decode launch on every decode-size linear of a layer; ``dense_decode`` the bf16 GEMM's decode
+the FP8 linear's decode launch on every decode-size linear of a layer; ``linear_act_quant`` the linears that
+take act_quant, with and without it, weights cold in L2; ``dense_decode`` the bf16 GEMM's decode
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
 launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
 op with the next sub-layer's RMSNorm in its gate launch, at its launch shapes, against the op then the RMSNorm

@@ -73,6 +73,7 @@ from ._common import (
     ue8m0_to_f32,
 )
 from .dense import dot_acc
+from .kv_insert import _quant_consts
 
 __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
 
@@ -169,9 +170,8 @@ def act_quant_consts(act_fmt=None) -> tuple[int, int, int]:
     """(Q_MANT, Q_EXP, MIN_E) of ``fake_quant_rows`` for the FP8 format ``act_fmt`` (default: the platform's)."""
     from ..torch_ops import act_format
 
-    fmt = act_format(act_fmt)
-    mant, ex = math.frexp(fmt.quant_max)
-    return int(round((mant * 2 - 1) * (1 << 23))), ex, 1 - (8 if fmt.name == "fnuz" else 7)
+    q_mant, q_exp, _, bias, _ = _quant_consts(act_format(act_fmt))
+    return q_mant, q_exp, 1 - bias
 
 
 def act_quant_rows(x2: torch.Tensor, q_mant: int, q_exp: int, min_e: int) -> torch.Tensor:
