@@ -318,10 +318,6 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_dense_decode(dev, g))
     if "moe_waves" in only:
         out.update(sweep_moe_waves(dev, g))
-    if "prefetch" in only:
-        from kernels_prefetch import sweep_prefetch
-
-        out.update(sweep_prefetch(dev, bench_graph))
     if "mma_rate" in only:
         from kernels_mma import sweep_mma_rate
 
@@ -1100,7 +1096,7 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,linear_act_quant,prefetch,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,"
+        "(--only linear,linear_decode,linear_act_quant,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,"
         "moe_decode_narrow,"
         "moe_waves,"
         "moe_prefill,linear_prefill,moe_block_k,"
