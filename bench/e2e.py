@@ -186,10 +186,59 @@ def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> tuple[dict, 
     return groups, rows
 
 
+def layer_timeline(eng, layers: list[int], out_dir: str | None = None) -> list[dict]:
+    """The kernels of each of ``layers`` in one decode step, in time order (torch.profiler's trace of one
+    CUDA-graph replay): from the post_mix launch that ends layer L − 1 to the one that ends L, each kernel's
+    start (µs after the window's start), duration and stream, printed. Per layer: the window's wall time, the
+    time no kernel runs at all (``idle_us``: launch latency and dependency waits), the kernels' summed time
+    (above the wall where branches overlap), and the launch stream's kernels and gaps (a replay may report
+    every kernel on the stream it was launched on)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step()
+        torch.cuda.synchronize()
+    path = Path(out_dir or tempfile.mkdtemp(), "decode_step_trace.json")
+    prof.export_chrome_trace(str(path))
+    ks = sorted((e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"),
+                key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(ks) if "_post_mix_kernel" in e["name"]]  # two a layer (attention, MoE posts)
+    out = []
+    for layer in layers:
+        if not 1 <= layer or len(marks) < 2 * layer + 2:
+            out.append({"layer": layer, "error": f"{len(marks)} post_mix launches in the step"})
+            continue
+        lo, hi = marks[2 * layer - 1], marks[2 * layer + 1]
+        window = ks[lo:hi]
+        t0, main = window[0]["ts"], window[0]["tid"]
+        print(f"   layer {layer}: {'start µs':>9s} {'µs':>6s}  stream  kernel", flush=True)
+        for e in window:
+            print(f"   {'':8s} {e['ts'] - t0:9.1f} {e['dur']:6.1f}  {'main' if e['tid'] == main else e['tid']!s:>6s}  "
+                  f"{e['name'][:60]}", flush=True)
+        on_main = [e for e in window if e["tid"] == main]
+        gaps = sum(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(on_main, on_main[1:]))
+        idle, end = 0.0, t0
+        for e in window:
+            idle += max(0.0, e["ts"] - end)
+            end = max(end, e["ts"] + e["dur"])
+        idle += max(0.0, ks[hi]["ts"] - end)
+        res = {"layer": layer, "wall_us": round(ks[hi]["ts"] - t0, 1), "idle_us": round(idle, 1),
+               "busy_sum_us": round(sum(e["dur"] for e in window), 1), "kernels": len(window),
+               "main_busy_us": round(sum(e["dur"] for e in on_main), 1), "main_kernels": len(on_main),
+               "main_gaps_us": round(gaps, 1)}
+        print(f"   layer {layer}: {res}", flush=True)
+        out.append(res)
+    return out
+
+
 def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
-                 prompt: int = 32) -> tuple[float, tuple | None]:
+                 prompt: int = 32, timeline: list[int] | None = None) -> tuple[float, tuple | None]:
     """ms per steady-state decode step of B requests (``prompt``-token prompts: the context every step's
-    attention reads), and ``profile_decode``'s (groups, top kernels) when ``profile``."""
+    attention reads), and ``profile_decode``'s (groups, top kernels) when ``profile`` (with ``timeline``, the
+    groups hold those layers' ``layer_timeline`` too)."""
     from dsv4 import SamplingParams
 
     ids = [eng.add_request(prompt_token_ids=torch.randint(3, 120000, (prompt,), generator=g).tolist(),
@@ -206,6 +255,8 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t) / steps * 1e3
     prof = profile_decode(eng) if profile else None
+    if timeline and prof is not None:
+        prof[0]["timeline"] = layer_timeline(eng, timeline)
     while eng.has_unfinished_requests():
         eng.step()
     return ms, prof
@@ -214,14 +265,16 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
                profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32,
-               act_quant: bool = False) -> dict:
+               act_quant: bool = False, timeline: list[int] | None = None) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
     without async scheduling), async (async scheduling asked for explicitly), eager (no graphs;
     profiled), fastest (graphs + per-M tiles: what batch invariance costs), reference (the
     per-request attention of the oracle: the old path). ``ab``: ``--set`` items timed against the defaults
-    at every prefill length, run by run in turn on the same engine (constants the prefill reads per call)."""
+    at every prefill length, run by run in turn on the same engine (constants the prefill reads per call),
+    and at every batch on an engine whose decode graphs were captured under them (the "_B" keys).
+    ``timeline``: print those layers' kernels of a batch-1 graph step (``layer_timeline``)."""
     from dsv4 import LLM, SamplingParams
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
@@ -255,14 +308,24 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             # profiled: eager steps (every kernel a launch) and graph replays (kernels inside the
             # graph; the step's wall time minus their sum is host time)
             ms, prof = decode_tok_s(eng, B, g, profile=(variant in ("eager", "graphs") and B in (1, max(batches))),
-                                    prompt=decode_prompt)
+                                    prompt=decode_prompt, timeline=timeline if (variant, B) == ("graphs", 1) else None)
             res[f"decode_ms_b{B}" + ("" if variant == "graphs" else f"_{variant}")] = ms
             if prof:
                 suffix = "_graphs" if variant == "graphs" else ""
                 res[f"profile_b{B}{suffix}"], res[f"top_kernels_b{B}{suffix}"] = prof
             print(variant, B, round(ms, 3), prof[0] if prof else "", flush=True)
         set_batch_invariant(True)
-    if variants[-1] != "graphs":
+    if ab:  # decode under the B settings: graphs captured with them (they may change what a capture records)
+        with settings_applied(ab):
+            eng = engine()
+            for B in batches:
+                ms, prof = decode_tok_s(eng, B, g, profile=B == 1, prompt=decode_prompt, timeline=timeline)
+                res[f"decode_ms_b{B}_B"] = ms
+                if prof:
+                    res["profile_b1_B"] = prof[0]
+                print("B:", " ".join(ab), B, round(ms, 3), prof[0] if prof else "", flush=True)
+        eng = engine()
+    elif variants[-1] != "graphs":
         eng = engine()
     arms = {"": []}
     if ab:  # the B arm: these settings, alternating run by run with the defaults (drift hits both alike)
@@ -720,6 +783,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                     help="where the checkpoint is made and the engine runs (cpu: only --host-tier or --verify-k, "
                          "smoke runs on a tiny checkpoint)")
+    ap.add_argument("--timeline", default=None, metavar="L,L,...",
+                    help="print these layers' kernels in time order in a batch-1 decode step (graphs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.device == "cpu" and not (a.host_tier or a.verify_k):
@@ -766,7 +831,8 @@ def main() -> int:
     rows["dsv4"] = bench_dsv4(a.ckpt, batches, prefill, a.backend, a.variants.split(","), a.long_context,
                               a.long_repeat, a.long_profile,
                               [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab,
-                              a.decode_prompt, a.act_quant)
+                              a.decode_prompt, a.act_quant,
+                              [int(x) for x in a.timeline.split(",")] if a.timeline else None)
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12
@@ -787,6 +853,8 @@ def main() -> int:
         hf = rows.get("transformers", {}).get(k)
         print(f"{k:24s} {rows['dsv4'][k]:12.2f} {hf if hf is None else round(hf, 2)!s:>14s} "
               f"{rows[f'bound_decode_ms_b{B}']:10.3f}")
+        if a.ab:
+            print(f"{k + ' (B: --ab)':24s} {rows['dsv4'][k + '_B']:12.2f}")
     for L in prefill:
         k = f"prefill_tok_s_{L}"
         hf = rows.get("transformers", {}).get(k)

@@ -15,7 +15,7 @@ class DeferredLanes:
         self.queues: dict[int, list[_Deferred]] = {}
         self.forks = 0
 
-    def __call__(self, fn, *inputs, lane: int = 0) -> Pending:
+    def __call__(self, fn, *inputs, lane: int = 0, after=None) -> Pending:
         p = _Deferred(self.queues.setdefault(lane, []), fn, inputs)
         self.queues[lane].append(p)
         self.forks += 1
@@ -37,6 +37,9 @@ class _Deferred(Pending):
                 head._value = head.fn(*head.inputs)
             head.done = True
         return self._value
+
+    def wait(self):  # a branch on another lane reads it: its lane runs up to it, as a stream would have
+        return self.result()
 
     def on_lane(self):
         if not self.done:

@@ -3,14 +3,17 @@ path does not need until later (the shared expert beside the routed ones, the co
 indexer beside the query projection).
 
 The model marks such work with its op set's ``fork(fn, *inputs, lane=)`` and takes the result where
-it is needed with ``Pending.result()``. The oracle's ``fork`` (``serial_fork``) runs it at once, so
-the reference's order and bits are the model's; a backend's ``fork`` may run it beside the main path
-(``dsv4.ops.streams``: a CUDA side stream per lane), which changes no value: each branch runs the
-same ops on the same operands, only the launch order between branches differs. ``fn`` gets the
-main path's tensors it reads as ``inputs`` (a backend keeps them alive until the join), and a table
-of the forward (``step.per_forward``) that a concurrent branch is the first to ask for is not shared
-(``inside``): another lane could read it before it is written. Every ``Pending`` is joined before
-the forward ends, so whatever follows the forward (a graph's end, a cache copy) sees its work.
+it is needed with ``Pending.result()``. ``fork(..., after=point)`` starts the branch from an earlier
+``fork_point()`` of the main path: it is issued after the main path's work since then (a critical
+path's launch, which then reaches the SMs first) but does not wait for it. The oracle's ``fork``
+(``serial_fork``) runs it at once, so the reference's order and bits are the model's; a backend's
+``fork`` may run it beside the main path (``dsv4.ops.streams``: a CUDA side stream per lane), which
+changes no value: each branch runs the same ops on the same operands, only the launch order between
+branches differs. ``fn`` gets the main path's tensors it reads as ``inputs`` (a backend keeps them
+alive until the join), and a table of the forward (``step.per_forward``) that a concurrent branch is
+the first to ask for is not shared (``inside``): another lane could read it before it is written. A
+branch on another lane that reads a branch's value ``wait``s for it. Every ``Pending`` is joined
+before the forward ends, so whatever follows the forward (a graph's end, a cache copy) sees its work.
 """
 
 from __future__ import annotations
@@ -61,11 +64,26 @@ class Pending:
         this branch's on the same stream, which orders it there."""
         return self._value
 
+    def wait(self):
+        """The value, for a branch on another lane: the current stream (that branch's) waits for this one's
+        work; the main path still joins it with ``result()``."""
+        if self._join is not None:
+            self._join()
+        return self._value
 
-def serial_fork(fn: Callable, *inputs, lane: int = 0) -> Pending:
+
+def serial_fork(fn: Callable, *inputs, lane: int = 0, after=None) -> Pending:
     """The oracle's fork: ``fn(*inputs)`` now, in the main path's order (its tables shared as the
-    main path's: nothing runs beside it)."""
+    main path's: nothing runs beside it). ``after`` (a ``fork_point``) changes nothing here."""
     return Pending(fn(*inputs))
+
+
+def serial_point():
+    """The oracle's ``fork_point``: nothing to remember (its forks run in order)."""
+    return None
+
+
+serial_fork.point = serial_point
 
 
 def resolve(value):

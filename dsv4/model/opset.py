@@ -57,6 +57,7 @@ class OpSet:
         for op in WEIGHT_OPS + ATTENTION_OPS + SAMPLER_OPS:
             setattr(self, op, fns.get(op))
         self.fork = fork or branches.serial_fork
+        self.fork_point = getattr(self.fork, "point", branches.serial_point)  # where a later fork may start from
         k = self.kernels
         # leaves
         self.dense_linear = k.get("dense_linear", linear.dense_reference)

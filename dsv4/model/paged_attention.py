@@ -36,6 +36,8 @@ from ..config import LayerType
 from .rope import cos_sin
 from .step import SWA_PAGE
 
+INDEXER_LANE = 3  # the indexer's scoring (lanes 0 and 1: the compressors; 2: the mHC Sinkhorn)
+
 
 class PagedAttention:
     """The backend of a ``PagedStep`` (``attention.AttentionBackend``): everything
@@ -52,8 +54,11 @@ class PagedAttention:
         block's last position, ``block`` positions wider.
 
         Concurrent branches (``ops.fork``, ``dsv4.model.branches``) beside the query projections:
-        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor and head
-        weights and then its scoring, which reads the query latent; the sparse attention joins them."""
+        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor, lane 3 its
+        head weights and then its scoring (its query GEMM after the query latent, its logits after lane
+        1's entries); the sparse attention joins them. The compressors start from before the latent's GEMM
+        but are issued after it (``fork_point``): a graph launches the path the attention waits on
+        first, instead of behind their GEMMs' programs."""
         ops, cfg, layer = attn.ops, attn.cfg, attn.layer
         kvc = step.kvc
         fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
@@ -68,18 +73,21 @@ class PagedAttention:
         n_max = 0 if attn.compressor is None else step.max_end // attn.ratio
         csa = attn.type == LayerType.CSA
         branches = []  # every one joined before the sparse attention
-        if attn.compressor is not None:  # they read x only: beside the projections
-            branches.append(ops.fork(_compress, attn.compressor, step, x, lane=0))
-            if csa:
-                branches.append(ops.fork(_index_inputs, attn, step, x, n_max > 0, lane=1))
+        start = ops.fork_point()
         qr, kv_raw = attn.latent(x)
+        if attn.compressor is not None:  # they read x only: beside the projections
+            branches.append(ops.fork(_compress, attn.compressor, step, x, lane=0, after=start))
+            if csa:
+                branches.append(ops.fork(_compress, attn.idx_compressor, step, x, lane=1, after=start))
         selected = None
         if csa and n_max > 0:
+            # the heads' weights x·weights_projᵀ (× Hi^-0.5 × D^-0.5 in fp32 where the indexer op reads them, as
+            # the oracle's), first on the scoring's lane: done before the query latent it then waits for
+            weights = ops.fork(ops.linear, x, attn.idx_weights, lane=INDEXER_LANE, after=start)
             visible = step.visible(attn.ratio)  # the forward's tables, made here on the main path: shared
             cos_sin(cfg.rope_compress, step.positions)
-            # after its compressor and head weights, on their lane
-            selected = ops.fork(_indexer, attn, step, qr, branches[-1], visible, n_max, lane=1)
-            branches.append(selected)
+            selected = ops.fork(_indexer, attn, step, qr, weights, branches[-1], visible, n_max, lane=INDEXER_LANE)
+            branches += [weights, selected]
         kv = None if attn.hooks is None else attn.window_kv(kv_raw, cos, sin)
         branches.append(ops.fork(insert_window_kv, attn, step, kv, kv_raw, cos, sin, lane=0))
         q = attn.queries(qr, cos, sin)
@@ -150,24 +158,18 @@ def _pool_insert(comp, step, rows: torch.Tensor, closing, ape: torch.Tensor | No
         numerics.fmt if numerics.quantized else None, kvc.per_block(key), ape=ape)
 
 
-def _index_inputs(attn, step, x, scoring: bool) -> torch.Tensor | None:
-    """What the indexer reads of ``x``: its compressor's entries (into the pages) and, when it will score
-    (``scoring``), the heads' weights ``x·weights_projᵀ`` (returned)."""
-    _compress(attn.idx_compressor, step, x)
-    # × Hi^-0.5 × D^-0.5 in fp32 where the indexer op reads it (as the oracle's)
-    return attn.ops.linear(x, attn.idx_weights) if scoring else None
-
-
-def _indexer(attn, step, qr, inputs, visible, n_max: int) -> torch.Tensor:
-    """Top-k compressed entries of every query, ascending, −1 last ([T, min(k, n_max)]); ``inputs``: the
-    ``_index_inputs`` branch of its lane."""
+def _indexer(attn, step, qr, weights, entries, visible, n_max: int) -> torch.Tensor:
+    """Top-k compressed entries of every query, ascending, −1 last ([T, min(k, n_max)]); ``weights``: the heads'
+    weights (a branch of this lane), ``entries``: the indexer compressor's branch (lane 1), waited for where the
+    scoring reads the entries it inserts."""
     ops, cfg, kvc = attn.ops, attn.cfg, step.kvc
     t = qr.shape[0]
     q = ops.linear(qr, attn.idx_wq_b, attn.act_quant).view(t, cfg.index_n_heads, cfg.index_head_dim)
     cos, sin = cos_sin(cfg.rope_compress, step.positions)
     fmt = kvc.numerics.fmt if kvc.numerics.quantized else None
     q = ops.indexer_q_rope_quant(q, cos, sin, fmt)  # fp32; FP8 fake-quantized like the keys
-    w = inputs.on_lane()
+    w = weights.on_lane()
+    entries.wait()
     key = (attn.layer, "index")
     n_cols = -(-n_max // 64) * 64  # fixed-width columns (a score never depends on the others)
     k = min(cfg.index_topk, n_max)

@@ -15,7 +15,10 @@ counters, its stream), so that the uncaptured runs before a capture make them.
 
 Memory: a branch's inputs are kept alive until its join, so the main stream cannot reuse their
 blocks while the side stream reads them; what a branch allocates belongs to its side stream's pool,
-reused there only by a later branch, which starts after the main stream's work that read it.
+reused there only by a later branch, which starts after the main stream's work that read it. A
+branch forked ``after`` an earlier ``point()`` starts from that point, so between the point and the
+fork the main path must not drop an earlier branch's result (the model issues one critical-path launch
+there: the branch's kernels are issued after it, so the graph launches that one first).
 """
 
 from __future__ import annotations
@@ -41,20 +44,40 @@ def _lane_work(t: torch.Tensor) -> bool:
     return ENABLED and t.is_cuda and t.shape[0] <= MAX_TOKENS
 
 
-def fork(fn, *inputs, lane: int = 0) -> Pending:
-    """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far, in a
-    CUDA-graph capture; its ``result()`` makes the current stream wait for it. In order otherwise:
-    eager, disabled, off CUDA or for a large batch (the first tensor input's rows)."""
+def concurrent(t: torch.Tensor) -> bool:
+    """Whether a ``fork`` whose first tensor input is ``t`` runs beside the current stream (a capture of
+    a small batch): an op that would launch its work differently in order can ask first."""
+    return _lane_work(t) and torch.cuda.is_current_stream_capturing()
+
+
+def point() -> torch.cuda.Event | None:
+    """The current stream's work so far, for a later ``fork(after=)``: in a capture, an event recorded now
+    (None otherwise: a fork out of a capture runs in order)."""
+    if not (ENABLED and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def fork(fn, *inputs, lane: int = 0, after: torch.cuda.Event | None = None) -> Pending:
+    """``fn(*inputs)`` issued on ``lane``'s side stream after the current stream's work so far (``after``:
+    only after that earlier ``point()``), in a CUDA-graph capture; its ``result()`` makes the current stream
+    wait for it. In order otherwise: eager, disabled, off CUDA or for a large batch (the first tensor
+    input's rows)."""
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     if first is None or not _lane_work(first):
         return serial_fork(fn, *inputs, lane=lane)
-    if not torch.cuda.is_current_stream_capturing():  # eager: in order, the lane's state made for a capture
+    if not concurrent(first):  # eager: in order, the lane's state made for a capture
         lane_stream(first.device, lane)
         with branch(lane, concurrent=False):
             return Pending(fn(*inputs))
     main = torch.cuda.current_stream(first.device)
     side = lane_stream(first.device, lane)
-    side.wait_stream(main)
+    if after is not None:
+        side.wait_event(after)
+    else:
+        side.wait_stream(main)
     with torch.cuda.stream(side), branch(lane):
         value = fn(*inputs)
     done = torch.cuda.Event()
@@ -63,3 +86,4 @@ def fork(fn, *inputs, lane: int = 0) -> Pending:
 
 
 fork.label = "CUDA side streams"
+fork.point = point

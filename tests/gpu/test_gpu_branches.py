@@ -39,6 +39,36 @@ def test_fork_runs_on_the_lane_stream_in_a_capture_and_join_orders_the_main_stre
     assert torch.equal(got, want)
 
 
+def test_fork_after_an_earlier_point_and_wait_from_another_lane():
+    """``fork(after=point)``: the branch starts from the point (issued after the main path's later work, it
+    reads only what came before the point); a branch on a third lane ``wait``s for it; the replay's values
+    are the eager ones and every lane is joined (the capture ends)."""
+    from dsv4.ops import streams
+
+    a = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(8, 1024, device="cuda")
+
+    def chain(t, n=10):
+        for _ in range(n):
+            t = torch.tanh(t @ a) * 0.5
+        return t
+
+    def run():
+        start = streams.fork.point()
+        main = chain(x * 2.0)  # the critical path, issued before the branch
+        first = streams.fork(chain, x, lane=1, after=start)
+        second = streams.fork(lambda t: chain(t + first.wait()), x, lane=3)
+        return main + second.result() + first.result()
+
+    want = run()  # eager: in order
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = run()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch):
     """Real widths (split-K GEMMs in the branches and beside them, the indexer over real entries):
     decode-graph replays at batch 1 and 4 with the branches as parallel paths give the bits of graphs

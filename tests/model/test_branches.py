@@ -22,6 +22,19 @@ def test_serial_fork_runs_now_and_pending_joins_once():
     assert branches.resolve(q) == "v" and branches.resolve(7) == 7 and branches.resolve(None) is None
 
 
+def test_wait_orders_another_lane_and_leaves_the_join_to_the_main_path():
+    """``wait()`` (a branch on another lane reading this one) runs the join on the current stream each time and
+    returns the value; ``result()`` still joins once for the main path. The serial fork ignores ``after`` and
+    its point is None."""
+    joins = []
+    q = Pending("v", join=lambda: joins.append(1))
+    assert q.wait() == "v" and joins == [1]
+    assert q.result() == "v" and joins == [1, 1] and q.result() == "v" and joins == [1, 1]
+    assert q.wait() == "v" and joins == [1, 1]  # joined: nothing left to wait for
+    assert branches.serial_fork.point() is None
+    assert branches.serial_fork(lambda a: a + 1, 1, lane=3, after=object()).result() == 2
+
+
 def test_a_table_first_made_in_a_branch_is_not_shared():
     """A concurrent branch's ``per_forward`` table is its own (another lane could read it before it is
     written); one made on the main path is served to the branches."""
