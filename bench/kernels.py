@@ -51,8 +51,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4.model.branches import resolve  # noqa: E402  (a decode graph's mHC pre hands post / comb over pending)
-
 LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
            "shared_w1": (2048, 4096)}
 LINEAR_M = (1, 8, 64, 1024, 8192)
@@ -647,15 +645,13 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
         cfg = dict(tm.CONFIG)
         part = tm._part(t, n, h, cfg, dev)[0].uniform_(0.5, 1.0, generator=g)  # the gate's time: not the values'
         y = base_out[0]
-        gate_ms = bench_graph(lambda: [resolve(v) for v in tm._gates(part, y, base, scale, iters, hc_eps, rms_eps,
-                                                                      cfg)], 40)
-        one_ms = bench_graph(lambda: [resolve(v) for v in tm._gates(part, y, base, scale, 1, hc_eps, rms_eps, cfg)],
-                             40)
+        gate_ms = bench_graph(lambda: tm._gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg), 40)
+        one_ms = bench_graph(lambda: tm._gates(part, y, base, scale, 1, hc_eps, rms_eps, cfg), 40)
         print(f"sweep mhc_decode T={t} gate launch alone {gate_ms * 1e3:7.1f} us ({one_ms * 1e3:.1f} with one "
               f"Sinkhorn iteration: the rest of the launch)", flush=True)
         out[f"mhc_decode T={t} gate alone"] = (gate_ms, one_ms)
         for vname, c in variants.items():
-            run = (lambda c=c: [resolve(v) for v in tm.mhc_post_pre(*args, config=c)])
+            run = (lambda c=c: tm.mhc_post_pre(*args, config=c))
             try:
                 got = run()
             except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a row of the table
@@ -673,7 +669,7 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
 
 
 MHC_NORM_VARIANTS = {f"{bt} token(s), {w} warp(s)": dict(NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
-                     for bt, w in ((1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (4, 4))}
+                     for bt, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4))}
 
 
 def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):
@@ -692,21 +688,20 @@ def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):
 
         def pair():
             y, x, p, c = tm.mhc_post_pre(*args)
-            return y, td.rms_norm(x, w, rms_eps), resolve(p), resolve(c)
+            return y, td.rms_norm(x, w, rms_eps), p, c
 
         ms = bench_graph(pair, 40)
         print(f"sweep mhc_norm T={t} mhc_post_pre, then rms_norm     {ms * 1e3:7.1f} us", flush=True)
         out[f"mhc_norm T={t} pair"] = ms
         base_out = tm.mhc_post_pre(*args, w)
         for vname, c in MHC_NORM_VARIANTS.items():
-            run = (lambda c=c: [resolve(v) for v in tm.mhc_post_pre(*args, w, config=c)])
+            run = (lambda c=c: tm.mhc_post_pre(*args, w, config=c))
             same = "same bits" if all(torch.equal(a, b) for a, b in zip(run(), base_out)) else "other bits"
             ms = bench_graph(run, 40)
             cfg = dict(tm.CONFIG, **c)
             part = tm._part(t, n, h, cfg, dev)[0].uniform_(0.5, 1.0, generator=g)
             y = base_out[0]
-            gate_ms = bench_graph(lambda: [resolve(v) for v in tm._gates(part, y, base, scale, iters, hc_eps, rms_eps,
-                                                                          cfg, w)], 40)
+            gate_ms = bench_graph(lambda: tm._gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg, w), 40)
             print(f"sweep mhc_norm T={t} norm in the gate, {vname:22s} {ms * 1e3:7.1f} us (gate launch "
                   f"{gate_ms * 1e3:.1f})  {same}", flush=True)
             out[f"mhc_norm T={t} {vname}"] = (ms, gate_ms, same)
