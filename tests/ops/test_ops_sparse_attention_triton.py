@@ -300,15 +300,16 @@ def test_an_explicit_tile_does_not_become_the_default(monkeypatch):
 
 @pytest.mark.parametrize("kind,qdtype,chunks,chunk_min", [("csa", torch.bfloat16, 4, 1), ("hca", torch.bfloat16, 3, 2),
                                                           ("swa", torch.float32, 4, 1), ("hca", torch.float32, 2, 1)])
-def test_chunks_split_over_programs_give_the_one_program_bits(kind, qdtype, chunks, chunk_min):
+def test_chunks_split_over_programs_give_the_one_program_bits(kind, qdtype, chunks, chunk_min, monkeypatch):
     """Each chunk of a query's keys in its own program, joined by the tile's last program (decode-sized
     steps), against one program joining the same chunks as it goes: the same joins in the same order, so
     bitwise the same compiled; both held to the oracle's bound. 16-key blocks and a 128-token window (40 for
     fp32 q: on the 128-token scene the H200 kernel's fp32 error is 4.5x the oracle's, above ``ACCURACY``, with
     every chunking alike, one chunk of 32-key blocks included: its logits', not the joins') give the queries
     1 to 10 blocks: chunks of one to several blocks, straddling the compressed and window keys, and programs
-    with no chunk to compute (they only arrive). Under the interpreter (BLAS dots) the two are held to the
-    sum of their bounds."""
+    with no chunk to compute (they only arrive). A query of one chunk has its program store the output
+    (``ONE_CHUNK_DIRECT``): the bits of that chunk's partial joined by the last to arrive. Under the
+    interpreter (BLAS dots) the forms are held to the sum of their bounds."""
     sc = Scene(OCP, kind, LENS, QUERIES, 128 if qdtype == torch.bfloat16 else 40, gen(30 + len(kind)))
     cfg = {"BLOCK_N": 16, "chunks": chunks, "chunk_min": chunk_min}
     q, sink, split = _check(sc, 16, qdtype, 31, config=dict(cfg, split=True))
@@ -318,6 +319,23 @@ def test_chunks_split_over_programs_give_the_one_program_bits(kind, qdtype, chun
     assert_bits_if_compiled(split, joined, 2 * _bound(q, ref, a, gmax))
     again = _run(lambda *a: tsa.paged_sparse_attention(*a, config=dict(cfg, split=True)), sc, q, sink, 512 ** -0.5)
     assert torch.equal(again, split)  # the arrival counters were put back: a second launch joins the same way
+    assert _chunks_of(sc, 16, chunks, chunk_min).count(1) >= 1  # some queries have one chunk: the direct store ran
+    monkeypatch.setattr(tsa, "ONE_CHUNK_DIRECT", False)
+    partials = _run(lambda *a: tsa.paged_sparse_attention(*a, config=dict(cfg, split=True)), sc, q, sink,
+                    512 ** -0.5)
+    assert_bits_if_compiled(split, partials, 2 * _bound(q, ref, a, gmax))
+
+
+def _chunks_of(sc, block_n, chunks, chunk_min) -> list[int]:
+    """Each query's number of key chunks, by the kernel's rule (its compressed blocks up to its last valid
+    column, then its window's blocks, cut into at most ``chunks`` runs of at least ``chunk_min`` blocks)."""
+    out = []
+    for row, p in zip(sc.comp_idx.tolist(), sc.positions.tolist()):
+        n = max((j + 1 for j, e in enumerate(row) if e >= 0), default=0)
+        nb = -(-n // block_n) + -(-(p + 1 - max(p - sc.window + 1, 0)) // block_n)
+        per = max(-(-nb // chunks), chunk_min)
+        out.append(-(-nb // per))
+    return out
 
 
 def test_chunk_settings_are_checked():

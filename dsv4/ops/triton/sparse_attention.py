@@ -61,9 +61,11 @@ of at least CHUNK_MIN blocks each (fewer, longer runs only when the query has fe
 run's online softmax is computed alone and the runs are joined in order, (m, l, acc) ⊕ (m_c, l_c, acc_c)
 with explicit FMAs (``_merge``). Up to SPLIT_MAX_T tokens every run is its own program (grid axis 1), which
 stores its fp32 state; the last of a tile's programs to arrive (an acq_rel counter, as the split GEMMs'
-``_common.split_sum_last``) joins them. Above that, and for predecoded keys, one program joins its runs as it
-goes. Same runs, same joins in the same order: the same bits. At batch 1 the four 16-head programs of the
-one-program form walked a 1K-token CSA query's ~12 blocks one after the other; split, 16 programs walk ~3.
+``_common.split_sum_last``) joins them; a query of one run (a short context) has that run's program join it
+to the sink state and store the output, without the partials and the arrival (``ONE_CHUNK_DIRECT``). Above
+that, and for predecoded keys, one program joins its runs as it goes. Same runs, same joins in the same
+order: the same bits. At batch 1 the four 16-head programs of the one-program form walked a 1K-token CSA
+query's ~12 blocks one after the other; split, 16 programs walk ~3.
 
 Batch invariance: a program reads only its own query's rows; tile sizes, key order, block and chunk
 boundaries depend on the query alone (not on T, Lc or the other tokens), so a token's output is bitwise
@@ -319,7 +321,8 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,
                         PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
                         NATIVE: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr, KEEP: tl.constexpr,
-                        CHUNKS: tl.constexpr, CHUNK_MIN: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr):
+                        CHUNKS: tl.constexpr, CHUNK_MIN: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
+                        DIRECT: tl.constexpr = True):
     pid = tl.program_id(0)
     hb = pid % NHB
     t = (pid // NHB).to(tl.int64)
@@ -363,26 +366,34 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         tile = t * NHB + hb
         slot = (tile * CHUNKS + c) * BLOCK_H
         hh = tl.arange(0, BLOCK_H)
+        one = nch == 1  # DIRECT: the query's one chunk is joined to the sink state by its program (the same join)
+        if not DIRECT:
+            one = nch < 0
         if c < nch:
             mc, lc, accc = _attend_chunk(c * per, tl.minimum(c * per + per, nb), nbc, n, lo, p_end, t, sid,
                                          q, q1, q2, q3, keep, scale_log2, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr,
                                          cidx_ptr, SWA_B, COMP_B, s_swp, s_swb, s_swd, s_st, s_stj, s_cp, s_cb, s_cd,
                                          s_bt, s_btj, s_ct, s_ctj, BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ,
                                          NATIVE, INTERP, AHEAD)
-            tl.store(part_ptr + (slot + hh[:, None]) * 514 + d[None, :], accc)
-            tl.store(part_ptr + (slot + hh) * 514 + 512, mc)
-            tl.store(part_ptr + (slot + hh) * 514 + 513, lc)
-        tl.debug_barrier()  # every thread's share of the partial stored before the arrival counts
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == CHUNKS - 1:
-            for c2 in range(0, nch):
-                row = (tile * CHUNKS + c2) * BLOCK_H + hh
-                accc = tl.load(part_ptr + row[:, None] * 514 + d[None, :], cache_modifier=".cg")
-                mc = tl.load(part_ptr + row * 514 + 512, cache_modifier=".cg")
-                lc = tl.load(part_ptr + row * 514 + 513, cache_modifier=".cg")
+            if one:
                 m, l, acc = _merge(m, l, acc, mc, lc, accc)
-            tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
+            else:
+                tl.store(part_ptr + (slot + hh[:, None]) * 514 + d[None, :], accc)
+                tl.store(part_ptr + (slot + hh) * 514 + 512, mc)
+                tl.store(part_ptr + (slot + hh) * 514 + 513, lc)
+        if not one:  # (no program of a one-chunk tile counts: its counter stays 0)
+            tl.debug_barrier()  # every thread's share of the partial stored before the arrival counts
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == CHUNKS - 1:
+                for c2 in range(0, nch):
+                    row = (tile * CHUNKS + c2) * BLOCK_H + hh
+                    accc = tl.load(part_ptr + row[:, None] * 514 + d[None, :], cache_modifier=".cg")
+                    mc = tl.load(part_ptr + row * 514 + 512, cache_modifier=".cg")
+                    lc = tl.load(part_ptr + row * 514 + 513, cache_modifier=".cg")
+                    m, l, acc = _merge(m, l, acc, mc, lc, accc)
+                tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
         for c in range(0, nch):
             mc, lc, accc = _attend_chunk(c * per, tl.minimum(c * per + per, nb), nbc, n, lo, p_end, t, sid,
@@ -419,6 +430,8 @@ CHUNKS = 4
 CHUNK_MIN = 2
 SPLIT_MAX_T = 32
 SCAN = 512  # comp_idx columns a load when finding a query's last valid entry (any value: the same n)
+ONE_CHUNK_DIRECT = True  # split launch: a query of one chunk stores its output from its program (no partials, no
+# arrival; the same join, so the same bits). A/B: --set dsv4.ops.triton.sparse_attention.ONE_CHUNK_DIRECT=false
 
 _Q_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
@@ -530,7 +543,7 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
                 AHEAD=not dense and not kwidth4, KEEP=keep, CHUNKS=chunks, CHUNK_MIN=chunk_min, SPLIT=split,
-                SCAN=SCAN, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                SCAN=SCAN, DIRECT=ONE_CHUNK_DIRECT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         except OutOfResources:
             if i == len(cands) - 1:
                 raise
