@@ -36,7 +36,7 @@ from ..config import LayerType
 from .rope import cos_sin
 from .step import SWA_PAGE
 
-INDEXER_LANE = 3  # the indexer's scoring (lanes 0 and 1: the compressors; 2: the mHC Sinkhorn)
+INDEXER_LANE = 2  # the indexer's head weights and scoring (lanes 0 and 1: the compressors)
 
 
 class PagedAttention:
@@ -54,7 +54,7 @@ class PagedAttention:
         block's last position, ``block`` positions wider.
 
         Concurrent branches (``ops.fork``, ``dsv4.model.branches``) beside the query projections:
-        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor, lane 3 its
+        lane 0 the compressor and then the window KV insert, lane 1 the indexer's compressor, lane 2 its
         head weights and then its scoring (its query GEMM after the query latent, its logits after lane
         1's entries); the sparse attention joins them. The compressors start from before the latent's GEMM
         but are issued after it (``fork_point``): a graph launches the path the attention waits on

@@ -57,7 +57,7 @@ def test_fork_after_an_earlier_point_and_wait_from_another_lane():
         start = streams.fork.point()
         main = chain(x * 2.0)  # the critical path, issued before the branch
         first = streams.fork(chain, x, lane=1, after=start)
-        second = streams.fork(lambda t: chain(t + first.wait()), x, lane=3)
+        second = streams.fork(lambda t: chain(t + first.wait()), x, lane=2)
         return main + second.result() + first.result()
 
     want = run()  # eager: in order

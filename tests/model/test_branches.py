@@ -32,7 +32,7 @@ def test_wait_orders_another_lane_and_leaves_the_join_to_the_main_path():
     assert q.result() == "v" and joins == [1, 1] and q.result() == "v" and joins == [1, 1]
     assert q.wait() == "v" and joins == [1, 1]  # joined: nothing left to wait for
     assert branches.serial_fork.point() is None
-    assert branches.serial_fork(lambda a: a + 1, 1, lane=3, after=object()).result() == 2
+    assert branches.serial_fork(lambda a: a + 1, 1, lane=2, after=object()).result() == 2
 
 
 def test_a_table_first_made_in_a_branch_is_not_shared():
