@@ -186,13 +186,14 @@ def profile_decode(eng, steps: int = 5, run=None, top: int = 30) -> tuple[dict, 
     return groups, rows
 
 
-def layer_timeline(eng, layers: list[int], out_dir: str | None = None) -> list[dict]:
+def layer_timeline(eng, layers: list[int]) -> list[dict]:
     """The kernels of each of ``layers`` in one decode step, in time order (torch.profiler's trace of one
     CUDA-graph replay): from the post_mix launch that ends layer L − 1 to the one that ends L, each kernel's
     start (µs after the window's start), duration and stream, printed. Per layer: the window's wall time, the
     time no kernel runs at all (``idle_us``: launch latency and dependency waits), the kernels' summed time
-    (above the wall where branches overlap), and the launch stream's kernels and gaps (a replay may report
-    every kernel on the stream it was launched on)."""
+    (above the wall where branches overlap), and the kernels and gaps of the stream the window's first
+    kernel ran on ("main"; a replay maps the graph's branches to streams of its own, so that is not always
+    the path the step waits on)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -201,7 +202,7 @@ def layer_timeline(eng, layers: list[int], out_dir: str | None = None) -> list[d
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
-    path = Path(out_dir or tempfile.mkdtemp(), "decode_step_trace.json")
+    path = Path(tempfile.mkdtemp(), "decode_step_trace.json")
     prof.export_chrome_trace(str(path))
     ks = sorted((e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"),
                 key=lambda e: e["ts"])

@@ -44,12 +44,6 @@ def _lane_work(t: torch.Tensor) -> bool:
     return ENABLED and t.is_cuda and t.shape[0] <= MAX_TOKENS
 
 
-def concurrent(t: torch.Tensor) -> bool:
-    """Whether a ``fork`` whose first tensor input is ``t`` runs beside the current stream (a capture of
-    a small batch): an op that would launch its work differently in order can ask first."""
-    return _lane_work(t) and torch.cuda.is_current_stream_capturing()
-
-
 def point() -> torch.cuda.Event | None:
     """The current stream's work so far, for a later ``fork(after=)``: in a capture, an event recorded now
     (None otherwise: a fork out of a capture runs in order)."""
@@ -68,7 +62,7 @@ def fork(fn, *inputs, lane: int = 0, after: torch.cuda.Event | None = None) -> P
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     if first is None or not _lane_work(first):
         return serial_fork(fn, *inputs, lane=lane)
-    if not concurrent(first):  # eager: in order, the lane's state made for a capture
+    if not torch.cuda.is_current_stream_capturing():  # eager: in order, the lane's state made for a capture
         lane_stream(first.device, lane)
         with branch(lane, concurrent=False):
             return Pending(fn(*inputs))
