@@ -75,11 +75,23 @@ def _read(pages, page, off, fmt, block_size):
     return torch.where(ok[:, None], rows, torch.zeros_like(rows))
 
 
+def _read_unique(pages, page, off, valid, fmt, block_size):
+    """(keys [u, 512], row [n]): each distinct slot read once (a prefill's queries share most of their
+    window: one copy of a key per query otherwise), and each slot's row in them (−1 where not ``valid``;
+    a valid slot on page −1 reads as zeros, as ``_read`` reads it)."""
+    slot = torch.where(page >= 0, page.long() * block_size + off.long(), -1)
+    uniq, row = torch.unique(slot, return_inverse=True)
+    keys = _read(pages, torch.where(uniq >= 0, uniq // block_size, -1), uniq.clamp(min=0) % block_size, fmt,
+                 block_size)
+    return keys, torch.where(valid, row, -1)
+
+
 def gather_attention_keys(positions, seq_ids, swa_pages, swa_table, comp_pages, block_table, entries_per_block,
                           comp_idx, window: int, fmt):
-    """(table [T·L, 512], idx [T, L]) with L = Lc + window: query t's keys are rows t·L + j, listed
-    left-aligned in ``idx`` — its valid compressed entries in list order, then its window positions
-    ascending (−1 padding), as ``Attention._attend`` orders them.
+    """(table [n, 512], idx [T, L]) with L = Lc + window: query t's keys are the table rows idx[t] lists,
+    left-aligned — its valid compressed entries in list order, then its window positions ascending (−1
+    padding), as ``Attention._attend`` orders them. Each distinct slot is one row of the table (at least
+    one row).
 
     Raises if a window position of a query lies on a freed page (−1), as the paged view does.
     """
@@ -96,22 +108,19 @@ def gather_attention_keys(positions, seq_ids, swa_pages, swa_table, comp_pages, 
         bad = (wvalid & (wpage < 0)).nonzero()[0].tolist()
         raise RuntimeError(f"paged_sparse_attention: query {bad[0]} (position {int(pos[bad[0]])}) reads window "
                            f"position {int(wpos[bad[0], bad[1]])}, whose page was freed (−1)")
-    wkeys = _read(swa_pages, wpage.flatten(), (wp % sb).flatten(), fmt, sb).view(T, window, -1)
+    wkeys, rows = _read_unique(swa_pages, wpage.flatten(), (wp % sb).flatten(), wvalid.flatten(), fmt, sb)
+    rows = rows.view(T, window)
     if Lc:
         e = comp_idx.long()
-        cvalid = e >= 0
         ec = e.clamp(min=0)
-        cpage = torch.where(cvalid, block_table.long()[sid[:, None], ec // entries_per_block], -1)
-        ckeys = _read(comp_pages, cpage.flatten(), (ec % entries_per_block).flatten(), fmt,
-                      entries_per_block).view(T, Lc, -1)
-        keys = torch.cat([ckeys.to(wkeys.dtype), wkeys], dim=1)
-        valid = torch.cat([cvalid, wvalid], dim=1)
+        cpage = torch.where(e >= 0, block_table.long()[sid[:, None], ec // entries_per_block], -1)
+        ckeys, crows = _read_unique(comp_pages, cpage.flatten(), (ec % entries_per_block).flatten(),
+                                    (e >= 0).flatten(), fmt, entries_per_block)
+        rows = torch.cat([crows.view(T, Lc), torch.where(rows >= 0, rows + ckeys.shape[0], -1)], dim=1)
+        table = torch.cat([ckeys.to(wkeys.dtype), wkeys])
     else:
-        keys, valid = wkeys, wvalid
-    L = Lc + window
-    rows = torch.arange(T, device=dev)[:, None] * L + torch.arange(L, device=dev)[None, :]
-    idx = left_align(torch.where(valid, rows, -1))
-    return keys.reshape(T * L, -1), idx
+        table = wkeys
+    return table, left_align(rows)
 
 
 @eager_only

@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import install  # noqa: E402
+
+    install()
 
 from dsv4.ops.platform import detect_platform, triton_importable  # noqa: E402
 
