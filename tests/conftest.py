@@ -20,9 +20,24 @@ def _make(tmp_path_factory, name: str, **kw):
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory):
-    """The default tiny preset: SWA, CSA (indexer top-32 of real selections), HCA, hash + scored MoE, MTP."""
+def tiny_ckpt_release_vocab(tmp_path_factory):
+    """The default tiny preset: SWA, CSA (indexer top-32 of real selections), HCA, hash + scored MoE, MTP,
+    with the release's 129,280-token vocabulary (what the tokenizer, chats and grammars need)."""
     return _make(tmp_path_factory, "tiny", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_small_vocab(tmp_path_factory):
+    """The tiny preset with the release tokenizer's first SMALL_VOCAB tokens (``tiny_vocab``)."""
+    from tiny_vocab import SMALL_VOCAB
+
+    return _make(tmp_path_factory, "tiny_small_vocab", preset="tiny", overrides={"vocab_size": SMALL_VOCAB})
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_ckpt_release_vocab):
+    """The tiny checkpoint of the tests (tests/engine and tests/parallel: ``tiny_ckpt_small_vocab``)."""
+    return tiny_ckpt_release_vocab
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,18 @@ def _engine_test_threads():
 
 
 @pytest.fixture(scope="session")
+def tiny_ckpt(tiny_ckpt_small_vocab):
+    """The engine's tests send token ids: the tiny checkpoint of the small vocabulary (``tiny_vocab``)."""
+    return tiny_ckpt_small_vocab
+
+
+@pytest.fixture(scope="session")
 def reference_greedy():
     """``reference_greedy(model, prompt, n)`` → (tokens, step logits [n, V]) from the reference model."""
     memo: dict = {}
 
     def run(model, prompt: list[int], n: int):
-        key = (model.numerics.kv_cache_dtype, str(model.dtype), tuple(prompt), n)
+        key = (model.cfg.vocab_size, model.numerics.kv_cache_dtype, str(model.dtype), tuple(prompt), n)
         if key not in memo:
             memo[key] = model.greedy(list(prompt), n)  # fresh DenseSequenceCache each call
         return memo[key]

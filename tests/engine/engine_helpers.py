@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tiny_vocab import SMALL_VOCAB
 
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.llm import LLM
@@ -12,16 +13,16 @@ DTYPES = ("auto", "fp8_ds_mla")
 # the 256-token block; with 4 new tokens 63, 126 and 255 also cross a boundary while decoding
 BOUNDARY_LENGTHS = (5, 63, 64, 126, 129, 255, 257, 300)
 BOUNDARY_NEW_TOKENS = 4
-TOKEN_LO, TOKEN_HI = 3, 129000  # avoid BOS/EOS (0/1) and the added tokens at the top of the vocabulary
+TOKEN_LO, TOKEN_HI = 3, SMALL_VOCAB  # avoid BOS/EOS (0/1); tests/engine's tiny_ckpt is of the small vocabulary
 
 
-def rand_prompt(gen: torch.Generator, n: int) -> list[int]:
-    return torch.randint(TOKEN_LO, TOKEN_HI, (n,), generator=gen).tolist()
+def rand_prompt(gen: torch.Generator, n: int, hi: int = TOKEN_HI) -> list[int]:
+    return torch.randint(TOKEN_LO, hi, (n,), generator=gen).tolist()
 
 
-def rand_prompts(seed: int, lengths) -> list[list[int]]:
+def rand_prompts(seed: int, lengths, hi: int = TOKEN_HI) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [rand_prompt(g, int(n)) for n in lengths]
+    return [rand_prompt(g, int(n), hi) for n in lengths]
 
 
 def make_llm(ckpt, kv_cache_dtype: str, *, max_model_len: int = 1024, kv_cache_memory: int = 256 << 20,

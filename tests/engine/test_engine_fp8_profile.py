@@ -2,6 +2,7 @@
 profile can be forced (DSV4_PLATFORM_FP8) so the FNUZ path is testable on any machine."""
 
 import torch
+from engine_helpers import rand_prompt
 
 from dsv4 import LLM, SamplingParams
 from dsv4.model.cache import CacheNumerics
@@ -16,7 +17,7 @@ def test_forced_fnuz_profile_drives_the_cache_bytes(tiny_ckpt, monkeypatch):
         llm = LLM(str(tiny_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=512, kv_cache_memory=128 << 20)
         assert llm.engine.config.fp8_format == "fnuz"
         assert llm.engine.kv_cache.numerics.fmt.name == "fnuz"
-        prompt = torch.randint(3, 120000, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+        prompt = rand_prompt(torch.Generator().manual_seed(3), 70)
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
         ref = ReferenceModel(llm.engine.model.w, numerics=CacheNumerics("fp8_ds_mla", "fnuz"))
         assert out.outputs[0].token_ids == ref.greedy(prompt, 3)[0]

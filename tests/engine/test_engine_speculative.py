@@ -18,6 +18,7 @@ from spec_helpers import (
     run,
     script,
 )
+from tiny_vocab import RELEASE_TOKEN_HI
 
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.speculative import SpecStats
@@ -190,11 +191,11 @@ def test_preemption(tiny_ckpt):
 
 def test_stops_and_max_tokens_inside_a_draft(tiny_ckpt, prompts, plain):
     """A stop token id, a stop string and max_tokens landing inside an accepted draft end the output
-    exactly where they would without speculation; a grammar-constrained request is unchanged too."""
+    exactly where they would without speculation."""
     truth = {rid: o.outputs[0].token_ids for rid, o in plain["reference"].items()}
     llm = make_llm(tiny_ckpt, "auto", max_model_len=512, speculative_config=mtp(3))
     base = make_llm(tiny_ckpt, "auto", max_model_len=512)
-    scripted = script(llm, truth)
+    script(llm, truth)
     p = prompts[3]
     stop_id = truth["r3"][6]
     text = llm.engine.tokenizer.decode(truth["r3"][:9])
@@ -204,11 +205,22 @@ def test_stops_and_max_tokens_inside_a_draft(tiny_ckpt, prompts, plain):
         b = run(base, [p], params, ["r3"])["r3"]
         assert signature(a) == signature(b) and a.outputs[0].text == b.outputs[0].text
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert_no_leaks(llm)
+
+
+def test_a_grammar_constrained_request_is_unchanged_by_drafts(tiny_ckpt_release_vocab):
+    """Drafts the grammar accepts, then one it must reject: the tokens of a run without speculation (the
+    release vocabulary: a grammar needs every token of the tokenizer)."""
+    llm = make_llm(tiny_ckpt_release_vocab, "auto", max_model_len=512, speculative_config=mtp(3))
+    base = make_llm(tiny_ckpt_release_vocab, "auto", max_model_len=512)
+    scripted = script(llm, {})
+    p = rand_prompts(37, LENGTHS, RELEASE_TOKEN_HI)[3]
     so = StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{1,12}){2,5}")
     b = run(base, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
-    scripted.truth["g"] = b.outputs[0].token_ids  # drafts the grammar accepts, then one it must reject
+    scripted.truth["g"] = b.outputs[0].token_ids
     a = run(llm, [p], greedy(NEW, structured_outputs=so), ["g"])["g"]
     assert signature(a) == signature(b) and len(b.outputs[0].token_ids) > 3
+    assert scripted.calls.get("g", 0) > 0  # the drafts went through the grammar's checks
     assert_no_leaks(llm)
 
 

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 import torch
 from engine_helpers import assert_no_leaks, greedy, make_llm, rand_prompts
+from tiny_vocab import RELEASE_TOKEN_HI
 
 from dsv4.engine.request import Request
 from dsv4.engine.sampler import Sampler
@@ -22,8 +23,8 @@ from dsv4.engine.structured import StructuredOutputsParams, apply_bitmask, bitma
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_ckpt):
-    return make_llm(tiny_ckpt, "auto", max_num_seqs=24, max_model_len=512)
+def llm(tiny_ckpt_release_vocab):  # grammars need every token of the tokenizer
+    return make_llm(tiny_ckpt_release_vocab, "auto", max_num_seqs=24, max_model_len=512)
 
 
 def _random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -58,7 +59,7 @@ def test_twenty_random_json_schemas(llm):
     params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=300,
                              structured_outputs=StructuredOutputsParams(json=json.dumps(s) if i % 3 else s))
               for i, s in enumerate(schemas)]
-    prompts = rand_prompts(7, [5 + i % 9 for i in range(len(params))])
+    prompts = rand_prompts(7, [5 + i % 9 for i in range(len(params))], RELEASE_TOKEN_HI)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, out in enumerate(outs):
         c = out.outputs[0]
@@ -78,7 +79,7 @@ def test_json_object_regex_choice_and_lark(llm):
          lambda t: t.startswith("v=") and isinstance(json.loads(t[2:])["k"], str)),
         (StructuredOutputsParams(json_object=True), None),
     ]
-    prompts = rand_prompts(8, [6, 11])
+    prompts = rand_prompts(8, [6, 11], RELEASE_TOKEN_HI)
     params = [SamplingParams(temperature=t, seed=3, max_tokens=60, structured_outputs=so)
               for so, _ in cases for t in (0.0, 0.8)]
     outs = llm.generate([{"prompt_token_ids": prompts[i % 2]} for i in range(len(params))], params)
@@ -93,7 +94,7 @@ def test_json_object_regex_choice_and_lark(llm):
 
 def test_n_sequences_each_follow_the_grammar(llm):
     so = StructuredOutputsParams(regex=r"(ab|cd|ef){1,4}!")
-    out = llm.generate({"prompt_token_ids": rand_prompts(9, [7])[0]},
+    out = llm.generate({"prompt_token_ids": rand_prompts(9, [7], RELEASE_TOKEN_HI)[0]},
                        SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=30, structured_outputs=so))[0]
     assert len(out.outputs) == 4
     for c in out.outputs:
@@ -105,9 +106,9 @@ def test_guided_greedy_is_batch_invariant_and_keeps_raw_logprobs(llm):
     its logprobs are the model's raw ones (the first token's equal the unguided request's)."""
     so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
                                        "required": ["a"], "additionalProperties": False})
-    p = rand_prompts(10, [13])[0]
+    p = rand_prompts(10, [13], RELEASE_TOKEN_HI)[0]
     alone = llm.generate({"prompt_token_ids": p}, greedy(40, logprobs=3, structured_outputs=so))[0].outputs[0]
-    others = rand_prompts(11, [9, 30, 4])
+    others = rand_prompts(11, [9, 30, 4], RELEASE_TOKEN_HI)
     batch = llm.generate([{"prompt_token_ids": q} for q in [others[0], p, *others[1:]]],
                          [greedy(12), greedy(40, logprobs=3, structured_outputs=so), greedy(7), greedy(20)])
     together = batch[1].outputs[0]
@@ -123,7 +124,7 @@ def test_guided_greedy_is_batch_invariant_and_keeps_raw_logprobs(llm):
 
 
 def test_logit_bias(llm):
-    p = rand_prompts(12, [10])[0]
+    p = rand_prompts(12, [10], RELEASE_TOKEN_HI)[0]
     base = llm.generate({"prompt_token_ids": p}, greedy(4))[0].outputs[0].token_ids
     forced = llm.generate({"prompt_token_ids": p}, greedy(4, logit_bias={"4242": 100}))[0].outputs[0]
     assert forced.token_ids == [4242] * 4
@@ -139,7 +140,7 @@ def test_logit_bias(llm):
 
 def test_bad_constraints_are_errors_naming_the_field(llm):
     eng = llm.engine
-    p = rand_prompts(13, [5])[0]
+    p = rand_prompts(13, [5], RELEASE_TOKEN_HI)[0]
     with pytest.raises(ValueError, match=r"structured_outputs\.json: invalid json"):
         eng.add_request(prompt_token_ids=p, params=SamplingParams(
             structured_outputs=StructuredOutputsParams(json={"type": "objectx"})))

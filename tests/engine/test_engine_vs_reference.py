@@ -82,10 +82,11 @@ def test_preemption_under_tiny_cache_matches_reference(tiny_ckpt, kv_dtype, boun
     assert_no_leaks(llm)
 
 
-def test_cli_generate_json(tiny_ckpt, tiny_model_fp8, reference_greedy):
+def test_cli_generate_json(tiny_ckpt_release_vocab, reference_greedy):
+    """``dsv4 generate --json`` on a text prompt (the release vocabulary: the tokenizer's ids)."""
     exe = shutil.which("dsv4", path=str(Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "dsv4.cli"]
-    cmd += ["generate", "--model", str(tiny_ckpt), "--prompt", "The quick brown fox", "--max-tokens", "4",
+    cmd += ["generate", "--model", str(tiny_ckpt_release_vocab), "--prompt", "The quick brown fox", "--max-tokens", "4",
             "--json", "--kv-cache-memory", "256"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as the in-process tests
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -97,5 +98,8 @@ def test_cli_generate_json(tiny_ckpt, tiny_model_fp8, reference_greedy):
     assert len(d["tokens"]) == len(ids) and all(isinstance(t, str) for t in d["tokens"])
     assert d["finish_reason"] == ("length" if len(ids) == 4 else "stop")
     # the CLI defaults to greedy with the fp8_ds_mla cache: the reference gives the same tokens
-    ref, _ = reference_greedy(tiny_model_fp8, d["prompt_token_ids"], 4)
+    from dsv4.model.model import ReferenceModel
+
+    model = ReferenceModel(tiny_ckpt_release_vocab, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
+    ref, _ = reference_greedy(model, d["prompt_token_ids"], 4)
     assert ids == ref[: len(ids)]

@@ -6,6 +6,12 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def tiny_ckpt(tiny_ckpt_small_vocab):
+    """The parallel tests send token ids: the tiny checkpoint of the small vocabulary (``tiny_vocab``)."""
+    return tiny_ckpt_small_vocab
+
+
+@pytest.fixture(scope="session")
 def tp1_reference(tiny_ckpt):
     """(greedy token ids per prompt, their per-token texts) of the single-process engine."""
     from parallel_helpers import ENGINE, greedy_llm

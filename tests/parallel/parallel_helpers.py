@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from tiny_vocab import SMALL_VOCAB
 
 ENGINE = dict(dtype="float32", kv_cache_dtype="auto", max_model_len=1024, max_num_seqs=8,
               kv_cache_memory=256 << 20)
@@ -39,7 +40,7 @@ def gone(pid: int) -> bool:
 def preempting_prompts() -> list[list[int]]:
     """Four 254-token prompts: two per data-parallel rank preempt each other within SMALL's cache."""
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(2, 129280, (254,), generator=g).tolist() for _ in range(4)]
+    return [torch.randint(2, SMALL_VOCAB, (254,), generator=g).tolist() for _ in range(4)]
 
 
 def check_spread_over_two_ranks(stats: list[dict]) -> None:
@@ -57,7 +58,7 @@ def prompts() -> list[list[int]]:
     """Three prompts (one window, past the 128 window and the first CSA blocks, past a 256-token
     block with an HCA entry), batched together; then one sharing the last one's first block."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (7, 150, 300)]
+    return [torch.randint(2, SMALL_VOCAB, (n,), generator=g).tolist() for n in (7, 150, 300)]
 
 
 def prefix_prompt() -> list[int]:

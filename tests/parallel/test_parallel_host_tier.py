@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from parallel_helpers import ENGINE
+from tiny_vocab import SMALL_VOCAB
 
 from dsv4 import LLM, SamplingParams
 from dsv4.cache.paged import unit_bytes
@@ -15,7 +16,7 @@ from dsv4.model.step import BLOCK
 
 
 def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 129000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(3, SMALL_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _sig(out) -> tuple:

@@ -118,8 +118,9 @@ def test_a_ranks_stacked_weights_are_its_own_shards(tiny_ckpt, n):
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8).to(got.device)), (r, names, part)
 
 
-def test_vocab_parallel_embedding_and_head(tiny_ckpt):
-    ckpt = Checkpoint(tiny_ckpt)
+def test_vocab_parallel_embedding_and_head(tiny_ckpt_release_vocab):
+    """The release vocabulary's two halves (rows 64,639 / 64,640 meet at the ranks' boundary)."""
+    ckpt = Checkpoint(tiny_ckpt_release_vocab)
     cfg = ckpt.config
     ids = torch.tensor([0, 5, 64639, 64640, 64641, cfg.vocab_size - 1])
     ranks = [LocalRank(DistSpec(2), r, torch.device("cpu")) for r in range(2)]

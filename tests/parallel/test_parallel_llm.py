@@ -17,6 +17,7 @@ import time
 import pytest
 import torch.distributed as torch_dist
 from parallel_helpers import ENGINE, GPU_PATHS, free_port, gone, greedy_llm, prefix_prompt, prompts
+from tiny_vocab import SMALL_VOCAB
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.errors import EngineDeadError
@@ -83,7 +84,7 @@ def _preempting_prompts() -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(2, 129280, (254,), generator=g).tolist() for _ in range(2)]
+    return [torch.randint(2, SMALL_VOCAB, (254,), generator=g).tolist() for _ in range(2)]
 
 
 def test_tp2_async_scheduling_with_the_batched_paged_attention_matches_tp1_then_a_killed_worker_kills_it(
