@@ -61,24 +61,27 @@ def tiny_dspark_ckpt(tmp_path_factory):
                  overrides={"vocab_size": 8, "dspark_noise_token_id": 7})
 
 
+# The session's models are built on ``tiny_ckpt_release_vocab`` by name, never on ``tiny_ckpt``: a session
+# fixture is made once, with whichever ``tiny_ckpt`` its first user sees (tests/engine and tests/parallel
+# override it), and every later test would get that one.
 @pytest.fixture(scope="session")
-def tiny_model_auto(tiny_ckpt):
+def tiny_model_auto(tiny_ckpt_release_vocab):
     import torch
 
     from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("auto"))
+    return ReferenceModel(tiny_ckpt_release_vocab, dtype=torch.float32, numerics=CacheNumerics("auto"))
 
 
 @pytest.fixture(scope="session")
-def tiny_model_fp8(tiny_ckpt):
+def tiny_model_fp8(tiny_ckpt_release_vocab):
     import torch
 
     from dsv4.model.cache import CacheNumerics
     from dsv4.model.model import ReferenceModel
 
-    return ReferenceModel(tiny_ckpt, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
+    return ReferenceModel(tiny_ckpt_release_vocab, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
 
 
 # ---- memory guard -----------------------------------------------------------------------------

@@ -221,14 +221,15 @@ def test_step_control_refuses_an_async_engine(tiny_ckpt):
         step_with(llm.engine, [])
 
 
-def test_engine_device_follows_a_model_passed_in(tiny_ckpt, tiny_model_auto, monkeypatch):
+def test_engine_device_follows_a_model_passed_in(tiny_ckpt_release_vocab, tiny_model_auto, monkeypatch):
     """On a machine with a GPU, an engine over a model built on the CPU runs on the CPU (where its
     weights are), with the CPU's defaults (no graphs, no async scheduling), instead of failing at
     graph capture with tensors on two devices."""
     from dsv4.engine.engine import EngineConfig, LLMEngine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as the engine can tell
-    eng = LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=64 << 20, max_model_len=256, max_num_seqs=4,
+    eng = LLMEngine(EngineConfig(model=str(tiny_ckpt_release_vocab), kv_cache_memory=64 << 20, max_model_len=256,
+                                 max_num_seqs=4,
                                  fp8_format="ocp"),  # (auto would ask the pretend GPU for its properties)
                     model=tiny_model_auto)
     assert eng.kv_cache.device.type == "cpu" and eng.runner.graphs is None
