@@ -112,10 +112,11 @@ def gather_attention_keys(positions, seq_ids, swa_pages, swa_table, comp_pages, 
     rows = rows.view(T, window)
     if Lc:
         e = comp_idx.long()
+        cvalid = e >= 0
         ec = e.clamp(min=0)
-        cpage = torch.where(e >= 0, block_table.long()[sid[:, None], ec // entries_per_block], -1)
+        cpage = torch.where(cvalid, block_table.long()[sid[:, None], ec // entries_per_block], -1)
         ckeys, crows = _read_unique(comp_pages, cpage.flatten(), (ec % entries_per_block).flatten(),
-                                    (e >= 0).flatten(), fmt, entries_per_block)
+                                    cvalid.flatten(), fmt, entries_per_block)
         rows = torch.cat([crows.view(T, Lc), torch.where(rows >= 0, rows + ckeys.shape[0], -1)], dim=1)
         table = torch.cat([ckeys.to(wkeys.dtype), wkeys])
     else:

@@ -1,8 +1,9 @@
 """Fixtures for the serving-engine tests.
 
-The checkpoint is the session fixture ``tiny_ckpt`` from ``tests/conftest.py``. The oracle is
-``ReferenceModel.greedy`` on a fresh dense cache; its results are memoized for the session
-(keyed by cache dtype, prompt and length) because several tests compare against the same prompts.
+The checkpoint ``tiny_ckpt`` is, here, ``tests/conftest.py``'s ``tiny_ckpt_small_vocab`` (the tests send
+token ids; those of text and grammars take ``tiny_ckpt_release_vocab``). The oracle is
+``ReferenceModel.greedy`` on a fresh dense cache; its results are memoized for the session (keyed by
+vocabulary, cache dtype, prompt and length) because several tests compare against the same prompts.
 """
 
 from __future__ import annotations

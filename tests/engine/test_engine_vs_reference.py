@@ -82,7 +82,7 @@ def test_preemption_under_tiny_cache_matches_reference(tiny_ckpt, kv_dtype, boun
     assert_no_leaks(llm)
 
 
-def test_cli_generate_json(tiny_ckpt_release_vocab, reference_greedy):
+def test_cli_generate_json(tiny_ckpt_release_vocab, tiny_model_fp8, reference_greedy):
     """``dsv4 generate --json`` on a text prompt (the release vocabulary: the tokenizer's ids)."""
     exe = shutil.which("dsv4", path=str(Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "dsv4.cli"]
@@ -98,8 +98,5 @@ def test_cli_generate_json(tiny_ckpt_release_vocab, reference_greedy):
     assert len(d["tokens"]) == len(ids) and all(isinstance(t, str) for t in d["tokens"])
     assert d["finish_reason"] == ("length" if len(ids) == 4 else "stop")
     # the CLI defaults to greedy with the fp8_ds_mla cache: the reference gives the same tokens
-    from dsv4.model.model import ReferenceModel
-
-    model = ReferenceModel(tiny_ckpt_release_vocab, dtype=torch.float32, numerics=CacheNumerics("fp8_ds_mla"))
-    ref, _ = reference_greedy(model, d["prompt_token_ids"], 4)
+    ref, _ = reference_greedy(tiny_model_fp8, d["prompt_token_ids"], 4)  # (built on tiny_ckpt_release_vocab)
     assert ids == ref[: len(ids)]
