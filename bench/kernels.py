@@ -325,7 +325,7 @@ def sweep(dev, only=("linear", "moe")):
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
-                     ("moe_tail", sweep_moe_tail), ("moe_merge", sweep_moe_merge)):
+                     ("moe_tail", sweep_moe_tail), ("moe_merge", sweep_moe_merge), ("moe_one_dot", sweep_moe_one_dot)):
         # the grouped MXFP4 kernels' single-knob sweeps
         if name in only:
             out.update(fn(dev, g))
@@ -937,6 +937,17 @@ def sweep_moe_merge(dev, g, t_list=(1, 8, 64)):
     return {"moe_merge": _sweep_moe_variants(dev, g, "moe_merge", MOE_MERGE, t_list)}
 
 
+MOE_ONE_DOT = ({"one_dot": True}, {"one_dot": False})
+
+
+def sweep_moe_one_dot(dev, g, t_list=(1, 8, 64, 1024, 8192)):
+    """The grouped MXFP4 kernels' K step as one MMA over both nibble halves (``one_dot``: the even-k and odd-k
+    tiles joined along K, one wait for the MMAs a K step instead of two) and as two, at the engine's tiles (the
+    default: two at the decode tile, one at the prefill tiles); the same k16 MMAs in the same order, so every
+    variant must give the default's bits. CUDA-graph µs."""
+    return {"moe_one_dot": _sweep_moe_variants(dev, g, "moe_one_dot", MOE_ONE_DOT, t_list)}
+
+
 def sweep_moe_tail(dev, g, t_list=(1024, 2048, 4096, 8192)):
     """The prefill tiles with an expert's last block run at half the rows when its second half is empty
     (``tail``, the default) against one launch over all blocks (``tail=False``), and the tail launch's
@@ -1100,7 +1111,7 @@ def main(argv=None):
         "moe_decode_narrow,"
         "moe_waves,"
         "moe_prefill,linear_prefill,moe_block_k,"
-        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge)",
+        "moe_maxnreg,moe_scale_ahead,moe_scale_layout,moe_kperm,moe_fold,moe_tiles,moe_tail,moe_merge,moe_one_dot)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -21,7 +21,8 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     the block's expert — MXFP4 bytes [BLOCK_N, 64]: low nibble = even k, high nibble = odd k, each
     decoded to E2M1 × 2^(b-127) with the row's 4 scale bytes broadcast over their 32-k groups (or
     FP8 bytes × the 128×128 block scale), rounded to x.dtype — then tl.dot(W_even, x_evenᵀ) +
-    tl.dot(W_odd, x_oddᵀ) into fp32 [BLOCK_N, BLOCK_M] accumulators (swap-AB: the decoded weight
+    tl.dot(W_odd, x_oddᵀ) (at the prefill tiles one tl.dot over both halves joined along K, ``one_dot``)
+    into fp32 [BLOCK_N, BLOCK_M] accumulators (swap-AB: the decoded weight
     is the register operand; with ``kperm``, the default, both operands' columns are permuted within
     each 16-byte group into that operand's register order, ``_kperm``). The scale bytes of the next
     K step are loaded during this one (``scale_ahead``), from the groups-major scales ``stack_experts``
@@ -53,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...model.branches import Pending, resolve
+from ...model.branches import Deferred, Pending, resolve
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -450,6 +451,18 @@ def _dot(w, x, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _dot_halves(lo, hi, xe, xo, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr):
+    """acc + lo·xeᵀ + hi·xoᵀ (the even-k and odd-k halves of a K step), the lo products first. ONE_DOT: as one
+    MMA over the K step ([lo | hi] · [xe | xo]ᵀ): the same k16 MMAs in the same order, so the same bits, and one
+    wait for the MMAs a K step instead of two (Triton drains the first dot before the second starts)."""
+    if ONE_DOT:
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], 2 * lo.shape[1]))
+        x = tl.reshape(tl.permute(tl.join(xe, xo), (0, 2, 1)), (xe.shape[0], 2 * xe.shape[1]))
+        return _dot(w, x, acc, DOT_F32)
+    return _dot(hi, xo, _dot(lo, xe, acc, DOT_F32), DOT_F32)
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    H, I, TOPK, S3_ROW, limit,
                    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
@@ -459,7 +472,8 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                    DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                    SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                    KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, MERGE_GU: tl.constexpr = False):
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, MERGE_GU: tl.constexpr = False,
+                   ONE_DOT: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -474,7 +488,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
         if MERGE_GU:  # FP4 only: the gate and up rows as one 2·BLOCK_N-row tile (see ``_merged_up``)
             g_acc, u_acc = _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk,
                                       stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4,
-                                      EVEN_K, KPERM, FOLD, DOT_F32)
+                                      EVEN_K, KPERM, FOLD, DOT_F32, ONE_DOT)
             _swiglu_store(g_acc, u_acc, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype,
                           INTERP)
             return
@@ -494,10 +508,10 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
                     sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k0, H, stride_sn, stride_sk, BLOCK_K)
                 lo1, hi1 = _w_tile_fp4(w_base, sb1, offs_n, n_mask, k0, H, stride_wn, stride_wk,
                                        BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-                acc1 = _dot(hi1, xo, _dot(lo1, xe, acc1, DOT_F32), DOT_F32)
+                acc1 = _dot_halves(lo1, hi1, xe, xo, acc1, DOT_F32, ONE_DOT)
                 lo3, hi3 = _w_tile_fp4(w_base, sb3, I + offs_n, n_mask, k0, H, stride_wn, stride_wk,
                                        BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-                acc3 = _dot(hi3, xo, _dot(lo3, xe, acc3, DOT_F32), DOT_F32)
+                acc3 = _dot_halves(lo3, hi3, xe, xo, acc3, DOT_F32, ONE_DOT)
                 if SCALE_AHEAD:
                     sb1 = nb1
                     sb3 = nb3
@@ -528,7 +542,7 @@ def _swiglu_store(acc1, acc3, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp,
 def _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk, stride_sn, stride_sk,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, x_dtype: tl.constexpr,
                INTERP: tl.constexpr, PTX_FP4: tl.constexpr, EVEN_K: tl.constexpr, KPERM: tl.constexpr,
-               FOLD: tl.constexpr, DOT_F32: tl.constexpr):
+               FOLD: tl.constexpr, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr = False):
     """The MXFP4 up kernel's K loop with the gate rows (n) and the up rows (I + n) in one [2·BLOCK_N, K]
     weight tile: two MMAs a K step (even k, odd k) over both, instead of four. A row's products and their
     order are those of the separate tiles (the MMA's row blocks are independent), so are its bits; the
@@ -546,7 +560,7 @@ def _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, st
         nb = _fp4_scale_bytes(s_base, rows, r_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
         lo, hi = _w_tile_fp4(w_base, sb, rows, r_mask, k0, H, stride_wn, stride_wk,
                              2 * BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-        acc = _dot(hi, xo, _dot(lo, xe, acc, DOT_F32), DOT_F32)
+        acc = _dot_halves(lo, hi, xe, xo, acc, DOT_F32, ONE_DOT)
         sb = nb
     g_acc, u_acc = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     return g_acc, u_acc
@@ -561,7 +575,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                     ROWS: tl.constexpr = None, PART: tl.constexpr = None):
+                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ONE_DOT: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -583,7 +597,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                     sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
                 lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
                                      BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-                acc = _dot(hi, ho, _dot(lo, he, acc, DOT_F32), DOT_F32)
+                acc = _dot_halves(lo, hi, he, ho, acc, DOT_F32, ONE_DOT)
                 if SCALE_AHEAD:
                     sb = nb
             else:
@@ -711,6 +725,12 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, s
 
 
 DIRECT_MAX_SLOTS = 48
+# The grouped MXFP4 kernels' K step as one MMA over both nibble halves (``_dot_halves``; the same bits) at the
+# prefill tiles; the decode tile keeps two. H200, CUDA-graph µs of the op, two against one
+# (``bench/kernels.py --sweep --only moe_one_dot``): T = 1 / 8 / 64 (the decode tile) 64.1 / 278.5 / 1192.5 against
+# 78.9 / 294.8 / 1241.0; T = 1024 / 8192 2187.5 / 8822.7 against 2144.9 / 8334.7 (43 layers, batch 1: 9.32 against
+# 9.97 ms a step). At the decode tile the first half's MMAs overlap the second half's decode.
+PREFILL_ONE_DOT = True
 DECODE_MERGE_GU = True  # the decode tile's up kernel with the gate and up rows as one MMA operand (``merge_gu``)
 # grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
 # the rows (``pick_moe_config``'s ``tail``)
@@ -769,9 +789,12 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     ``tail_BLOCK_N`` / ``tail_num_warps`` / ``tail_num_stages``, so those MMAs skip the empty half;
     a row's K steps do not change, so neither do its bits. ``merge_gu`` (MXFP4; default on at the decode tile,
     ``DECODE_MERGE_GU``): the up kernel's gate and up rows as one 2·BLOCK_N-row MMA operand (``_merged_up``): the
-    same products in the same order, so the same bits, with half the MMA groups (and waits) a K step."""
+    same products in the same order, so the same bits, with half the MMA groups (and waits) a K step.
+    ``one_dot`` (grouped MXFP4; default on at the prefill tiles, ``PREFILL_ONE_DOT``): a K step's even-k and odd-k
+    halves as one MMA (``_dot_halves``), the same k16 MMAs in the same order, so the same bits."""
     n = t * topk
-    if batch_invariant() and t <= DECODE_MAX_ROWS:
+    decode_tile = batch_invariant() and t <= DECODE_MAX_ROWS
+    if decode_tile:
         # decode, batch-invariant: always the grouped kernels with one tile shape, so a token's
         # expert rows are computed the same way whatever else is in the batch. It must also round
         # like the prefill tiles below (a short prompt's chunk takes this path, a long one those):
@@ -812,6 +835,7 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     cfg.setdefault("scale_ahead", expert_dtype == "fp4")  # H200: 1-4 % faster at every tile, same bits
     # K order of the MMA operands (``_kperm``): decode and prefill tiles must share it (batch invariance)
     cfg.setdefault("kperm", expert_dtype == "fp4")
+    cfg.setdefault("one_dot", PREFILL_ONE_DOT and not decode_tile)
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
     # blocks whose second half is empty run at half the rows (a token's row: the same K steps, so the
@@ -847,7 +871,8 @@ def moe_experts(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.moe_experts`` (``add`` in the combine kernel's epilogue; a
-    ``Pending`` one is joined just before that launch, so its branch runs beside the expert GEMMs)."""
+    ``Pending`` one is joined just before that launch, so its branch runs beside the expert GEMMs; a ``Deferred``
+    one is forked after the up kernel's launch)."""
     from ...formats.experts import expert_dtype_of
 
     expert_dtype = expert_dtype or expert_dtype_of(w13)
@@ -886,7 +911,7 @@ def moe_experts(
         s3_row = math.ceil(idim / 128)
     else:
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
-    if not isinstance(add, Pending):  # a tensor is checked before any launch; a pending one where it is joined
+    if not isinstance(add, (Pending, Deferred)):  # a tensor is checked before any launch; a branch where it is joined
         _checked_add(add, t, hdim, x.dtype)
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
@@ -931,7 +956,8 @@ def moe_experts(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]), KPERM=bool(cfg["kperm"]))
+    grouped_only = dict(SCALE_AHEAD=bool(cfg["scale_ahead"]), KPERM=bool(cfg["kperm"]),
+                        ONE_DOT=bool(cfg["one_dot"]) and expert_dtype == "fp4")
     even = cfg.get("even_k", True)  # K masks dropped where K is a multiple of BLOCK_K (False: kept, for A/B)
     even_up, even_down = even and hdim % cfg["BLOCK_K"] == 0, even and idim % cfg["BLOCK_K"] == 0
     bn = cfg["BLOCK_N"]
@@ -973,6 +999,8 @@ def moe_experts(
             FOLD=fold_up,
             **g,
         )
+        if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
+            add = add.issue()
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
             h,
             w2b,
@@ -1048,6 +1076,8 @@ def moe_experts(
                 PART=part,
                 **up_l,
             )
+        if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
+            add = add.issue()
         for part, _, down_l in parts:
             _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
                 h,
