@@ -21,6 +21,11 @@ class DeferredLanes:
         self.forks += 1
         return p
 
+    def point(self):
+        """A main-path point to start a later fork from (``after``): not None, as in a graph capture, so the
+        model takes the paths it takes where branches run beside it; the branches here ignore it."""
+        return object()
+
     def unjoined(self) -> int:
         return sum(len(q) for q in self.queues.values())
 

@@ -86,6 +86,23 @@ def serial_point():
 serial_fork.point = serial_point
 
 
+class Deferred:
+    """A branch that the op it is handed to forks itself, once that op's own first launches are issued (``issue``
+    wraps a ``fork(..., after=point)``): in a CUDA graph those launches then reach the SMs before the branch's,
+    while the branch still starts from ``point``. ``issue()`` forks it once and returns its ``Pending``."""
+
+    def __init__(self, issue: Callable[[], object]):
+        self._issue, self._pending = issue, None
+
+    def issue(self):
+        if self._issue is not None:
+            self._pending, self._issue = self._issue(), None
+        return self._pending
+
+
 def resolve(value):
-    """``value``'s result if it is a ``Pending``, else ``value`` (what an op that takes either reads)."""
+    """``value``'s result if it is a ``Pending`` (a ``Deferred`` one issued first), else ``value`` (what an op
+    that takes either reads)."""
+    if isinstance(value, Deferred):
+        value = value.issue()
     return value.result() if isinstance(value, Pending) else value

@@ -141,8 +141,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
                 s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
                 expert_dtype: str | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped); ``add``
-    ([T, H] in x.dtype, e.g. the shared expert's output, or a ``Pending`` branch giving it, joined where it
-    is added) added to that, in x.dtype."""
+    ([T, H] in x.dtype, e.g. the shared expert's output, or a ``Pending`` / ``Deferred`` branch giving it,
+    joined where it is added) added to that, in x.dtype."""
     expert_dtype = expert_dtype or expert_dtype_of(w13)
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")

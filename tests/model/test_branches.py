@@ -22,6 +22,17 @@ def test_serial_fork_runs_now_and_pending_joins_once():
     assert branches.resolve(q) == "v" and branches.resolve(7) == 7 and branches.resolve(None) is None
 
 
+def test_deferred_forks_once_when_issued_or_resolved():
+    """A ``Deferred`` branch is forked by the op it is handed to (``issue``), once; ``resolve`` issues it if the op
+    has not and joins it."""
+    forks = []
+    d = branches.Deferred(lambda: forks.append(1) or branches.serial_fork(lambda a: a * 2, 21))
+    assert forks == []
+    p = d.issue()
+    assert forks == [1] and d.issue() is p and branches.resolve(d) == 42 and forks == [1]
+    assert branches.resolve(branches.Deferred(lambda: Pending(5))) == 5
+
+
 def test_wait_orders_another_lane_and_leaves_the_join_to_the_main_path():
     """``wait()`` (a branch on another lane reading this one) runs the join on the current stream each time and
     returns the value; ``result()`` still joins once for the main path. The serial fork ignores ``after`` and
@@ -53,7 +64,7 @@ def test_a_table_first_made_in_a_branch_is_not_shared():
         assert s.phase(4) is s.phase(4)
 
 
-def test_deferred_branches_give_the_in_order_logits(tiny_ckpt):
+def test_deferred_branches_give_the_in_order_logits(tiny_ckpt, monkeypatch):
     """The fast path's structure (weights in checkpoint formats, the grouped experts, the shared expert
     a branch whose result the experts' op joins where it adds it) with every branch run as late as
     its join allows: the same bits as in order, and every branch joined."""
@@ -62,14 +73,22 @@ def test_deferred_branches_give_the_in_order_logits(tiny_ckpt):
     from dsv4.ops.registry import resolve
 
     weight_ops = {op: resolve(op, force={op: "torch"})[1] for op in WEIGHT_OPS}
+    from dsv4.model.moe import MoE
+
+    downs = []
+    shared_down = MoE._shared_down
+    monkeypatch.setattr(MoE, "_shared_down", lambda self, *a: downs.append(1) or shared_down(self, *a))
     lanes = DeferredLanes()
     deferred = ReferenceModel(tiny_ckpt, ops=OpSet(weight_ops, fork=lanes))
     in_order = ReferenceModel(tiny_ckpt, ops=OpSet(weight_ops))
     assert deferred.blocks[0].moe.grouped and deferred.blocks[0].moe.shared is not None
+    # the fork has points, as a capture does: the shared expert's activation and w2 are a Deferred branch
+    # (``SHARED_DOWN_BESIDE_EXPERTS``), forked inside the experts' op
     ids = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(11))
     got, want = deferred.prefill(ids, chunk_sizes=[17, 7])[0], in_order.prefill(ids, chunk_sizes=[17, 7])[0]
     assert lanes.forks >= 2 * deferred.cfg.num_hidden_layers and lanes.unjoined() == 0
     assert torch.equal(got, want)
+    assert len(downs) == 2 * deferred.cfg.num_hidden_layers  # two chunks: the split shared expert every layer
 
 
 def test_split_counters_are_per_lane():

@@ -511,3 +511,38 @@ def test_add_as_a_pending_branch_is_joined_once_before_the_combine(fp4_layer):
             tmoe._moe_combine_kernel = real
         assert torch.equal(got, op(x, ids, w, *fp4_layer, add=a)) and joins.count(op) == 1, op
     assert launched == [1]  # the Triton combine launched after the one join
+
+
+def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer):
+    """``add`` as a ``Deferred`` (the shared expert's activation and w2, forked beside the routed experts): the
+    Triton op forks it after its up kernel's launch and before the down kernel's, the torch op where it adds it;
+    both fork and join it once and give the tensor's result."""
+    from dsv4.model.branches import Deferred, Pending
+
+    x, ids, w, _ = _padded_batch(5, 45, torch.bfloat16, pad_row=1)
+    a = randn((5, H), gen(46), dtype=torch.bfloat16)
+    events = []
+    real = {name: getattr(tmoe, name) for name in ("_moe_up_kernel", "_moe_down_kernel")}
+
+    class Spy:  # records each launch in order with the forks
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            events.append(self.name)
+            return real[self.name][grid]
+
+    for op in (tmoe.moe_experts, torch_ops.moe_experts):
+        events.clear()
+        d = Deferred(lambda: events.append("fork") or Pending(a, join=lambda: events.append("join")))
+        for name in real:
+            setattr(tmoe, name, Spy(name))
+        try:
+            got = op(x, ids, w, *fp4_layer, add=d)
+        finally:
+            for name, k in real.items():
+                setattr(tmoe, name, k)
+        assert torch.equal(got, op(x, ids, w, *fp4_layer, add=a)), op
+        assert events.count("fork") == 1 and events.count("join") == 1, (op, events)
+        if op is tmoe.moe_experts:
+            assert events == ["_moe_up_kernel", "fork", "_moe_down_kernel", "join"], events
