@@ -333,6 +333,7 @@ def _decode_block_n(n: int) -> int:
 # of x before the MMA) were slower.
 DECODE_BLOCK_N = 64
 DECODE_BLOCK_M: int | None = None  # None: by M (``decode_block_m``); 64 (and DECODE_BLOCK_N 128): the former launch
+DECODE_STAGES = 3  # the decode launch's software-pipeline stages (the same bits at any value)
 
 
 def decode_block_m(m: int) -> int:
@@ -384,7 +385,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     chunked = invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK  # K in several chunks
     if invariant and decode:  # the weight's K chunks at any M ≤ 64, over the narrowest MMA that holds M
         bn = min(DECODE_BLOCK_N, _decode_block_n(n))
-        cfg = dict(BLOCK_M=decode_block_m(m), BLOCK_N=bn, num_warps=4, num_stages=3, GROUP_M=1, split_k=None)
+        cfg = dict(BLOCK_M=decode_block_m(m), BLOCK_N=bn, num_warps=4, num_stages=DECODE_STAGES, GROUP_M=1,
+                   split_k=None)
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
