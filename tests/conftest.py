@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import worker_memory
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tests are dominated by small ops; one intra-op thread avoids OpenMP spin-waiting on a busy
@@ -88,7 +89,7 @@ def tiny_model_fp8(tiny_ckpt_release_vocab):
 # The suite must pass on a 24 GiB, 2-core machine with two xdist workers and another 6 GiB process
 # beside them, so each worker's peak RSS is held under DSV4_TEST_MAX_RSS_GIB (default 6). The test
 # during which a worker first crosses the limit fails and names the peak; DSV4_TEST_RSS_LOG=FILE
-# appends "worker test peak_MiB grew_MiB" for every test (how a build-up is found).
+# appends "worker test peak_MiB grew_MiB current_MiB" for every test (how a build-up is found).
 _RSS_LIMIT_MIB = float(os.environ.get("DSV4_TEST_MAX_RSS_GIB", "6")) * 1024
 _rss_crossed = False
 
@@ -112,7 +113,8 @@ def pytest_runtest_makereport(item, call):
     if log:
         grew = peak - item.stash.get(_RSS_START, peak)
         with open(log, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid} {peak:.0f} {grew:.0f}\n")
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid} {peak:.0f} {grew:.0f} "
+                    f"{worker_memory.current_rss_mib():.0f}\n")
     if peak > _RSS_LIMIT_MIB and not _rss_crossed:
         _rss_crossed = True
         report = outcome.get_result()
@@ -129,17 +131,6 @@ def pytest_runtest_setup(item):
     item.stash[_RSS_START] = _peak_rss_mib()
 
 
-def _current_rss_mib() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:  # not Linux
-        return 0.0
-
-
-_settled_mib = 1024.0  # RSS after the last clean-up (collect only when a test left the worker this much larger)
-
-
 @pytest.fixture(autouse=True)
 def _return_freed_memory():
     """After a test that left the worker 512 MiB larger than the last clean-up (engines hold a 1 GiB
@@ -148,14 +139,5 @@ def _return_freed_memory():
     ~1.5 GiB per engine that waited in a reference cycle for the next full collection (measured: 23
     GiB peak in one worker). A full collection costs ~0.1 s in a loaded worker, hence the threshold."""
     yield
-    global _settled_mib
-    if _current_rss_mib() > _settled_mib + 512:
-        import ctypes
-        import gc
-
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
-        _settled_mib = max(1024.0, _current_rss_mib())
+    if worker_memory.current_rss_mib() > worker_memory.settled_mib + 512:
+        worker_memory.return_freed_memory()

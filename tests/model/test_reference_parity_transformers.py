@@ -39,6 +39,16 @@ from dsv4.model.step import SeqChunk
 transformers = pytest.importorskip("transformers")
 
 LOGIT_ATOL = 5e-5  # float32 rounding bound, see the module docstring (measured ≈ 5.6e-6)
+
+
+@pytest.fixture(autouse=True)
+def _memory_returned_first():
+    """Each test holds two float32 models of the release vocabulary and their ~640-row logits (~2 GiB over the
+    worker's RSS): the worker's freed heap goes back to the OS first, so what earlier tests freed does not count
+    against the worker's limit (``tests/conftest.py``)."""
+    from worker_memory import return_freed_memory
+
+    return_freed_memory()
 PROMPT_SEED = 0
 
 
@@ -134,18 +144,19 @@ class Decisions:
         assert self.gaps["indexer"] > 0 and self.gaps["routing"] > 0, f"an exact tie decided a selection ({margins})"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (function scope: the other test's two models are not alive beside these)
 def hf_select_all(tiny_ckpt_select_all):
     return _load_hf(tiny_ckpt_select_all)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ref_select_all(tiny_ckpt_select_all):
     return ReferenceModel(tiny_ckpt_select_all, dtype=torch.float32, numerics=CacheNumerics("auto"))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
-    d = float((a - b).abs().max())
+    # 64 rows at a time: the difference of two [640, vocabulary] float32 tensors would be ~330 MB more
+    d = max(float((a[i:i + 64] - b[i:i + 64]).abs().max()) for i in range(0, a.shape[0], 64))
     assert d <= LOGIT_ATOL, f"{what}: max |Δlogit| = {d:.3e} > {LOGIT_ATOL:.0e} (logit std {float(b.std()):.2f})"
     return d
 

@@ -329,11 +329,15 @@ def _decode_block_n(n: int) -> int:
 # H200 gives every tile shape the same row bits). H200, CUDA-graph medians, M = 1 (``bench/kernels.py --sweep --only
 # linear_decode``), against the former single 64 × 128 tile (64 for N < 4096): wq_b 18.7 -> 12.3 us, wo_a 20.9 ->
 # 14.0, wo_b 21.0 -> 14.1, shared w1 9.2 -> 6.8, shared w2 9.3 -> 6.7, indexer wq_b 9.2 -> 6.6, wq_a 7.3 -> 5.7;
-# more K chunks, 4 stages, 8 warps, or the block scale moved onto x (fewer instructions, but a register round trip
-# of x before the MMA) were slower.
+# more K chunks, 4 stages (alone; in the step 4 are faster: DECODE_STAGES), 8 warps, or the block scale moved onto x
+# (fewer instructions, but a register round trip of x before the MMA) were slower.
 DECODE_BLOCK_N = 64
 DECODE_BLOCK_M: int | None = None  # None: by M (``decode_block_m``); 64 (and DECODE_BLOCK_N 128): the former launch
-DECODE_STAGES = 3  # the decode launch's software-pipeline stages (the same bits at any value)
+# The decode launch's software-pipeline stages (the same bits at any value). H200, 43 layers, CUDA graphs, one call
+# (bench/e2e.py --ab dsv4.ops.triton.fp8_linear.DECODE_STAGES=4): batch 1 8.88 against 8.98 ms a step with 3, batch 8
+# 13.88 against 13.89; a replayed launch alone, its weight warm in L2, was faster at 3 (``--sweep --only
+# linear_decode``): in the step the weights come from HBM.
+DECODE_STAGES = 4
 
 
 def decode_block_m(m: int) -> int:
