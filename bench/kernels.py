@@ -668,9 +668,8 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
     return out
 
 
-MHC_NORM_VARIANTS = {**{f"{bt} token(s), {w} warp(s)": dict(NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
-                        for bt, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4))},
-                     **{f"mixes launch {st} stages": dict(MIX_STAGES=st) for st in (2, 4, 6)}}
+MHC_NORM_VARIANTS = {f"{bt} token(s), {w} warp(s)": dict(NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
+                     for bt, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4))}
 
 
 def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):

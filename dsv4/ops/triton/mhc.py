@@ -93,10 +93,8 @@ CONFIG = dict(
     NORM_GATE_BLOCK_T=1,  # tokens per gate/collapse program with the RMSNorm (every value: the same bits)
     NORM_GATE_WARPS=2,    # its warps; H200, ``--sweep --only mhc_norm``, mhc_post_pre with the norm at T = 1 / 64 /
     # 1024: 1 token at 1 warp 14.3 / 17.5 / 69.3 µs, at 2 warps 13.8 / 17.0 / 82.7, 2 tokens at 2 warps 13.3 / 16.2 /
-    # 65.4 (measured at 43 layers: 1 token, 2 warps), 4 at 4 warps 18.0 / 21.4 / 84.5; the former pair (the op,
-    # then the RMSNorm launch) 16.2 / 19.2 / 68.6
-    MIX_STAGES=None,   # software-pipeline stages of the mixes launches' K loop (None: Triton's default; the same
-    # bits at any value)
+    # 65.4 (at 43 layers slower: 9.05 against 8.92 ms a batch-1 step, one call), 4 at 4 warps 18.0 / 21.4 / 84.5;
+    # the former pair (the op, then the RMSNorm launch) 16.2 / 19.2 / 68.6
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
@@ -420,7 +418,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         streams, fw, part, T, k, streams.stride(0), fw.stride(-2), fw.stride(0), part.stride(0), part.stride(1),
         NMIX=nmix, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t, BLOCK_K=cfg["MIX_BLOCK_K"],
         BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
-        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"], **_stages(cfg))
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return _gates(part, streams, base, scale, iters, hc_eps, rms_eps, cfg, norm)
 
 
@@ -537,11 +535,6 @@ def _post_mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     _store_part(part_ptr, acc, sq, pid_s, rows, t_mask, offs_c, stride_ps, stride_pt, NMIX, BLOCK_K)
 
 
-def _stages(cfg: dict) -> dict:
-    """The mixes launches' ``num_stages`` where CONFIG sets one."""
-    return {} if cfg["MIX_STAGES"] is None else {"num_stages": int(cfg["MIX_STAGES"])}
-
-
 def fusable(H: int, config: dict | None = None) -> bool:
     """Whether ``mhc_post_pre`` runs fused for hidden size H (else it runs hc_post, then hc_pre)."""
     cfg = dict(CONFIG, **(config or {}))
@@ -576,5 +569,5 @@ def mhc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
         y.stride(0), fw.stride(-2), fw.stride(0), part.stride(0), part.stride(1),
         N=n, NMIX=2 * n + n * n, NMIX_P=nmix_p, SPLIT=cfg["SPLIT"], BLOCK_T=block_t,
         BLOCK_K=cfg["MIX_BLOCK_K"], BF16X3=_bf16x3(streams.dtype, cfg), INTERP=interpreting(),
-        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"], **_stages(cfg))
+        num_warps=cfg["MIX_WARPS"] if T <= DECODE_MAX_ROWS else cfg["MIX_WARPS_PREFILL"])
     return (y, *_gates(part, y, base, scale, iters, hc_eps, rms_eps, cfg, norm))

@@ -732,7 +732,6 @@ DIRECT_MAX_SLOTS = 48
 # 9.97 ms a step). At the decode tile the first half's MMAs overlap the second half's decode.
 PREFILL_ONE_DOT = True
 DECODE_MERGE_GU = True  # the decode tile's up kernel with the gate and up rows as one MMA operand (``merge_gu``)
-DECODE_STAGES = 3  # the decode tile's software-pipeline stages (the same bits at any value)
 # grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
 # the rows (``pick_moe_config``'s ``tail``)
 TAIL_MIN_BLOCK_M = 32
@@ -805,8 +804,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         # between a prompt alone and in a larger chunk. The down kernel takes 128 columns (with the
         # folded decode: T=1/8/64 in 69.7/276.0/1159.6 against 71.4/280.7/1172.4 us at 64, same bits:
         # BLOCK_N does not change a row's K steps)
-        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=DECODE_STAGES,
-                   down_BLOCK_N=128, merge_gu=DECODE_MERGE_GU)
+        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128,
+                   merge_gu=DECODE_MERGE_GU)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
         # 94 us vs 137 us for 64 x 128)
