@@ -341,3 +341,54 @@ def test_split_fixup_gives_sum_in_orders_bits(monkeypatch, m):
     y32 = tfl.fp8_linear(x, wq, s, out_dtype=torch.float32, config={"split_k": 5})
     monkeypatch.setattr(_common, "SPLIT_FIXUP", False)
     assert_fp32_accum_close(y32, torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32), _absprod(x, wq, s))
+
+
+@pytest.mark.parametrize("m", [1, 9, 130])
+def test_ue8m0_scales_as_fp32_values(monkeypatch, m):
+    """The kernel reads UE8M0 scales as their exact fp32 values (``FP32_SCALES``: a 4-byte load Triton
+    pipelines), made once per scale tensor: edge codes included (0 -> 2^-127, 255 -> NaN), within the fp32
+    tolerance of the torch op, and the same as the byte path's result by that tolerance; remade when the scales
+    are written in place."""
+    g = gen(60 + m)
+    n, k = 192, 384
+    wq, s = _weights(n, k, g)
+    sb = s.view(torch.uint8) if s.dtype != torch.uint8 else s
+    sb[1, 2] = 0  # 2^-127: a block of subnormal weights, exact in fp32 and bf16
+    sb[0, 1] = 255  # NaN: rows 0..127 are NaN on both sides
+    x = randn((m, k), g, dtype=torch.bfloat16)
+    ref = torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32)
+    ap = _absprod(x, wq, s)
+    ok = torch.arange(n, device=ref.device) >= 128
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(tfl, "FP32_SCALES", on)
+        y = tfl.fp8_linear(x, wq, s, out_dtype=torch.float32)
+        assert torch.isnan(y[:, :128]).all() and torch.isnan(ref[:, :128]).all()
+        assert_fp32_accum_close(y[:, ok], ref[:, ok], ap[:, ok])
+        outs[on] = y[:, ok]
+    assert_fp32_accum_close(outs[True], outs[False], ap[:, ok])
+    monkeypatch.setattr(tfl, "FP32_SCALES", True)
+    sb[1, :] = 140  # written in place: the fp32 copy is remade (a stale one would keep the old scales)
+    ref2 = torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32)
+    y2 = tfl.fp8_linear(x, wq, s, out_dtype=torch.float32)
+    assert_fp32_accum_close(y2[:, ok], ref2[:, ok], _absprod(x, wq, s)[:, ok])
+    assert not torch.allclose(ref2[:, ok], ref[:, ok])
+
+
+def test_derived_is_made_once_per_tensor_and_dropped_with_it():
+    from dsv4.ops.triton import _common
+
+    calls = []
+
+    def make(t):
+        calls.append(1)
+        return t * 2
+
+    t = torch.arange(4.0)
+    a = _common.derived(t, make)
+    assert _common.derived(t, make) is a and len(calls) == 1
+    t.add_(1)  # written in place: remade
+    assert torch.equal(_common.derived(t, make), (torch.arange(4.0) + 1) * 2) and len(calls) == 2
+    key = (id(t), make)
+    del t
+    assert key not in _common._DERIVED
