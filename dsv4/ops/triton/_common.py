@@ -19,8 +19,6 @@ any arch) and in the CPU interpreter:
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import Callable
 
 import torch
 import triton
@@ -61,21 +59,6 @@ def native_fp8(device: torch.device) -> bool:
 
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-_DERIVED: dict[tuple[int, Callable], tuple[weakref.ref, int, torch.Tensor]] = {}  # (id(t), make) -> (t, version, value)
-
-
-def derived(t: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """make(t), made once per tensor t and kept while t lives (remade if t is written in place): the form of a
-    weight a kernel reads best, made from it once instead of at every launch (weights do not change between
-    steps; the first call, a warm-up, makes it before any CUDA-graph capture)."""
-    key = (id(t), make)
-    hit = _DERIVED.get(key)
-    if hit is None or hit[0]() is not t or hit[1] != t._version:
-        if hit is None or hit[0]() is not t:
-            weakref.finalize(t, _DERIVED.pop, key, None)  # (a weak key: a tensor's == is elementwise)
-        hit = _DERIVED[key] = (weakref.ref(t), t._version, make(t))
-    return hit[2]
 
 
 def scale_kind(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:

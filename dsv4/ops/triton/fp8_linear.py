@@ -54,13 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats.ue8m0 import ue8m0_decode
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from . import _common
 from ._common import (
     FIXUP_ROWS,
     cast,
-    derived,
     fake_quant_rows,
     fp8_to_f32,
     fp8_weight_bytes,
@@ -340,11 +338,6 @@ DECODE_BLOCK_M: int | None = None  # None: by M (``decode_block_m``); 64 (and DE
 # 13.88 against 13.89; a replayed launch alone, its weight warm in L2, was faster at 3 (``--sweep --only
 # linear_decode``): in the step the weights come from HBM.
 DECODE_STAGES = 4
-# UE8M0 scales handed to the kernel as their exact fp32 values (``ue8m0_decode``, made once per weight:
-# ``_common.derived``): Triton pipelines a 4-byte load with the weight tiles (cp.async), a byte load it does not, so
-# every K step waited for its block scale's round trip to memory (in a step, from HBM). The same scale values, so
-# the same bits.
-FP32_SCALES = True
 
 
 def decode_block_m(m: int) -> int:
@@ -529,8 +522,6 @@ def fp8_linear(
             f"x has K={x.shape[-1]} but the weight is {tuple(wb.shape)} in {groups} group(s): expected {groups * k}"
         )
     sc, ue8m0 = scale_kind(scale)
-    if ue8m0 and FP32_SCALES:
-        sc, ue8m0 = derived(scale, ue8m0_decode), False
     if tuple(sc.shape) != (math.ceil(n / BLOCK), math.ceil(k / BLOCK)):
         raise ValueError(
             f"scale grid {tuple(sc.shape)} does not match weight {tuple(wb.shape)} "

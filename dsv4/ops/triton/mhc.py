@@ -15,18 +15,10 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    slices' programs make pre = sigmoid + eps and the collapse Σ_i pre_i·R_i of their slice in fp32
    (i in order), rounded to the stream dtype; the last program makes post = 2·sigmoid and
    comb = Sinkhorn(softmax + eps) (20 serial iterations, off the collapse's path). With ``norm`` (the
-   sub-layer's RMSNorm weight) each collapse program holds whole rows (loaded at once as steps of
-   NORM_BLOCK_H columns) and normalises them in registers, replacing the RMSNorm launch after it: Σx² of
-   the rounded rows per lane (an explicit FMA a step), the lanes in a fixed tree (``_sum_lanes``), then
-   x·r·w as ``dense._rms_norm_kernel`` forms it. Every Triton hc_pre / mhc_post_pre with a norm takes
-   this form, so a token's bits do not depend on T.
-   The RMSNorm weight is loaded first (in a step it comes from HBM; the partials and streams were just
-   written, in L2). Inside a decode graph's capture (``dsv4.ops.streams.point``) the post/comb program is a
-   launch of its own on a side stream (``SINKHORN_LANE``) from the same point, launched after the
-   collapse's: only the next hc_post reads post and comb, so its Sinkhorn (20 dependent float64
-   normalisations, the gate launch's longest program) leaves the path the sub-layer waits on. Both
-   launches run the same programs (``pid_h0`` offsets the second): the same bits; post and comb are
-   returned as ``branches.Pending`` values, which hc_post resolves.
+   sub-layer's RMSNorm weight) each collapse program holds whole rows (NORM_BLOCK_H columns a step) and
+   normalises them in place, replacing the RMSNorm launch after it: Σx² of the rounded rows per lane,
+   the lanes in a fixed tree (``_sum_lanes``), then x·r·w as ``dense._rms_norm_kernel`` forms it. Every
+   Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T.
 
 The oracle normalises x before the GEMM ((x·r)·fnᵀ); here r is applied after (r·(fn·xᵀ)), one
 rounding apart per product: the mixes differ from the oracle by summation order and that
@@ -61,15 +53,14 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from ...model.branches import Pending, resolve
-from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS
-from ._common import cast, derived, interpreting
+from ._common import cast, interpreting
 from .dense import dot_acc
 
 __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
@@ -107,9 +98,6 @@ CONFIG = dict(
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
-SINKHORN_BESIDE = True  # in a decode graph, the post/comb program as a launch of its own on a side stream (A/B:
-# --set dsv4.ops.triton.mhc.SINKHORN_BESIDE=false)
-SINKHORN_LANE = 3  # its lane (``dsv4.ops.streams``; the attention's branches use 0 to 2, the shared expert 0)
 
 
 def _f32(v: float) -> float:
@@ -208,15 +196,15 @@ def _sum_slices(ptrs, mask, stride_ps, S: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["T", "pid_h0"])
+@triton.jit(do_not_specialize=["T"])
 def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, norm_ptr,
-                 T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo, pid_h0,
+                 T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
                  S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
                  BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
-                 NORM: tl.constexpr = False, STEPS: tl.constexpr = 1):
+                 NORM: tl.constexpr = False):
     pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1) + pid_h0  # (a launch of the collapse programs alone, or of the Sinkhorn's alone)
+    pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     rows = offs_t.to(tl.int64)
@@ -262,60 +250,51 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
         tl.store(comb_ptr + rows[:, None, None] * stride_cbt + cidx[None, :, :], comb.to(tl.float32), mask=m3)
     else:
         # 3. collapse Σ_i pre_i·R_i (fp32, i in order) over this program's slice of H
-        if NORM:  # the RMSNorm weight first: in a step it comes from HBM, while the rest is in L2
-            offs_s = tl.arange(0, STEPS)
-            offs_l = tl.arange(0, BLOCK_H)
-            hh = offs_s[:, None] * BLOCK_H + offs_l[None, :]  # [STEPS, BLOCK_H]
-            wn = tl.load(norm_ptr + hh, mask=hh < H, other=0.0)
         pre_m = _sum_slices(row[:, None] + offs_i[None, :], m2, stride_ps, S)
         sc0 = tl.load(scale_ptr).to(tl.float64)
         b_pre = tl.load(base_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float64)
         pre = (_sigmoid64((pre_m * r[:, None]).to(tl.float64) * sc0 + b_pre[None, :]) + eps).to(tl.float32)
+        h_begin = pid_h * H_SLICE
+        h_end = tl.minimum(h_begin + H_SLICE, H)
         out_dtype = col_ptr.dtype.element_ty
-        if NORM:
-            # 4. whole rows (H_SLICE ≥ H) as [BLOCK_T, STEPS, BLOCK_H] tiles, every load issued at once: the
-            # collapse, then the sub-layer's RMSNorm of the rounded rows in registers: Σx² per lane l summed
-            # over the steps s in order (the sum the former step loop made), the lanes in a fixed tree
-            # (``_sum_lanes``: the order does not follow BLOCK_T or the warps); then x·r·w as
-            # ``dense._rms_norm_kernel`` forms it
-            mh = t_mask[:, None, None] & (hh < H)[None, :, :]
-            acc = tl.zeros((BLOCK_T, STEPS, BLOCK_H), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for h0 in range(h_begin, h_end, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            mh = t_mask[:, None] & (hh < H)[None, :]
+            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
             for i in tl.static_range(N):
                 p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
-                x = tl.load(s_ptr + rows[:, None, None] * stride_st + i * stride_sn + hh[None, :, :], mask=mh,
-                            other=0.0)
-                acc += p_i[:, None, None] * x.to(tl.float32)
-            xf = cast(acc, out_dtype, INTERP).to(tl.float32)
-            sq = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-            for st in tl.static_range(STEPS):  # step st's values (one nonzero term per lane: exact), then an explicit
-                # FMA: the compiler would contract x·x + sq in some register layouts and not in others
-                xs = tl.sum(tl.where(offs_s[None, :, None] == st, xf, 0.0), axis=1)
-                sq = tl.fma(xs, xs, sq)
+                x = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=mh, other=0.0)
+                acc += p_i[:, None] * x.to(tl.float32)
+            xo = cast(acc, out_dtype, INTERP)
+            tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], xo, mask=mh)
+            if NORM:
+                xf = xo.to(tl.float32)
+                sq += xf * xf
+        if NORM:
+            # 4. the sub-layer's RMSNorm of the collapsed row (this program holds whole rows: H_SLICE ≥ H), in
+            # place: Σx² per lane over the BLOCK_H steps, then a fixed tree over the lanes (``_sum_lanes``: the
+            # order does not follow BLOCK_T or the warps); then x·r·w as ``dense._rms_norm_kernel`` forms it
             ss = _sum_lanes(tl.trans(sq), BLOCK_H)
             ms = tl.div_rn(ss, tl.zeros_like(ss) + tl.cast(H, tl.float32))
             rn = tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + tl.cast(rms_eps, tl.float32)))
-            y = xf * rn[:, None, None]
-            y = wn.to(tl.float32)[None, :, :] * y
-            tl.store(col_ptr + rows[:, None, None] * stride_ct + hh[None, :, :], cast(y, out_dtype, INTERP), mask=mh)
-        else:
-            h_begin = pid_h * H_SLICE
-            h_end = tl.minimum(h_begin + H_SLICE, H)
+            tl.debug_barrier()  # the rows read back below were stored by other threads of this program
             for h0 in range(h_begin, h_end, BLOCK_H):
                 hh = h0 + tl.arange(0, BLOCK_H)
                 mh = t_mask[:, None] & (hh < H)[None, :]
-                acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-                for i in tl.static_range(N):
-                    p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
-                    x = tl.load(s_ptr + rows[:, None] * stride_st + i * stride_sn + hh[None, :], mask=mh,
-                                other=0.0)
-                    acc += p_i[:, None] * x.to(tl.float32)
-                tl.store(col_ptr + rows[:, None] * stride_ct + hh[None, :], cast(acc, out_dtype, INTERP), mask=mh)
+                cp = col_ptr + rows[:, None] * stride_ct + hh[None, :]
+                y = tl.load(cp, mask=mh, other=0.0).to(tl.float32) * rn[:, None]
+                y = tl.load(norm_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)[None, :] * y
+                tl.store(cp, cast(y, out_dtype, INTERP), mask=mh)
 
 
 def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
     """The mixes on tensor cores (``_mix_dot``): bf16 streams only (their values are exact in bf16;
     fp16 / fp32 streams keep the fp32 FMA dot), unless config ``MIX_BF16X3`` is False."""
     return bool(cfg["MIX_BF16X3"]) and dtype == torch.bfloat16
+
+
+_FN_PARTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(fn) -> (fn, its version, its parts)
 
 
 def fn_parts(fn: torch.Tensor) -> torch.Tensor:
@@ -338,7 +317,12 @@ def _fn_operand(fn: torch.Tensor, dtype: torch.dtype, cfg: dict) -> torch.Tensor
     fn in fp32 (with a leading unit axis: one layout for the kernels' strides)."""
     if not _bf16x3(dtype, cfg):
         return fn.float().contiguous().unsqueeze(0)
-    return derived(fn, fn_parts)
+    hit = _FN_PARTS.get(id(fn))
+    if hit is None or hit[0]() is not fn or hit[1] != fn._version:
+        if hit is None or hit[0]() is not fn:
+            weakref.finalize(fn, _FN_PARTS.pop, id(fn), None)  # (a weak key: a tensor's == is elementwise)
+        hit = _FN_PARTS[id(fn)] = (weakref.ref(fn), fn._version, fn_parts(fn))
+    return hit[2]
 
 
 def _check_streams(streams: torch.Tensor, name: str = "streams") -> torch.Tensor:
@@ -399,29 +383,14 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
     else:
         block_t, block_h, warps = cfg["NORM_GATE_BLOCK_T"], cfg["NORM_BLOCK_H"], cfg["NORM_GATE_WARPS"]
         h_slice = math.ceil(H / block_h) * block_h
-    slices = math.ceil(H / h_slice)
-
-    def launch(first: int, count: int, *_keep):
-        """Programs [first, first + count) of axis 1: the collapse slices, then the Sinkhorn's (index ``slices``)."""
-        _gate_kernel[(math.ceil(T / block_t), count)](
-            part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
-            T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo, first,
-            part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
-            post.stride(0), comb.stride(0),
-            S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
-            H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None,
-            STEPS=triton.next_power_of_2(h_slice // block_h) if norm is not None else 1, num_warps=warps)
-
-    start = lanes.point() if SINKHORN_BESIDE else None
-    if start is None:  # not in a decode graph's capture: one launch
-        launch(0, slices + 1)
-        return collapsed, post, comb
-    # post and comb are read by the next hc_post only: their program (the 20 serial Sinkhorn iterations,
-    # the launch's longest) runs on a side stream from the same point, launched after the collapse so that
-    # the collapse's programs reach the SMs first
-    launch(0, slices)
-    side = lanes.fork(launch, slices, 1, post, comb, part, base32, scale32, lane=SINKHORN_LANE, after=start)
-    return collapsed, Pending(post, side.result), Pending(comb, side.result)
+    _gate_kernel[(math.ceil(T / block_t), math.ceil(H / h_slice) + 1)](
+        part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
+        T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
+        part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
+        post.stride(0), comb.stride(0),
+        S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
+        H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None, num_warps=warps)
+    return collapsed, post, comb
 
 
 def _empty_pre(T: int, n: int, H: int, dtype, dev):
@@ -482,7 +451,6 @@ def _post_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, T, H,
 
 
 def _check_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-    post, comb = resolve(post), resolve(comb)  # a decode graph's pre hands them over from a side stream
     if streams.dim() != 3:
         raise ValueError(f"streams must be [T, n, H], got shape {tuple(streams.shape)}")
     T, n, H = streams.shape
