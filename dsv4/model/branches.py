@@ -89,16 +89,14 @@ serial_fork.point = serial_point
 class Deferred:
     """A branch that the op it is handed to forks itself, once that op's own first launches are issued (``issue``
     wraps a ``fork(..., after=point)``): in a CUDA graph those launches then reach the SMs before the branch's,
-    while the branch still starts from ``point``. ``issue(after)`` forks it once and returns its ``Pending``;
-    ``after``, a later ``fork_point`` of the main path (the op's, taken just before its first launch), makes the
-    branch start from there instead: its kernels cannot become ready before that launch's."""
+    while the branch still starts from ``point``. ``issue()`` forks it once and returns its ``Pending``."""
 
-    def __init__(self, issue: Callable[[object], object]):
+    def __init__(self, issue: Callable[[], object]):
         self._issue, self._pending = issue, None
 
-    def issue(self, after=None):
+    def issue(self):
         if self._issue is not None:
-            self._pending, self._issue = self._issue(after), None
+            self._pending, self._issue = self._issue(), None
         return self._pending
 
 
