@@ -39,7 +39,6 @@ from dsv4.model.step import SeqChunk
 transformers = pytest.importorskip("transformers")
 
 LOGIT_ATOL = 5e-5  # float32 rounding bound, see the module docstring (measured ≈ 5.6e-6)
-
 PROMPT_SEED = 0
 
 
