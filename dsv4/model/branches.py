@@ -89,14 +89,16 @@ serial_fork.point = serial_point
 class Deferred:
     """A branch that the op it is handed to forks itself, once that op's own first launches are issued (``issue``
     wraps a ``fork(..., after=point)``): in a CUDA graph those launches then reach the SMs before the branch's,
-    while the branch still starts from ``point``. ``issue()`` forks it once and returns its ``Pending``."""
+    while the branch still starts from ``point``. ``issue(after)`` forks it once and returns its ``Pending``;
+    ``after``, a later ``fork_point`` of the main path (the op's, taken just before its first launch), makes the
+    branch start from there instead: its kernels cannot become ready before that launch's."""
 
-    def __init__(self, issue: Callable[[], object]):
+    def __init__(self, issue: Callable[[object], object]):
         self._issue, self._pending = issue, None
 
-    def issue(self):
+    def issue(self, after=None):
         if self._issue is not None:
-            self._pending, self._issue = self._issue(), None
+            self._pending, self._issue = self._issue(after), None
         return self._pending
 
 

@@ -10,12 +10,16 @@ the batch it is in. Streams keep the model dtype.
 ``mhc_post_pre`` (an op of ``dsv4.model.opset``) is a sub-layer's post followed by the next
 sub-layer's pre: the oracle runs the two functions (``hc_post_then_pre``); on the fast path one kernel
 writes the new streams and the next pre's mixes partials in one pass, with bitwise the results of the
-two fast kernels. The functions that need a GEMM or a norm take the op set ``ops`` first.
+two fast kernels. In a decode graph the fast pre's post and comb (read only by the next post) are made on a
+side stream beside the collapse, and handed over pending (``dsv4.model.branches``): every post resolves them.
+The functions that need a GEMM or a norm take the op set ``ops`` first.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .branches import resolve
 
 
 def sinkhorn(comb0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -48,7 +52,9 @@ def hc_pre(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
 
 
 def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out (sum over the first index of comb)."""
+    """R'[j] = Σ_i comb[i, j]·R[i] + post[j]·out (sum over the first index of comb). post and comb may be
+    pending (``branches.Pending``: a fast pre's Sinkhorn on a side stream, when another backend runs this post)."""
+    post, comb = resolve(post), resolve(comb)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 

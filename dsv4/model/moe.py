@@ -168,8 +168,8 @@ class MoE:
             ids = self.tp.local_expert_ids(ids)  # EP: index into this rank's stack, -1 = another rank's
         if split:  # [w1; w3] joined here; the activation and w2 beside the routed experts, joined at their sum
             gate_up, point = shared.result(), ops.fork_point()
-            shared = Deferred(lambda: ops.fork(lambda g, u: self._shared_down(g, u, x.dtype), *gate_up,
-                                               after=point))
+            shared = Deferred(lambda later: ops.fork(lambda g, u: self._shared_down(g, u, x.dtype), *gate_up,
+                                                     after=point if later is None else later))
         elif shared is not None:
             shared.result()
         out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,

@@ -23,14 +23,15 @@ def test_serial_fork_runs_now_and_pending_joins_once():
 
 
 def test_deferred_forks_once_when_issued_or_resolved():
-    """A ``Deferred`` branch is forked by the op it is handed to (``issue``), once; ``resolve`` issues it if the op
-    has not and joins it."""
+    """A ``Deferred`` branch is forked by the op it is handed to (``issue``), once, from the point the op hands it
+    (none: its own); ``resolve`` issues it if the op has not and joins it."""
     forks = []
-    d = branches.Deferred(lambda: forks.append(1) or branches.serial_fork(lambda a: a * 2, 21))
+    d = branches.Deferred(lambda after: forks.append(after) or branches.serial_fork(lambda a: a * 2, 21))
     assert forks == []
-    p = d.issue()
-    assert forks == [1] and d.issue() is p and branches.resolve(d) == 42 and forks == [1]
-    assert branches.resolve(branches.Deferred(lambda: Pending(5))) == 5
+    p = d.issue("up")
+    assert forks == ["up"] and d.issue() is p and branches.resolve(d) == 42 and forks == ["up"]
+    assert branches.resolve(branches.Deferred(lambda after: forks.append(after) or Pending(5))) == 5
+    assert forks == ["up", None]
 
 
 def test_wait_orders_another_lane_and_leaves_the_join_to_the_main_path():

@@ -162,6 +162,66 @@ def test_post_pre_noncontiguous_and_empty():
         _fused(s, out.to(torch.bfloat16), post, comb, fn, base, scale)
 
 
+def test_sinkhorn_as_its_own_launch_gives_the_same_bits(monkeypatch):
+    """Where the op branches (a decode graph's capture: ``streams.point``), the post/comb program is a launch of its
+    own through the lane fork, the collapse another: the same programs (``pid_h0``), so bitwise the one
+    launch's results; post and comb come back pending and every hc_post (this one's and the oracle's)
+    resolves them. Here the fork runs in order, as the lane's stream would in a replay."""
+    from dsv4.model.branches import Pending, serial_fork
+    from dsv4.ops import streams
+
+    w = (torch.rand(256, generator=gen(13)) + 0.5).to(DEV)
+    for T, norm in ((1, w), (3, None)):
+        args = _inputs(T, 4, 256, 400 + T, torch.bfloat16)
+        want = _fused(*args, norm=norm)
+        want_pre = tm.hc_pre(want[0], *args[4:], ITERS, HC_EPS, RMS_EPS, norm)
+        lanes = []
+
+        start = object()
+
+        def fork(fn, *inputs, lane=0, after=None):
+            assert after is start  # from the point before the collapse's launch
+            lanes.append(lane)
+            return Pending(serial_fork(fn, *inputs, lane=lane).result(), lambda: None)
+
+        monkeypatch.setattr(streams, "point", lambda: start)
+        monkeypatch.setattr(streams, "fork", fork)
+        got = _fused(*args, norm=norm)
+        got_pre = tm.hc_pre(want[0], *args[4:], ITERS, HC_EPS, RMS_EPS, norm)
+        monkeypatch.undo()
+        assert lanes == [tm.SINKHORN_LANE] * 2
+        assert all(isinstance(v, Pending) for v in (*got[2:], *got_pre[1:]))
+        _assert_same([got[0], got[1], got[2].result(), got[3].result()], want, ("beside", T))
+        for a, b in zip((got_pre[0], got_pre[1].result(), got_pre[2].result()), want_pre):
+            assert torch.equal(a, b), ("hc_pre beside", T)
+        out = (torch.randn(T, 256, generator=gen(14)) * 2.0).to(torch.bfloat16).to(DEV)
+        pend = (Pending(want[2], lambda: None), Pending(want[3], lambda: None))
+        assert torch.equal(tm.hc_post(want[0], out, *pend), tm.hc_post(want[0], out, want[2], want[3]))
+        assert torch.equal(ref.hc_post(want[0], out, *pend), ref.hc_post(want[0], out, want[2], want[3]))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a CUDA-graph capture needs the GPU")
+def test_sinkhorn_beside_in_a_graph_replays_the_eager_bits():
+    """Captured in a CUDA graph (streams enabled), mhc_post_pre forks its Sinkhorn onto the lane's stream and
+    returns post / comb pending; the replay's four results, joined, equal the eager op's bit for bit."""
+    from dsv4.model.branches import Pending, resolve
+    from dsv4.ops import streams
+
+    w = (torch.rand(4096, generator=gen(15)) + 0.5).to(DEV)
+    for T in (1, 8):
+        args = _inputs(T, 4, 4096, 500 + T, torch.bfloat16)
+        want = _fused(*args, norm=w)
+        assert not isinstance(want[3], Pending)  # eager: in order, plain tensors
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = _fused(*args, norm=w)
+            assert isinstance(got[3], Pending) and streams.lane_stream(w.device, tm.SINKHORN_LANE) is not None
+            got = [resolve(v) + 0 for v in got]  # joined on the capture stream
+        g.replay()
+        torch.cuda.synchronize()
+        _assert_same(got, want, ("graph", T))
+
+
 def test_registry_and_model_function():
     """Registry backends; an op set uses the kernel only with mhc_post and mhc_pre kernels beside it,
     and is otherwise the oracle's hc_post + hc_pre (over the set's own two blocks)."""

@@ -515,8 +515,9 @@ def test_add_as_a_pending_branch_is_joined_once_before_the_combine(fp4_layer):
 
 def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer):
     """``add`` as a ``Deferred`` (the shared expert's activation and w2, forked beside the routed experts): the
-    Triton op forks it after its up kernel's launch and before the down kernel's, the torch op where it adds it;
-    both fork and join it once and give the tensor's result."""
+    Triton op forks it after its up kernel's launch and before the down kernel's, from the point taken just before
+    the up launch (in a capture its kernels then cannot become ready before the up kernel's), the torch op where it
+    adds it from its own point; both fork and join it once and give the tensor's result."""
     from dsv4.model.branches import Deferred, Pending
 
     x, ids, w, _ = _padded_batch(5, 45, torch.bfloat16, pad_row=1)
@@ -532,17 +533,24 @@ def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer):
             events.append(self.name)
             return real[self.name][grid]
 
+    point = tmoe.lanes.point
     for op in (tmoe.moe_experts, torch_ops.moe_experts):
         events.clear()
-        d = Deferred(lambda: events.append("fork") or Pending(a, join=lambda: events.append("join")))
+        d = Deferred(lambda after: events.append(("fork", after)) or Pending(a, join=lambda: events.append("join")))
         for name in real:
             setattr(tmoe, name, Spy(name))
+        tmoe.lanes.point = lambda: events.append("point") or "the up launch's point"
         try:
             got = op(x, ids, w, *fp4_layer, add=d)
         finally:
+            tmoe.lanes.point = point
             for name, k in real.items():
                 setattr(tmoe, name, k)
         assert torch.equal(got, op(x, ids, w, *fp4_layer, add=a)), op
-        assert events.count("fork") == 1 and events.count("join") == 1, (op, events)
+        forks = [e for e in events if isinstance(e, tuple)]
+        assert len(forks) == 1 and events.count("join") == 1, (op, events)
         if op is tmoe.moe_experts:
-            assert events == ["_moe_up_kernel", "fork", "_moe_down_kernel", "join"], events
+            assert events == ["point", "_moe_up_kernel", ("fork", "the up launch's point"), "_moe_down_kernel",
+                              "join"], events
+        else:
+            assert forks == [("fork", None)], events

@@ -18,7 +18,14 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    sub-layer's RMSNorm weight) each collapse program holds whole rows (NORM_BLOCK_H columns a step) and
    normalises them in place, replacing the RMSNorm launch after it: Σx² of the rounded rows per lane,
    the lanes in a fixed tree (``_sum_lanes``), then x·r·w as ``dense._rms_norm_kernel`` forms it. Every
-   Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T.
+   Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T. The
+   RMSNorm weight's lines are prefetched as the program starts (``_common.prefetch``): in a step they come
+   from HBM, while the partials and streams were just written (in L2). Inside a decode graph's capture
+   (``dsv4.ops.streams.point``) the post/comb program is a launch of its own on a side stream
+   (``SINKHORN_LANE``) from the same point, launched after the collapse's: only the next hc_post reads
+   post and comb, so its Sinkhorn (20 dependent float64 normalisations, the gate launch's longest program)
+   leaves the path the sub-layer waits on. Both launches run the same programs (``pid_h0`` offsets the
+   second): the same bits; post and comb are returned as ``branches.Pending`` values, which hc_post resolves.
 
 The oracle normalises x before the GEMM ((x·r)·fnᵀ); here r is applied after (r·(fn·xᵀ)), one
 rounding apart per product: the mixes differ from the oracle by summation order and that
@@ -59,8 +66,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...model.branches import Pending, resolve
+from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS
-from ._common import cast, interpreting
+from ._common import cast, interpreting, prefetch, prefetchable
 from .dense import dot_acc
 
 __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
@@ -98,6 +107,10 @@ CONFIG = dict(
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
+SINKHORN_BESIDE = True  # in a decode graph, the post/comb program as a launch of its own on a side stream (A/B:
+# --set dsv4.ops.triton.mhc.SINKHORN_BESIDE=false)
+PREFETCH_NORM = True  # the collapse program prefetches the RMSNorm weight's lines (A/B: --ab ...PREFETCH_NORM=false)
+SINKHORN_LANE = 3  # its lane (``dsv4.ops.streams``; the attention's branches use 0 to 2, the shared expert 0)
 
 
 def _f32(v: float) -> float:
@@ -196,15 +209,17 @@ def _sum_slices(ptrs, mask, stride_ps, S: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "pid_h0"])
 def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, norm_ptr,
-                 T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
+                 T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo, pid_h0,
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
                  S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
                  BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
-                 NORM: tl.constexpr = False):
+                 NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(1) + pid_h0  # (a launch of the collapse programs alone, or of the Sinkhorn's alone)
+    if NORM:  # the RMSNorm weight's lines asked for first: in a step they come from HBM, read after the collapse
+        prefetch(norm_ptr + tl.arange(0, H_SLICE // 32) * 32, PREFETCH)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     rows = offs_t.to(tl.int64)
@@ -383,14 +398,29 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
     else:
         block_t, block_h, warps = cfg["NORM_GATE_BLOCK_T"], cfg["NORM_BLOCK_H"], cfg["NORM_GATE_WARPS"]
         h_slice = math.ceil(H / block_h) * block_h
-    _gate_kernel[(math.ceil(T / block_t), math.ceil(H / h_slice) + 1)](
-        part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
-        T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
-        part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
-        post.stride(0), comb.stride(0),
-        S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
-        H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None, num_warps=warps)
-    return collapsed, post, comb
+    slices = math.ceil(H / h_slice)
+
+    def launch(first: int, count: int, *_keep):
+        """Programs [first, first + count) of axis 1: the collapse slices, then the Sinkhorn's (index ``slices``)."""
+        _gate_kernel[(math.ceil(T / block_t), count)](
+            part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
+            T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo, first,
+            part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
+            post.stride(0), comb.stride(0),
+            S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
+            H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None,
+            PREFETCH=PREFETCH_NORM and prefetchable(streams.device), num_warps=warps)
+
+    start = lanes.point() if SINKHORN_BESIDE else None
+    if start is None:  # not in a decode graph's capture: one launch
+        launch(0, slices + 1)
+        return collapsed, post, comb
+    # post and comb are read by the next hc_post only: their program (the 20 serial Sinkhorn iterations,
+    # the launch's longest) runs on a side stream from the same point, launched after the collapse so that
+    # the collapse's programs reach the SMs first
+    launch(0, slices)
+    side = lanes.fork(launch, slices, 1, post, comb, part, base32, scale32, lane=SINKHORN_LANE, after=start)
+    return collapsed, Pending(post, side.result), Pending(comb, side.result)
 
 
 def _empty_pre(T: int, n: int, H: int, dtype, dev):
@@ -451,6 +481,7 @@ def _post_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, T, H,
 
 
 def _check_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+    post, comb = resolve(post), resolve(comb)  # a decode graph's pre hands them over from a side stream
     if streams.dim() != 3:
         raise ValueError(f"streams must be [T, n, H], got shape {tuple(streams.shape)}")
     T, n, H = streams.shape

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ...model.branches import Deferred, Pending, resolve
+from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -71,6 +72,11 @@ from ._common import (
 )
 
 __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
+
+# A ``Deferred`` add (the shared expert's activation and w2) forked from the point just before the up launch, not
+# from its own earlier one: its kernels then cannot become ready before the up kernel, whose 192 batch-1 programs
+# landed unevenly when the shared w2's took the SMs first (H200, 43 layers: one layer's up launch 67 µs against 37).
+DEFERRED_FROM_UP = True
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -973,6 +979,7 @@ def moe_experts(
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
+        ready = lanes.point() if DEFERRED_FROM_UP else None  # a Deferred ``add`` starts from the up launch's point
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
             x,
             w13b,
@@ -1000,7 +1007,7 @@ def moe_experts(
             **g,
         )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue()
+            add = add.issue(ready)
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
             h,
             w2b,
@@ -1047,6 +1054,7 @@ def moe_experts(
                 num_stages=cfg["tail_num_stages"],
             )
             parts = [(1,) + parts[0][1:], (2, half, half)]
+        ready = lanes.point() if DEFERRED_FROM_UP else None  # a Deferred ``add`` starts from the up launch's point
         for part, up_l, _ in parts:
             _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
                 x,
@@ -1077,7 +1085,7 @@ def moe_experts(
                 **up_l,
             )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue()
+            add = add.issue(ready)
         for part, _, down_l in parts:
             _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
                 h,
