@@ -30,9 +30,9 @@ the FP8 linear's decode launch on every decode-size linear of a layer; ``linear_
 take act_quant, with and without it, weights cold in L2; ``dense_decode`` the bf16 GEMM's decode
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
 launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
-op with the next sub-layer's RMSNorm in its gate launch, at its launch shapes, against the op then the RMSNorm
-launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA operand and
-around it; ``moe_waves`` one token over 1..12 experts (the decode tile's programs against the SMs);
+op with the next sub-layer's RMSNorm in its gate launch, in its loop and rows forms and launch shapes, against the
+op then the RMSNorm launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA
+operand and around it; ``moe_waves`` one token over 1..12 experts (the decode tile's programs against the SMs);
 ``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
@@ -668,8 +668,14 @@ def sweep_mhc_decode(dev, g, t_list=(1, 8, 64), prefill_t=(1024, 8192)):
     return out
 
 
-MHC_NORM_VARIANTS = {f"{bt} token(s), {w} warp(s)": dict(NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
-                     for bt, w in ((1, 1), (1, 2), (1, 4), (2, 2), (4, 4))}
+# the loop form (``_gate_kernel``'s collapse program) and the rows form (``_collapse_rows_kernel`` beside
+# ``_comb_kernel``); NORM_GATE_* are the loop form's launch and the post/comb program's
+MHC_NORM_VARIANTS = {
+    **{f"loop, {bt} token(s), {w} warp(s)": dict(NORM_ROWS=False, NORM_GATE_BLOCK_T=bt, NORM_GATE_WARPS=w)
+       for bt, w in ((1, 1), (1, 2), (2, 2))},
+    **{f"rows, {w} warps, comb {cw}": dict(NORM_ROWS=True, NORM_ROWS_WARPS=w, NORM_GATE_WARPS=cw)
+       for w, cw in ((4, 2), (8, 2), (4, 1))},
+}
 
 
 def sweep_mhc_norm(dev, g, t_list=(1, 8, 64, 1024)):

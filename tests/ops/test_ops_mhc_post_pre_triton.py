@@ -162,19 +162,22 @@ def test_post_pre_noncontiguous_and_empty():
         _fused(s, out.to(torch.bfloat16), post, comb, fn, base, scale)
 
 
-def test_sinkhorn_as_its_own_launch_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("rows", [False, True])
+def test_sinkhorn_as_its_own_launch_gives_the_same_bits(monkeypatch, rows):
     """Where the op branches (a decode graph's capture: ``streams.point``), the post/comb program is a launch of its
     own through the lane fork, the collapse another: the same programs (``pid_h0``), so bitwise the one
     launch's results; post and comb come back pending and every hc_post (this one's and the oracle's)
-    resolves them. Here the fork runs in order, as the lane's stream would in a replay."""
+    resolves them. Here the fork runs in order, as the lane's stream would in a replay. ``rows``: with the norm, the
+    collapse in the rows form and the post/comb program as ``_comb_kernel`` (bitwise the loop form's too)."""
     from dsv4.model.branches import Pending, serial_fork
     from dsv4.ops import streams
 
+    monkeypatch.setitem(tm.CONFIG, "NORM_ROWS", rows)
     w = (torch.rand(256, generator=gen(13)) + 0.5).to(DEV)
     for T, norm in ((1, w), (3, None)):
         args = _inputs(T, 4, 256, 400 + T, torch.bfloat16)
-        want = _fused(*args, norm=norm)
-        want_pre = tm.hc_pre(want[0], *args[4:], ITERS, HC_EPS, RMS_EPS, norm)
+        want = _fused(*args, norm=norm, config={"NORM_ROWS": False})
+        want_pre = tm.hc_pre(want[0], *args[4:], ITERS, HC_EPS, RMS_EPS, norm, config={"NORM_ROWS": False})
         lanes = []
 
         start = object()
@@ -184,11 +187,13 @@ def test_sinkhorn_as_its_own_launch_gives_the_same_bits(monkeypatch):
             lanes.append(lane)
             return Pending(serial_fork(fn, *inputs, lane=lane).result(), lambda: None)
 
+        monkeypatch.setattr(tm, "SINKHORN_BESIDE", True)
         monkeypatch.setattr(streams, "point", lambda: start)
         monkeypatch.setattr(streams, "fork", fork)
         got = _fused(*args, norm=norm)
         got_pre = tm.hc_pre(want[0], *args[4:], ITERS, HC_EPS, RMS_EPS, norm)
         monkeypatch.undo()
+        monkeypatch.setitem(tm.CONFIG, "NORM_ROWS", rows)
         assert lanes == [tm.SINKHORN_LANE] * 2
         assert all(isinstance(v, Pending) for v in (*got[2:], *got_pre[1:]))
         _assert_same([got[0], got[1], got[2].result(), got[3].result()], want, ("beside", T))
@@ -201,16 +206,20 @@ def test_sinkhorn_as_its_own_launch_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="a CUDA-graph capture needs the GPU")
-def test_sinkhorn_beside_in_a_graph_replays_the_eager_bits():
+@pytest.mark.parametrize("rows", [False, True])
+def test_sinkhorn_beside_in_a_graph_replays_the_eager_bits(monkeypatch, rows):
     """Captured in a CUDA graph (streams enabled), mhc_post_pre forks its Sinkhorn onto the lane's stream and
-    returns post / comb pending; the replay's four results, joined, equal the eager op's bit for bit."""
+    returns post / comb pending; the replay's four results, joined, equal the eager loop-form op's bit for bit,
+    with either collapse form."""
     from dsv4.model.branches import Pending, resolve
     from dsv4.ops import streams
 
+    monkeypatch.setattr(tm, "SINKHORN_BESIDE", True)
+    monkeypatch.setitem(tm.CONFIG, "NORM_ROWS", rows)
     w = (torch.rand(4096, generator=gen(15)) + 0.5).to(DEV)
     for T in (1, 8):
         args = _inputs(T, 4, 4096, 500 + T, torch.bfloat16)
-        want = _fused(*args, norm=w)
+        want = _fused(*args, norm=w, config={"NORM_ROWS": False})
         assert not isinstance(want[3], Pending)  # eager: in order, plain tensors
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -202,6 +202,40 @@ def test_hc_pre_with_the_sublayer_norm(dtype, block_h):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,H,block_h", [(4, 256, None), (3, 256, 64), pytest.param(
+    4, 4096, None, marks=pytest.mark.skipif(DEV == "cpu", reason="Flash's rows: compiled only (~12 s interpreted)"))])
+def test_collapse_rows_form_bitwise_equals_the_loop_form(monkeypatch, dtype, n, H, block_h):
+    """With the norm, the collapse in whole rows (``_collapse_rows_kernel``: every load issued first, the rows
+    kept in registers) gives the loop form's bits (with its norm-weight prefetch too): the same products and sums
+    in the same order (no MMA in either, so under the interpreter too). Flash's shape (n = 4, H = 4096) takes it;
+    a config whose rows exceed NORM_ROWS_MAX_VALUES keeps the loop form."""
+    calls = []
+    real = tm._collapse_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tm, "_collapse_rows_kernel", Spy())
+    cfg = {"NORM_ROWS": True} if block_h is None else {"NORM_ROWS": True, "NORM_BLOCK_H": block_h}
+    w = (torch.rand(H, generator=gen(41)) + 0.5).to(DEV)
+    for T in ((1, 2) if H > 256 else (1, 5)):
+        s, fn, base, scale = _inputs(T, n, H, 40 + T, dtype)
+        rows = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=cfg)
+        assert calls, "the rows form did not run"
+        loop = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=dict(cfg, NORM_ROWS=False))
+        monkeypatch.setattr(tm, "PREFETCH_NORM", True)  # (compiled CUDA only: the loop form's weight prefetch)
+        prefetched = tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=dict(cfg, NORM_ROWS=False))
+        monkeypatch.setattr(tm, "PREFETCH_NORM", False)
+        for name, a, b, c in zip(("collapsed", "post", "comb"), rows, loop, prefetched):
+            assert torch.equal(a, b) and torch.equal(c, b), (T, name, (a.double() - b.double()).abs().max().item())
+    calls.clear()
+    tm.hc_pre(s, fn, base, scale, ITERS, HC_EPS, RMS_EPS, w, config=dict(cfg, NORM_ROWS_MAX_VALUES=n * 64 - 1))
+    assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_hc_post_matches_oracle_and_is_batch_invariant(dtype):
     """The kernel rounds as the oracle does (post, comb, post·out and the i-sum each to the stream
     dtype, the final add in it). Per side, against exact arithmetic on the rounded post/comb: the

@@ -513,13 +513,14 @@ def test_add_as_a_pending_branch_is_joined_once_before_the_combine(fp4_layer):
     assert launched == [1]  # the Triton combine launched after the one join
 
 
-def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer):
+def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer, monkeypatch):
     """``add`` as a ``Deferred`` (the shared expert's activation and w2, forked beside the routed experts): the
     Triton op forks it after its up kernel's launch and before the down kernel's, from the point taken just before
     the up launch (in a capture its kernels then cannot become ready before the up kernel's), the torch op where it
     adds it from its own point; both fork and join it once and give the tensor's result."""
     from dsv4.model.branches import Deferred, Pending
 
+    monkeypatch.setattr(tmoe, "DEFERRED_FROM_UP", True)
     x, ids, w, _ = _padded_batch(5, 45, torch.bfloat16, pad_row=1)
     a = randn((5, H), gen(46), dtype=torch.bfloat16)
     events = []

@@ -19,8 +19,12 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    normalises them in place, replacing the RMSNorm launch after it: Σx² of the rounded rows per lane,
    the lanes in a fixed tree (``_sum_lanes``), then x·r·w as ``dense._rms_norm_kernel`` forms it. Every
    Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T. The
-   RMSNorm weight's lines are prefetched as the program starts (``_common.prefetch``): in a step they come
-   from HBM, while the partials and streams were just written (in L2). Inside a decode graph's capture
+   collapse with the norm runs as ``_collapse_rows_kernel`` where a program's rows fit its registers
+   (``NORM_ROWS``; Flash at one token a program): the same arithmetic in the same order, with the streams and
+   the norm weight loaded before anything waits on the partials and the rounded rows kept in registers (the
+   loop form waits on a round trip a step, twice). Otherwise the loop form prefetches the RMSNorm weight's
+   lines as the program starts (``_common.prefetch``): in a step they come from HBM, while the partials and
+   streams were just written (in L2). Inside a decode graph's capture
    (``dsv4.ops.streams.point``) the post/comb program is a launch of its own on a side stream
    (``SINKHORN_LANE``) from the same point, launched after the collapse's: only the next hc_post reads
    post and comb, so its Sinkhorn (20 dependent float64 normalisations, the gate launch's longest program)
@@ -104,12 +108,20 @@ CONFIG = dict(
     # 1024: 1 token at 1 warp 14.3 / 17.5 / 69.3 µs, at 2 warps 13.8 / 17.0 / 82.7, 2 tokens at 2 warps 13.3 / 16.2 /
     # 65.4 (at 43 layers slower: 9.05 against 8.92 ms a batch-1 step, one call), 4 at 4 warps 18.0 / 21.4 / 84.5;
     # the former pair (the op, then the RMSNorm launch) 16.2 / 19.2 / 68.6
+    NORM_ROWS=False,  # with the norm, the collapse as ``_collapse_rows_kernel`` (the same bits as the loop form;
+    # not yet timed on the GPU: A/B with --ab 'dsv4.ops.triton.mhc.CONFIG[NORM_ROWS]=true')
+    NORM_ROWS_WARPS=4,  # its warps (ptxas, sm_90a, Flash: 255 registers, no spill at 4; 8 convert the tile through
+    # shared memory, 2 spill 416 B)
+    NORM_ROWS_MAX_VALUES=16384,  # the largest stream tile (tokens × streams × padded columns) it holds in registers
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
-SINKHORN_BESIDE = True  # in a decode graph, the post/comb program as a launch of its own on a side stream (A/B:
-# --set dsv4.ops.triton.mhc.SINKHORN_BESIDE=false)
-PREFETCH_NORM = True  # the collapse program prefetches the RMSNorm weight's lines (A/B: --ab ...PREFETCH_NORM=false)
+# Not yet timed on the GPU in the step (A/B with --ab dsv4.ops.triton.mhc.SINKHORN_BESIDE=true and so on): in a
+# decode graph, the post/comb program as a launch of its own on a side stream (the loop-form collapse was as long as
+# the Sinkhorn in the step, so it gained nothing then: 9.13 against 9.14 ms); the loop-form collapse prefetches the
+# RMSNorm weight's lines
+SINKHORN_BESIDE = False
+PREFETCH_NORM = False
 SINKHORN_LANE = 3  # its lane (``dsv4.ops.streams``; the attention's branches use 0 to 2, the shared expert 0)
 
 
@@ -209,6 +221,80 @@ def _sum_slices(ptrs, mask, stride_ps, S: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _gate_scalars(part_ptr, rows, t_mask, k_f, rms_eps, e_hi, e_mid, e_lo, stride_ps, stride_pt,
+                  S: tl.constexpr, NMIX: tl.constexpr):
+    """(the tokens' partial rows, r = 1/sqrt(Σx²/(n·H) + eps) in fp32, hc_eps as a float64) for the gate programs."""
+    row = part_ptr + rows * stride_pt
+    ss = _sum_slices(row + NMIX, t_mask, stride_ps, S)
+    ms = tl.div_rn(ss, tl.cast(k_f, tl.float32) + tl.zeros_like(ss)) + tl.cast(rms_eps, tl.float32)
+    r = tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
+    eps = (tl.cast(e_hi, tl.float64) + tl.cast(e_mid, tl.float64)) + tl.cast(e_lo, tl.float64)
+    return row, r, eps
+
+
+@triton.jit
+def _pre_gates(row, r, eps, t_mask, base_ptr, scale_ptr, stride_ps, S: tl.constexpr, N: tl.constexpr,
+               NP: tl.constexpr):
+    """pre = sigmoid(r·mixes·scale0 + base) + eps [BLOCK_T, NP] in float64, rounded to fp32 (padded streams 0)."""
+    offs_i = tl.arange(0, NP)
+    i_ok = offs_i < N
+    pre_m = _sum_slices(row[:, None] + offs_i[None, :], t_mask[:, None] & i_ok[None, :], stride_ps, S)
+    sc0 = tl.load(scale_ptr).to(tl.float64)
+    b_pre = tl.load(base_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float64)
+    return (_sigmoid64((pre_m * r[:, None]).to(tl.float64) * sc0 + b_pre[None, :]) + eps).to(tl.float32)
+
+
+@triton.jit
+def _post_comb(row, r, eps, rows, t_mask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, stride_ps, stride_pot,
+               stride_cbt, S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    """post = 2·sigmoid and comb = Sinkhorn(softmax + eps) of the tokens' summed partials, in float64 (as the
+    oracle), stored as fp32."""
+    offs_i = tl.arange(0, NP)
+    i_ok = offs_i < N
+    m2 = t_mask[:, None] & i_ok[None, :]
+    ij_ok = i_ok[:, None] & i_ok[None, :]  # [NP(i), NP(j)]
+    m3 = t_mask[:, None, None] & ij_ok[None, :, :]
+    cidx = offs_i[:, None] * N + offs_i[None, :]
+    post_m = _sum_slices(row[:, None] + N + offs_i[None, :], m2, stride_ps, S)
+    comb_m = _sum_slices(row[:, None, None] + 2 * N + cidx[None, :, :], m3, stride_ps, S)
+    sc1 = tl.load(scale_ptr + 1).to(tl.float64)
+    sc2 = tl.load(scale_ptr + 2).to(tl.float64)
+    b_post = tl.load(base_ptr + N + offs_i, mask=i_ok, other=0.0).to(tl.float64)
+    b_comb = tl.load(base_ptr + 2 * N + cidx, mask=ij_ok, other=0.0).to(tl.float64)
+    post = (2.0 * _sigmoid64((post_m * r[:, None]).to(tl.float64) * sc1 + b_post[None, :])).to(tl.float32)
+    z = (comb_m * r[:, None, None]).to(tl.float64) * sc2 + b_comb[None, :, :]
+    z = tl.where(ij_ok[None, :, :], z, -1e300)
+    zmax = tl.max(z, axis=2)
+    e = tl.where(ij_ok[None, :, :], tl.exp(z - zmax[:, :, None]), 0.0)
+    den = tl.where(i_ok[None, :], tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
+    comb = e / den[:, :, None] + eps  # softmax over j, + eps
+    comb = tl.where(ij_ok[None, :, :], comb, 0.0)
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # Sinkhorn: columns first
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+        if NP != N:
+            comb = tl.where(ij_ok[None, :, :], comb, 0.0)
+    tl.store(post_ptr + rows[:, None] * stride_pot + offs_i[None, :], post, mask=m2)
+    tl.store(comb_ptr + rows[:, None, None] * stride_cbt + cidx[None, :, :], comb.to(tl.float32), mask=m3)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _comb_kernel(part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, k_f, iters, rms_eps, e_hi, e_mid, e_lo,
+                 stride_ps, stride_pt, stride_pot, stride_cbt, S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                 NMIX: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``_gate_kernel``'s post/comb program alone (beside ``_collapse_rows_kernel``): the same code, so the same
+    bits, without the collapse's registers."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = offs_t.to(tl.int64)
+    row, r, eps = _gate_scalars(part_ptr, rows, t_mask, k_f, rms_eps, e_hi, e_mid, e_lo, stride_ps, stride_pt, S,
+                                NMIX)
+    _post_comb(row, r, eps, rows, t_mask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, stride_ps, stride_pot,
+               stride_cbt, S, N, NP)
+
+
 @triton.jit(do_not_specialize=["T", "pid_h0"])
 def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, norm_ptr,
                  T, H, k_f, iters, rms_eps, e_hi, e_mid, e_lo, pid_h0,
@@ -224,51 +310,20 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
     t_mask = offs_t < T
     rows = offs_t.to(tl.int64)
     offs_i = tl.arange(0, NP)
-    i_ok = offs_i < N
-    m2 = t_mask[:, None] & i_ok[None, :]
-    ij_ok = i_ok[:, None] & i_ok[None, :]  # [NP(i), NP(j)]
-    m3 = t_mask[:, None, None] & ij_ok[None, :, :]
 
     # 1. mixes: the S slice partials summed in slice order (fp32)
-    row = part_ptr + rows * stride_pt
-    cidx = offs_i[:, None] * N + offs_i[None, :]
-    ss = _sum_slices(row + NMIX, t_mask, stride_ps, S)
-    ms = tl.div_rn(ss, tl.cast(k_f, tl.float32) + tl.zeros_like(ss)) + tl.cast(rms_eps, tl.float32)
-    r = tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
-    eps = (tl.cast(e_hi, tl.float64) + tl.cast(e_mid, tl.float64)) + tl.cast(e_lo, tl.float64)
+    row, r, eps = _gate_scalars(part_ptr, rows, t_mask, k_f, rms_eps, e_hi, e_mid, e_lo, stride_ps, stride_pt, S,
+                                NMIX)
 
     # 2. gates and Sinkhorn in float64 (as the oracle), rounded to fp32. The program after the last H slice
     # makes post and comb (the Sinkhorn's 20 serial iterations), the slices' programs only pre: the comb is
     # not on the collapse's path, so the two run side by side instead of one after the other
     if pid_h == tl.cdiv(H, H_SLICE):
-        post_m = _sum_slices(row[:, None] + N + offs_i[None, :], m2, stride_ps, S)
-        comb_m = _sum_slices(row[:, None, None] + 2 * N + cidx[None, :, :], m3, stride_ps, S)
-        sc1 = tl.load(scale_ptr + 1).to(tl.float64)
-        sc2 = tl.load(scale_ptr + 2).to(tl.float64)
-        b_post = tl.load(base_ptr + N + offs_i, mask=i_ok, other=0.0).to(tl.float64)
-        b_comb = tl.load(base_ptr + 2 * N + cidx, mask=ij_ok, other=0.0).to(tl.float64)
-        post = (2.0 * _sigmoid64((post_m * r[:, None]).to(tl.float64) * sc1 + b_post[None, :])).to(tl.float32)
-        z = (comb_m * r[:, None, None]).to(tl.float64) * sc2 + b_comb[None, :, :]
-        z = tl.where(ij_ok[None, :, :], z, -1e300)
-        zmax = tl.max(z, axis=2)
-        e = tl.where(ij_ok[None, :, :], tl.exp(z - zmax[:, :, None]), 0.0)
-        den = tl.where(i_ok[None, :], tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
-        comb = e / den[:, :, None] + eps  # softmax over j, + eps
-        comb = tl.where(ij_ok[None, :, :], comb, 0.0)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # Sinkhorn: columns first
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
-            if NP != N:
-                comb = tl.where(ij_ok[None, :, :], comb, 0.0)
-        tl.store(post_ptr + rows[:, None] * stride_pot + offs_i[None, :], post, mask=m2)
-        tl.store(comb_ptr + rows[:, None, None] * stride_cbt + cidx[None, :, :], comb.to(tl.float32), mask=m3)
+        _post_comb(row, r, eps, rows, t_mask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, stride_ps, stride_pot,
+                   stride_cbt, S, N, NP)
     else:
         # 3. collapse Σ_i pre_i·R_i (fp32, i in order) over this program's slice of H
-        pre_m = _sum_slices(row[:, None] + offs_i[None, :], m2, stride_ps, S)
-        sc0 = tl.load(scale_ptr).to(tl.float64)
-        b_pre = tl.load(base_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float64)
-        pre = (_sigmoid64((pre_m * r[:, None]).to(tl.float64) * sc0 + b_pre[None, :]) + eps).to(tl.float32)
+        pre = _pre_gates(row, r, eps, t_mask, base_ptr, scale_ptr, stride_ps, S, N, NP)
         h_begin = pid_h * H_SLICE
         h_end = tl.minimum(h_begin + H_SLICE, H)
         out_dtype = col_ptr.dtype.element_ty
@@ -301,6 +356,67 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
                 y = tl.load(cp, mask=mh, other=0.0).to(tl.float32) * rn[:, None]
                 y = tl.load(norm_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)[None, :] * y
                 tl.store(cp, cast(y, out_dtype, INTERP), mask=mh)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _collapse_rows_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, norm_ptr, T, H, k_f, rms_eps,
+                          e_hi, e_mid, e_lo, stride_ps, stride_pt, stride_st, stride_sn, stride_ct,
+                          S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                          STEPS: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    """``_gate_kernel``'s collapse program with the sub-layer's RMSNorm, for whole rows at once: the same
+    values in the same order (so the same bits), but every load that does not wait on the partials (the
+    streams, the norm weight) is issued first, and the rounded rows stay in registers for the norm. The loop
+    form waits on one L2 round trip a step for the streams, and on another a step for the rows it stored and
+    the norm weight (in HBM during a step) after the Σx² tree. A row is [STEPS, BLOCK_H]: step s holds
+    columns s·BLOCK_H + l, so the lanes l of the Σx² tree are the loop form's."""
+    pid_t = tl.program_id(0)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = offs_t.to(tl.int64)
+    offs_i = tl.arange(0, NP)
+    i_ok = offs_i < N
+    offs_s = tl.arange(0, STEPS)
+    hh = offs_s[:, None] * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]  # [STEPS, BLOCK_H]
+    h_ok = hh < H
+    # 1. the loads that need nothing: the streams [BLOCK_T, NP, STEPS, BLOCK_H] and the norm weight
+    xs = tl.load(s_ptr + rows[:, None, None, None] * stride_st + offs_i[None, :, None, None] * stride_sn
+                 + hh[None, None, :, :],
+                 mask=t_mask[:, None, None, None] & i_ok[None, :, None, None] & h_ok[None, None, :, :], other=0.0)
+    wn = tl.load(norm_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
+    # 2. pre = sigmoid(...) + eps from the partials, as the gate kernel forms it
+    row, r, eps = _gate_scalars(part_ptr, rows, t_mask, k_f, rms_eps, e_hi, e_mid, e_lo, stride_ps, stride_pt, S,
+                                2 * N + N * N)
+    pre = _pre_gates(row, r, eps, t_mask, base_ptr, scale_ptr, stride_ps, S, N, NP)
+    # 3. the collapse Σ_i pre_i·R_i (fp32, i in order; stream i picked out exactly: the others add -0.0)
+    acc = tl.zeros((BLOCK_T, STEPS, BLOCK_H), dtype=tl.float32)
+    for i in tl.static_range(N):
+        p_i = tl.sum(tl.where(offs_i[None, :] == i, pre, 0.0), axis=1)
+        x = tl.sum(tl.where((offs_i == i)[None, :, None, None], xs.to(tl.float32), -0.0), axis=1)
+        acc += p_i[:, None, None] * x
+    out_dtype = col_ptr.dtype.element_ty
+    xf = cast(acc, out_dtype, INTERP).to(tl.float32)
+    # 4. the RMSNorm: Σx² per lane over the steps in order (the loop form's sum), the lanes in the fixed tree
+    sq = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for st in tl.static_range(STEPS):
+        x = tl.sum(tl.where((offs_s == st)[None, :, None], xf, -0.0), axis=1)
+        sq += x * x
+    ss2 = _sum_lanes(tl.trans(sq), BLOCK_H)
+    ms2 = tl.div_rn(ss2, tl.zeros_like(ss2) + tl.cast(H, tl.float32))
+    rn = tl.div_rn(tl.full(ms2.shape, 1.0, tl.float32), tl.sqrt_rn(ms2 + tl.cast(rms_eps, tl.float32)))
+    y = xf * rn[:, None, None]
+    y = wn[None, :, :] * y
+    tl.store(col_ptr + rows[:, None, None] * stride_ct + hh[None, :, :], cast(y, out_dtype, INTERP),
+             mask=t_mask[:, None, None] & h_ok[None, :, :])
+
+
+def _rows_form(n: int, H: int, cfg: dict) -> bool:
+    """Whether the collapse with the norm runs ``_collapse_rows_kernel`` (whole rows in registers): when
+    config NORM_ROWS asks for it and a program's stream tile fits NORM_ROWS_MAX_VALUES values (Flash: 4 × 4096
+    at one token a program). A function of the shapes and config only, never of T; both forms give the same
+    bits."""
+    steps = triton.next_power_of_2(math.ceil(H / cfg["NORM_BLOCK_H"]))
+    values = cfg["NORM_GATE_BLOCK_T"] * triton.next_power_of_2(n) * steps * cfg["NORM_BLOCK_H"]
+    return bool(cfg["NORM_ROWS"]) and values <= cfg["NORM_ROWS_MAX_VALUES"]
 
 
 def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
@@ -399,9 +515,25 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
         block_t, block_h, warps = cfg["NORM_GATE_BLOCK_T"], cfg["NORM_BLOCK_H"], cfg["NORM_GATE_WARPS"]
         h_slice = math.ceil(H / block_h) * block_h
     slices = math.ceil(H / h_slice)
+    rows = norm is not None and _rows_form(n, H, cfg)
+
+    def collapse_rows():
+        steps = triton.next_power_of_2(math.ceil(H / block_h))
+        _collapse_rows_kernel[(math.ceil(T / block_t),)](
+            part, streams, base32, scale32, collapsed, norm, T, H, float(n * H), float(rms_eps), e_hi, e_mid, e_lo,
+            part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
+            S=part.shape[0], N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, STEPS=steps, BLOCK_H=block_h,
+            INTERP=interpreting(), num_warps=cfg["NORM_ROWS_WARPS"])
 
     def launch(first: int, count: int, *_keep):
-        """Programs [first, first + count) of axis 1: the collapse slices, then the Sinkhorn's (index ``slices``)."""
+        """Programs [first, first + count) of axis 1: the collapse slices, then the Sinkhorn's (index ``slices``;
+        with the rows form the post/comb programs are ``_comb_kernel``'s, without the collapse's code)."""
+        if rows:
+            _comb_kernel[(math.ceil(T / block_t),)](
+                part, base32, scale32, post, comb, T, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
+                part.stride(0), part.stride(1), post.stride(0), comb.stride(0), S=part.shape[0], N=n,
+                NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t, num_warps=warps)
+            return
         _gate_kernel[(math.ceil(T / block_t), count)](
             part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
             T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo, first,
@@ -412,13 +544,20 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
             PREFETCH=PREFETCH_NORM and prefetchable(streams.device), num_warps=warps)
 
     start = lanes.point() if SINKHORN_BESIDE else None
-    if start is None:  # not in a decode graph's capture: one launch
-        launch(0, slices + 1)
+    if start is None:  # not in a decode graph's capture: one launch (two with the rows form)
+        if rows:
+            collapse_rows()
+            launch(slices, 1)
+        else:
+            launch(0, slices + 1)
         return collapsed, post, comb
     # post and comb are read by the next hc_post only: their program (the 20 serial Sinkhorn iterations,
     # the launch's longest) runs on a side stream from the same point, launched after the collapse so that
     # the collapse's programs reach the SMs first
-    launch(0, slices)
+    if rows:
+        collapse_rows()
+    else:
+        launch(0, slices)
     side = lanes.fork(launch, slices, 1, post, comb, part, base32, scale32, lane=SINKHORN_LANE, after=start)
     return collapsed, Pending(post, side.result), Pending(comb, side.result)
 

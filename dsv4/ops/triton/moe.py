@@ -76,7 +76,8 @@ __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
 # A ``Deferred`` add (the shared expert's activation and w2) forked from the point just before the up launch, not
 # from its own earlier one: its kernels then cannot become ready before the up kernel, whose 192 batch-1 programs
 # landed unevenly when the shared w2's took the SMs first (H200, 43 layers: one layer's up launch 67 µs against 37).
-DEFERRED_FROM_UP = True
+# Not yet timed on the GPU: A/B with --ab dsv4.ops.triton.moe.DEFERRED_FROM_UP=true.
+DEFERRED_FROM_UP = False
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
