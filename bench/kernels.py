@@ -33,7 +33,9 @@ launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with th
 op with the next sub-layer's RMSNorm in its gate launch, in its loop and rows forms and launch shapes, against the
 op then the RMSNorm launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA
 operand and around it; ``moe_waves`` one token over 1..12 experts (the decode tile's programs against the SMs);
-``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``):
+``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``); ``persistent`` what a kernel
+boundary costs a chain of dependent decode launches against one persistent launch with grid barriers
+(``bench/kernels_persistent.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -322,6 +324,10 @@ def sweep(dev, only=("linear", "moe")):
         from kernels_mma import sweep_mma_rate
 
         out.update(sweep_mma_rate(dev, bench_graph))
+    if "persistent" in only:
+        from kernels_persistent import sweep_persistent
+
+        out.update(sweep_persistent(dev, bench_graph))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
@@ -1113,7 +1119,8 @@ def main(argv=None):
         "--sweep",
         action="store_true",
         help="time candidate tile configurations instead "
-        "(--only linear,linear_decode,linear_act_quant,mhc_decode,mhc_norm,dense_decode,mma_rate,route,moe,moe_decode,"
+        "(--only linear,linear_decode,linear_act_quant,mhc_decode,mhc_norm,dense_decode,mma_rate,persistent,route,"
+        "moe,moe_decode,"
         "moe_decode_narrow,"
         "moe_waves,"
         "moe_prefill,linear_prefill,moe_block_k,"
