@@ -770,8 +770,9 @@ def main() -> int:
                     help="set a module constant before the engine is built (an A/B of a tuning constant in one "
                          "call), e.g. dsv4.ops.triton.sparse_attention.PREDECODE_MIN_T=2048; repeatable")
     ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=JSON",
-                    help="prefill only: time each length with these settings too, alternating run by run with the "
-                         "defaults on the same engine (keys *_B in the JSON); repeatable, all set together")
+                    help="the B arm: decode on an engine whose graphs were captured under these settings, and "
+                         "each prefill length alternating run by run with the defaults on the same engine (keys *_B "
+                         "in the JSON); repeatable, all set together")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
     ap.add_argument("--verify-method", default="mtp", choices=("mtp", "dspark"),

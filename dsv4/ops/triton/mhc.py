@@ -22,9 +22,10 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    collapse with the norm runs as ``_collapse_rows_kernel`` where a program's rows fit its registers
    (``NORM_ROWS``; Flash at one token a program): the same arithmetic in the same order, with the streams and
    the norm weight loaded before anything waits on the partials and the rounded rows kept in registers (the
-   loop form waits on a round trip a step, twice). Otherwise the loop form prefetches the RMSNorm weight's
-   lines as the program starts (``_common.prefetch``): in a step they come from HBM, while the partials and
-   streams were just written (in L2). Inside a decode graph's capture
+   loop form waits on a round trip a step, twice); its post/comb program is then ``_comb_kernel``, a launch of
+   its own. The loop form can prefetch the RMSNorm weight's lines as the program starts (``PREFETCH_NORM``,
+   ``_common.prefetch``): in a step they come from HBM, while the partials and streams were just written (in
+   L2). With ``SINKHORN_BESIDE``, inside a decode graph's capture
    (``dsv4.ops.streams.point``) the post/comb program is a launch of its own on a side stream
    (``SINKHORN_LANE``) from the same point, launched after the collapse's: only the next hc_post reads
    post and comb, so its Sinkhorn (20 dependent float64 normalisations, the gate launch's longest program)
