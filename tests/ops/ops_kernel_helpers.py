@@ -27,6 +27,20 @@ BF16_ULP = 2.0 ** -8  # bf16 relative spacing (unit roundoff 2^-9)
 BF16_SPACING_MAX = 2.0 ** -7
 
 
+def spy_launches(monkeypatch, module, name: str) -> list:
+    """The grids of every launch of ``module.name`` (a Triton kernel) from now on; the launches still run."""
+    calls = []
+    real = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return calls
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

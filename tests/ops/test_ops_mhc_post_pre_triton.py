@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernel tests skipped")
 
-from ops_kernel_helpers import DEV, gen  # noqa: E402
+from ops_kernel_helpers import DEV, gen, spy_launches  # noqa: E402
 
 from dsv4.model import mhc as ref  # noqa: E402
 from dsv4.model.opset import OpSet, reference_ops  # noqa: E402
@@ -57,16 +57,7 @@ def _assert_same(got, want, what):
 
 def _spy_fused_launches(monkeypatch) -> list:
     """The grids of every ``_post_mix_kernel`` launch from now on (the launches still run)."""
-    calls = []
-    real = tm._post_mix_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tm, "_post_mix_kernel", Spy())
-    return calls
+    return spy_launches(monkeypatch, tm, "_post_mix_kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

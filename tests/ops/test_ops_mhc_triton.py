@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed: Triton kernel tes
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from ops_kernel_helpers import DEV, gen  # noqa: E402
+from ops_kernel_helpers import DEV, gen, spy_launches  # noqa: E402
 
 from dsv4.model import mhc as ref  # noqa: E402
 from dsv4.model.linear import linear  # noqa: E402
@@ -209,15 +209,7 @@ def test_collapse_rows_form_bitwise_equals_the_loop_form(monkeypatch, dtype, n, 
     kept in registers) gives the loop form's bits (with its norm-weight prefetch too): the same products and sums
     in the same order (no MMA in either, so under the interpreter too). Flash's shape (n = 4, H = 4096) takes it;
     a config whose rows exceed NORM_ROWS_MAX_VALUES keeps the loop form."""
-    calls = []
-    real = tm._collapse_rows_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tm, "_collapse_rows_kernel", Spy())
+    calls = spy_launches(monkeypatch, tm, "_collapse_rows_kernel")
     cfg = {"NORM_ROWS": True} if block_h is None else {"NORM_ROWS": True, "NORM_BLOCK_H": block_h}
     w = (torch.rand(H, generator=gen(41)) + 0.5).to(DEV)
     for T in ((1, 2) if H > 256 else (1, 5)):
