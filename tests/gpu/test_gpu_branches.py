@@ -69,17 +69,30 @@ def test_fork_after_an_earlier_point_and_wait_from_another_lane():
     assert torch.equal(got, want)
 
 
-def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch):
+# the launch knobs not yet timed (default off), each the same bits on or off
+CANDIDATES = (("dsv4.ops.triton.mhc", "SINKHORN_BESIDE"), ("dsv4.ops.triton.mhc", "PREFETCH_NORM"),
+              ("dsv4.ops.triton.moe", "DEFERRED_FROM_UP"))
+
+
+@pytest.mark.parametrize("candidates", [False, True])
+def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch, candidates):
     """Real widths (split-K GEMMs in the branches and beside them, the indexer over real entries):
     decode-graph replays at batch 1 and 4 with the branches as parallel paths give the bits of graphs
-    captured in order."""
+    captured in order. ``candidates``: with the knobs of CANDIDATES on and the mHC collapse in its rows form,
+    branched graphs give the bits of in-order graphs without them."""
+    import importlib
+
     from dsv4.engine.engine import EngineConfig, LLMEngine
     from dsv4.ops import streams
+    from dsv4.ops.triton import mhc
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in (200, 120, 61, 250)]
 
     def run(enabled):
+        for module, name in CANDIDATES:  # on for the branched run only: the in-order run is the default's
+            monkeypatch.setattr(importlib.import_module(module), name, candidates and enabled)
+        monkeypatch.setitem(mhc.CONFIG, "NORM_ROWS", candidates and enabled)
         monkeypatch.setattr(streams, "ENABLED", enabled)
         eng = LLMEngine(EngineConfig(model=str(flash_width_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
                                      max_num_seqs=8, kv_cache_memory=4 << 30, enable_prefix_caching=False,
