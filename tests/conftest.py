@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tests are dominated by small ops; one intra-op thread avoids OpenMP spin-waiting on a busy
 # 2-core machine (measured: the model suite 410 s → 140 s under load, identical results).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+worker_memory.keep_large_blocks_in_heap()
 
 
 def _make(tmp_path_factory, name: str, **kw):

@@ -28,3 +28,24 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError):  # not glibc
         pass
     settled_mib = max(1024.0, current_rss_mib())
+
+
+HEAP_BLOCK_MIB = int(os.environ.get("DSV4_TEST_HEAP_BLOCK_MIB", "64"))  # 0: glibc's defaults
+
+
+def keep_large_blocks_in_heap(mib: int = HEAP_BLOCK_MIB) -> None:
+    """Serve allocations up to ``mib`` MiB from glibc's heap and keep up to that much freed at its top, instead
+    of mapping each from the OS and unmapping it when freed: the reference attention gathers a [64, L, 512]
+    fp32 key block per query block (32 MiB at L = 256), above glibc's 32 MiB mmap ceiling, so every gather
+    faulted in fresh pages (26 ms against 11 for the same copy; the engine and canary tests ran 12-25 %
+    faster). What the heap keeps still goes back through ``return_freed_memory`` (the RSS guard's clean-up)."""
+    import ctypes
+
+    if mib <= 0:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, mib << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, mib << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
