@@ -10,8 +10,9 @@ the batch it is in. Streams keep the model dtype.
 ``mhc_post_pre`` (an op of ``dsv4.model.opset``) is a sub-layer's post followed by the next
 sub-layer's pre: the oracle runs the two functions (``hc_post_then_pre``); on the fast path one kernel
 writes the new streams and the next pre's mixes partials in one pass, with bitwise the results of the
-two fast kernels. In a decode graph the fast pre's post and comb (read only by the next post) are made on a
-side stream beside the collapse, and handed over pending (``dsv4.model.branches``): every post resolves them.
+two fast kernels. In a decode graph the fast pre's post and comb (read only by the next post) can be made on a
+side stream beside the collapse (``dsv4.ops.triton.mhc.SINKHORN_BESIDE``) and handed over pending
+(``dsv4.model.branches``): every post resolves them.
 The functions that need a GEMM or a norm take the op set ``ops`` first.
 """
 
