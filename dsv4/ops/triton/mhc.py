@@ -362,8 +362,8 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
 @triton.jit(do_not_specialize=["T"])
 def _collapse_rows_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, norm_ptr, T, H, k_f, rms_eps,
                           e_hi, e_mid, e_lo, stride_ps, stride_pt, stride_st, stride_sn, stride_ct,
-                          S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                          STEPS: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+                          S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
+                          BLOCK_T: tl.constexpr, STEPS: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     """``_gate_kernel``'s collapse program with the sub-layer's RMSNorm, for whole rows at once: the same
     values in the same order (so the same bits), but every load that does not wait on the partials (the
     streams, the norm weight) is issued first, and the rounded rows stay in registers for the norm. The loop
@@ -386,7 +386,7 @@ def _collapse_rows_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, norm_pt
     wn = tl.load(norm_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
     # 2. pre = sigmoid(...) + eps from the partials, as the gate kernel forms it
     row, r, eps = _gate_scalars(part_ptr, rows, t_mask, k_f, rms_eps, e_hi, e_mid, e_lo, stride_ps, stride_pt, S,
-                                2 * N + N * N)
+                                NMIX)
     pre = _pre_gates(row, r, eps, t_mask, base_ptr, scale_ptr, stride_ps, S, N, NP)
     # 3. the collapse Σ_i pre_i·R_i (fp32, i in order; stream i picked out exactly: the others add -0.0)
     acc = tl.zeros((BLOCK_T, STEPS, BLOCK_H), dtype=tl.float32)
@@ -410,12 +410,16 @@ def _collapse_rows_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, norm_pt
              mask=t_mask[:, None, None] & h_ok[None, :, :])
 
 
-def _rows_form(n: int, H: int, cfg: dict) -> bool:
+def _row_steps(H: int, block_h: int) -> int:
+    """Steps of ``block_h`` columns a row of H takes in ``_collapse_rows_kernel`` (a power of two, masked past H)."""
+    return triton.next_power_of_2(math.ceil(H / block_h))
+
+
+def _rows_form(n: int, steps: int, cfg: dict) -> bool:
     """Whether the collapse with the norm runs ``_collapse_rows_kernel`` (whole rows in registers): when
     config NORM_ROWS asks for it and a program's stream tile fits NORM_ROWS_MAX_VALUES values (Flash: 4 × 4096
     at one token a program). A function of the shapes and config only, never of T; both forms give the same
     bits."""
-    steps = triton.next_power_of_2(math.ceil(H / cfg["NORM_BLOCK_H"]))
     values = cfg["NORM_GATE_BLOCK_T"] * triton.next_power_of_2(n) * steps * cfg["NORM_BLOCK_H"]
     return bool(cfg["NORM_ROWS"]) and values <= cfg["NORM_ROWS_MAX_VALUES"]
 
@@ -516,50 +520,52 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
         block_t, block_h, warps = cfg["NORM_GATE_BLOCK_T"], cfg["NORM_BLOCK_H"], cfg["NORM_GATE_WARPS"]
         h_slice = math.ceil(H / block_h) * block_h
     slices = math.ceil(H / h_slice)
-    rows = norm is not None and _rows_form(n, H, cfg)
+    steps = _row_steps(H, block_h)
+    rows = norm is not None and _rows_form(n, steps, cfg)
+    common = dict(S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t)
 
-    def collapse_rows():
-        steps = triton.next_power_of_2(math.ceil(H / block_h))
-        _collapse_rows_kernel[(math.ceil(T / block_t),)](
-            part, streams, base32, scale32, collapsed, norm, T, H, float(n * H), float(rms_eps), e_hi, e_mid, e_lo,
-            part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
-            S=part.shape[0], N=n, NP=triton.next_power_of_2(n), BLOCK_T=block_t, STEPS=steps, BLOCK_H=block_h,
-            INTERP=interpreting(), num_warps=cfg["NORM_ROWS_WARPS"])
-
-    def launch(first: int, count: int, *_keep):
-        """Programs [first, first + count) of axis 1: the collapse slices, then the Sinkhorn's (index ``slices``;
-        with the rows form the post/comb programs are ``_comb_kernel``'s, without the collapse's code)."""
-        if rows:
-            _comb_kernel[(math.ceil(T / block_t),)](
-                part, base32, scale32, post, comb, T, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
-                part.stride(0), part.stride(1), post.stride(0), comb.stride(0), S=part.shape[0], N=n,
-                NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t, num_warps=warps)
-            return
+    def gate_programs(first: int, count: int):
+        """``_gate_kernel``'s programs [first, first + count) of axis 1: the collapse slices, then the post/comb
+        program (index ``slices``)."""
         _gate_kernel[(math.ceil(T / block_t), count)](
             part, streams, base32, scale32, collapsed, post, comb, norm if norm is not None else base32,
             T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo, first,
             part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
-            post.stride(0), comb.stride(0),
-            S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t,
+            post.stride(0), comb.stride(0), **common,
             H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None,
             PREFETCH=PREFETCH_NORM and prefetchable(streams.device), num_warps=warps)
+
+    def collapse():
+        """The collapse alone: the rows form, or the gate kernel's slices."""
+        if not rows:
+            return gate_programs(0, slices)
+        _collapse_rows_kernel[(math.ceil(T / block_t),)](
+            part, streams, base32, scale32, collapsed, norm, T, H, float(n * H), float(rms_eps), e_hi, e_mid, e_lo,
+            part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0), **common,
+            STEPS=steps, BLOCK_H=block_h, INTERP=interpreting(), num_warps=cfg["NORM_ROWS_WARPS"])
+
+    def post_comb(*_keep):
+        """The post/comb program alone: ``_comb_kernel`` beside the rows form (without the collapse's code), or
+        the gate kernel's last program."""
+        if not rows:
+            return gate_programs(slices, 1)
+        _comb_kernel[(math.ceil(T / block_t),)](
+            part, base32, scale32, post, comb, T, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo,
+            part.stride(0), part.stride(1), post.stride(0), comb.stride(0), **common, num_warps=warps)
 
     start = lanes.point() if SINKHORN_BESIDE else None
     if start is None:  # not in a decode graph's capture: one launch (two with the rows form)
         if rows:
-            collapse_rows()
-            launch(slices, 1)
+            collapse()
+            post_comb()
         else:
-            launch(0, slices + 1)
+            gate_programs(0, slices + 1)
         return collapsed, post, comb
     # post and comb are read by the next hc_post only: their program (the 20 serial Sinkhorn iterations,
     # the launch's longest) runs on a side stream from the same point, launched after the collapse so that
     # the collapse's programs reach the SMs first
-    if rows:
-        collapse_rows()
-    else:
-        launch(0, slices)
-    side = lanes.fork(launch, slices, 1, post, comb, part, base32, scale32, lane=SINKHORN_LANE, after=start)
+    collapse()
+    side = lanes.fork(post_comb, post, comb, part, base32, scale32, lane=SINKHORN_LANE, after=start)
     return collapsed, Pending(post, side.result), Pending(comb, side.result)
 
 
