@@ -266,7 +266,8 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
                profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32,
-               act_quant: bool = False, timeline: list[int] | None = None) -> dict:
+               act_quant: bool = False, timeline: list[int] | None = None,
+               arms: dict[str, list[str]] | None = None) -> dict:
     """Decode/prefill of the dsv4 engine. The decode-path ``variants`` run on the one loaded model:
     graphs (the engine's defaults: CUDA graphs, batch-invariant tiles and, on one GPU, async
     scheduling: the next step launched before this one's greedy picks are read), sync (graphs
@@ -275,7 +276,9 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
     per-request attention of the oracle: the old path). ``ab``: ``--set`` items timed against the defaults
     at every prefill length, run by run in turn on the same engine (constants the prefill reads per call),
     and at every batch on an engine whose decode graphs were captured under them (the "_B" keys).
-    ``timeline``: print those layers' kernels of a batch-1 graph step (``layer_timeline``)."""
+    ``arms``: more such arms, {key suffix: items} (``--arm``), each timed the same way on the one loaded
+    model; with any arm the defaults' decode is timed again last (the "_A2" keys), so drift over the
+    run shows. ``timeline``: print those layers' kernels of a batch-1 graph step (``layer_timeline``)."""
     from dsv4 import LLM, SamplingParams
     from dsv4.engine.engine import LLMEngine
     from dsv4.ops.invariance import set_batch_invariant
@@ -316,22 +319,28 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
                 res[f"profile_b{B}{suffix}"], res[f"top_kernels_b{B}{suffix}"] = prof
             print(variant, B, round(ms, 3), prof[0] if prof else "", flush=True)
         set_batch_invariant(True)
-    if ab:  # decode under the B settings: graphs captured with them (they may change what a capture records)
-        with settings_applied(ab):
+    others = {**({"_B": ab} if ab else {}), **(arms or {})}  # the arms beside the defaults, by key suffix
+    for arm, items in others.items():  # decode under each arm's settings: graphs captured with them (they may
+        with settings_applied(items):  # change what a capture records)
             eng = engine()
             for B in batches:
                 ms, prof = decode_tok_s(eng, B, g, profile=B == 1, prompt=decode_prompt, timeline=timeline)
-                res[f"decode_ms_b{B}_B"] = ms
+                res[f"decode_ms_b{B}{arm}"] = ms
                 if prof:
-                    res["profile_b1_B"] = prof[0]
-                print("B:", " ".join(ab), B, round(ms, 3), prof[0] if prof else "", flush=True)
+                    res[f"profile_b1{arm}"] = prof[0]
+                print(f"{arm[1:]}:", " ".join(items), B, round(ms, 3), prof[0] if prof else "", flush=True)
+    if others:  # the defaults again, last: how far the machine drifted while the arms ran
         eng = engine()
+        for B in batches:
+            ms, _ = decode_tok_s(eng, B, g, prompt=decode_prompt)
+            res[f"decode_ms_b{B}_A2"] = ms
+            print("A again:", B, round(ms, 3), flush=True)
     elif variants[-1] != "graphs":
         eng = engine()
-    arms = {"": []}
-    if ab:  # the B arm: these settings, alternating run by run with the defaults (drift hits both alike)
-        arms["_B"] = ab
+    if ab:
         res["ab"] = ab
+    res["arms"] = {"": [], **others}
+    arms = res["arms"]  # the prefill alternates every arm run by run on this engine (drift hits all alike)
 
     def one_prefill(ids):
         eng.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1))
@@ -734,6 +743,20 @@ def apply_settings(items: list[str]) -> dict:
     return {label: val for label, val, _ in map(set_constant, items)}
 
 
+def parse_arms(specs: list[str]) -> dict[str, list[str]]:
+    """``--arm`` values (settings joined by '+') as {"_B1": [item, ...], "_B2": ...}; every item is checked
+    (set and restored) now, so a typo fails before the checkpoint loads, not after the first arms ran."""
+    arms = {}
+    for i, spec in enumerate(specs, 1):
+        items = [item for item in spec.split("+") if item]
+        if not items:
+            raise SystemExit(f"--arm {spec!r}: no MODULE.NAME=JSON setting")
+        with settings_applied(items):
+            pass
+        arms[f"_B{i}"] = items
+    return arms
+
+
 @contextlib.contextmanager
 def settings_applied(items: list[str]):
     """``items`` set inside the block and restored after it, last set first restored (the B arm of --ab)."""
@@ -773,6 +796,9 @@ def main() -> int:
                     help="the B arm: decode on an engine whose graphs were captured under these settings, and "
                          "each prefill length alternating run by run with the defaults on the same engine (keys *_B "
                          "in the JSON); repeatable, all set together")
+    ap.add_argument("--arm", action="append", default=[], metavar="MODULE.NAME=JSON[+MODULE.NAME=JSON...]",
+                    help="one more arm timed as the --ab arm is (settings joined by '+'), keys *_B1, *_B2, ... in "
+                         "the order given; with any arm the defaults' decode is timed again last (*_A2)")
     ap.add_argument("--host-tier", type=int, default=0, metavar="TOKENS",
                     help="only the host-tier measurement, with a prompt of this many tokens (bench_host_tier)")
     ap.add_argument("--verify-method", default="mtp", choices=("mtp", "dspark"),
@@ -792,6 +818,7 @@ def main() -> int:
     if a.device == "cpu" and not (a.host_tier or a.verify_k):
         ap.error("--device cpu runs only the --host-tier or --verify-k measurement (the others need a GPU)")
     settings = apply_settings(a.set)
+    extra_arms = parse_arms(a.arm)
     batches = [int(x) for x in a.batches.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
     if a.make_preset and not Path(a.ckpt, "config.json").exists():
@@ -834,11 +861,12 @@ def main() -> int:
                               a.long_repeat, a.long_profile,
                               [int(x) for x in a.profile_prefill.split(",")] if a.profile_prefill else None, a.ab,
                               a.decode_prompt, a.act_quant,
-                              [int(x) for x in a.timeline.split(",")] if a.timeline else None)
+                              [int(x) for x in a.timeline.split(",")] if a.timeline else None, extra_arms)
+    arms = rows["dsv4"]["arms"]
     for L in prefill:
         fl = prefill_flops(a.ckpt, L)
         rows[f"prefill_{L}_TFLOP"] = fl / 1e12
-        for arm in ("", "_B") if a.ab else ("",):
+        for arm in arms:
             rows[f"prefill_{L}_frac_of_bf16_peak{arm}"] = (fl / (L / rows["dsv4"][f"prefill_tok_s_{L}{arm}"])
                                                           / rows["bf16_peak_flops"])
     print("dsv4", json.dumps(rows["dsv4"]), f"({time.time() - t:.0f}s)", flush=True)
@@ -855,14 +883,18 @@ def main() -> int:
         hf = rows.get("transformers", {}).get(k)
         print(f"{k:24s} {rows['dsv4'][k]:12.2f} {hf if hf is None else round(hf, 2)!s:>14s} "
               f"{rows[f'bound_decode_ms_b{B}']:10.3f}")
-        if a.ab:
-            print(f"{k + ' (B: --ab)':24s} {rows['dsv4'][k + '_B']:12.2f}")
+        for arm, items in arms.items():
+            if arm:
+                print(f"{k + arm:24s} {rows['dsv4'][k + arm]:12.2f}  {' '.join(items)}")
+        if len(arms) > 1:
+            print(f"{k + '_A2':24s} {rows['dsv4'][k + '_A2']:12.2f}  (the defaults again, last)")
     for L in prefill:
         k = f"prefill_tok_s_{L}"
         hf = rows.get("transformers", {}).get(k)
         print(f"{k:24s} {rows['dsv4'][k]:12.0f} {hf if hf is None else round(hf)!s:>14s} {'':>10s}")
-        if a.ab:
-            print(f"{k + ' (B: --ab)':24s} {rows['dsv4'][k + '_B']:12.0f}")
+        for arm in arms:
+            if arm:
+                print(f"{k + arm:24s} {rows['dsv4'][k + arm]:12.0f}")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))
     return 0

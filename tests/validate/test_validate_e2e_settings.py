@@ -51,6 +51,25 @@ def test_set_changes_a_dict_entry_and_the_ab_arm_restores_it():
     assert mhc.CONFIG == before
 
 
+def test_arms_are_parsed_in_order_checked_early_and_left_unset():
+    """``--arm A+B --arm C``: arms _B1 (two settings) and _B2, each item tried and restored at parse time, so a
+    misspelt name stops the run before the checkpoint loads, and no arm's value leaks into the defaults."""
+    pytest.importorskip("triton")
+    from dsv4.ops.triton import mhc
+
+    before = dict(mhc.CONFIG)
+    arms = e2e.parse_arms(["dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=2+dsv4.ops.triton.mhc.CONFIG[SPLIT]=128",
+                           "dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=8"])
+    assert arms == {"_B1": ["dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=2", "dsv4.ops.triton.mhc.CONFIG[SPLIT]=128"],
+                    "_B2": ["dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=8"]}
+    assert mhc.CONFIG == before
+    with pytest.raises(SystemExit, match="is not a dict with the key 'NOPE'"):
+        e2e.parse_arms(["dsv4.ops.triton.mhc.CONFIG[MIX_WARPS]=2+dsv4.ops.triton.mhc.CONFIG[NOPE]=1"])
+    assert mhc.CONFIG == before
+    with pytest.raises(SystemExit, match="no MODULE.NAME=JSON"):
+        e2e.parse_arms(["+"])
+
+
 @pytest.mark.parametrize("item,message", [
     ("dsv4.ops.triton.mhc.CONFIG[NO_SUCH_KEY]=1", "is not a dict with the key 'NO_SUCH_KEY'"),
     ("dsv4.ops.invariance.DECODE_MAX_ROWS[X]=1", "is not a dict with the key 'X'"),
