@@ -197,3 +197,54 @@ def test_deferred_branches_give_the_same_tokens(tiny_ckpt, monkeypatch):
     got = [signature(o) for o in llm.generate(prompts, params)]
     assert lanes.forks > 0 and lanes.unjoined() == 0
     assert got == want
+
+
+def test_an_attention_op_that_norms_the_queries_gets_them_raw(tiny_ckpt, monkeypatch):
+    """An attention op that says it norms and turns the queries itself (``fuses_query_norm_rope``, the Triton
+    kernel's ``FUSED_QUERY_NORM_ROPE``) gets the heads' raw projections with ``q_norm_rope``; the torch op then
+    forms them with the oracle's functions: the same tokens and logprobs bitwise, the query launches moved into
+    the op. (Every call also hands it ``out_rope``: the output's rope is turned back there.)"""
+    from dsv4.ops import torch_attention
+
+    prompts = rand_prompts(29, [70, 130])
+    params = greedy(4)
+    plain = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch", max_num_batched_tokens=100)
+    op = plain.engine.model.ops.sparse_attention  # (the registry's object: another test may have reloaded the module)
+    assert op.__name__ == "paged_sparse_attention" and op.__module__ == torch_attention.__name__
+    want = [signature(o) for o in plain.generate(prompts, params)]
+    calls = []
+    norm = op.__globals__["unit_rms_norm"]
+    monkeypatch.setitem(op.__globals__, "unit_rms_norm", lambda *a: calls.append(1) or norm(*a))
+    monkeypatch.setattr(op, "fuses_query_norm_rope", lambda device: True, raising=False)
+    got = [signature(o) for o in make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="torch",
+                                          max_num_batched_tokens=100).generate(prompts, params)]
+    assert calls, "the op was never handed raw queries"
+    assert got == want
+
+
+def test_gemm_ops_that_norm_their_input_get_the_raw_query_latent(tiny_ckpt, monkeypatch):
+    """An FP8 GEMM op that says it norms its input in its launch (``fuses_input_norm``, the Triton kernel's
+    ``FUSED_INPUT_NORM``) gets the raw query latent with q_norm's weight for wq_b and the indexer's wq_b
+    (``NormedRows``); the torch op norms it with the oracle's ``rms_norm``: the same tokens and logprobs bitwise."""
+    from dsv4.ops import torch_ops
+
+    prompts = rand_prompts(31, [70, 130])
+    params = greedy(4)
+    from dsv4.ops import selection
+
+    # the fast path's structure (weights in their checkpoint formats) with every op's torch backend (pinned: a
+    # process whose earlier tests run Triton's interpreter would pick its kernels)
+    monkeypatch.setattr(selection, "fast_path", lambda backend, device: True)
+    monkeypatch.setenv("DSV4_OPS", "all=torch")
+    fast = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="auto", max_num_batched_tokens=100)
+    op = fast.engine.model.ops.fp8_linear  # (the registry's object: another test may have reloaded the module)
+    assert op.__name__ == torch_ops.fp8_linear.__name__ and op.__module__ == torch_ops.__name__
+    want = [signature(o) for o in fast.generate(prompts, params)]
+    calls = []
+    norm = op.__globals__["rms_norm"]
+    monkeypatch.setitem(op.__globals__, "rms_norm", lambda *a: calls.append(1) or norm(*a))
+    monkeypatch.setattr(op, "fuses_input_norm", lambda device, m, k: True, raising=False)
+    llm = make_llm(tiny_ckpt, "fp8_ds_mla", attention="batched", backend="auto", max_num_batched_tokens=100)
+    got = [signature(o) for o in llm.generate(prompts, params)]
+    assert calls, "no GEMM was handed the raw latent"
+    assert got == want

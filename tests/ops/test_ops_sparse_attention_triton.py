@@ -395,3 +395,83 @@ def test_predecode_rule_uses_step_size_and_table_records():
     assert not tsa._predecode(None, 4096, many, 64, None, 1)
     assert tsa._predecode({"predecode": True}, 1, swa, 64, blk, 64)
     assert not tsa._predecode({"predecode": False}, 8192, swa, 64, blk, 64)
+
+
+@pytest.mark.parametrize("qdtype,config", [(torch.bfloat16, {"BLOCK_N": 16, "split": True}),
+                                           (torch.float32, {"BLOCK_N": 16, "split": False}),
+                                           (torch.bfloat16, {"predecode": True})])
+def test_inverse_rope_in_the_store_gives_the_rope_launchs_bits(qdtype, config, monkeypatch):
+    """``out_rope`` (the output's last 64 channels turned back by the query's angles) in the kernel's store
+    (``FUSED_OUT_ROPE``), in each store of the kernel (a query's one chunk stored by its program, the chunks joined
+    by the last to arrive, one program joining them as it goes, the predecoded keys' tile), and by the rope launch
+    after it: bitwise the output of the same launch turned back by ``apply_rope(..., inverse=True)`` (the attention's
+    own values are the same launch's; the rotation's products are rounded one by one in both); the torch backend
+    likewise with the oracle's rotation. Tables of the wrong shape or dtype are refused by name."""
+    from dsv4.config import RopeParams
+    from dsv4.model.rope import apply_rope as torch_rope
+    from dsv4.model.rope import cos_sin
+    from dsv4.ops.triton.rope import apply_rope
+
+    sc = Scene(OCP, "csa", LENS, QUERIES, 128, gen(50))
+    g = gen(51)
+    q = (torch.randn(len(QUERIES), 16, 512, generator=g) * 2).to(qdtype).to(DEV)
+    sink = torch.randn(16, generator=g).to(DEV)
+    cos, sin = cos_sin(RopeParams(theta=10000.0, dim=64), sc.positions)
+    plain = _run(lambda *a: tsa.paged_sparse_attention(*a, config=config), sc, q, sink, 512 ** -0.5)
+    want = apply_rope(plain, cos, sin, inverse=True)
+    assert not torch.equal(want, plain)
+    for fused in (True, False):
+        monkeypatch.setattr(tsa, "FUSED_OUT_ROPE", fused)
+        got = _run(lambda *a: tsa.paged_sparse_attention(*a, out_rope=(cos, sin), config=config), sc, q, sink,
+                   512 ** -0.5)
+        assert torch.equal(got, want), (fused, (got.float() - want.float()).abs().max().item())
+    ref = _run(torch_attention.paged_sparse_attention, sc, q, sink, 512 ** -0.5)
+    got = _run(lambda *a: torch_attention.paged_sparse_attention(*a, out_rope=(cos, sin)), sc, q, sink, 512 ** -0.5)
+    assert torch.equal(got, torch_rope(ref, cos, sin, inverse=True))
+    for bad, message in (((cos[:-1], sin[:-1]), "out_rope cos must be float32"),
+                         ((cos.double(), sin), "out_rope cos must be float32"),
+                         ((cos, sin[:, :16]), "out_rope cos .* and sin .* differ")):
+        with pytest.raises(ValueError, match=message):
+            _run(lambda *a: tsa.paged_sparse_attention(*a, out_rope=bad), sc, q, sink, 512 ** -0.5)
+
+
+@pytest.mark.parametrize("qdtype,config", [(torch.bfloat16, {"BLOCK_N": 16, "split": True}),
+                                           (torch.float32, {"BLOCK_N": 16, "split": False}),
+                                           (torch.bfloat16, {"predecode": True})])
+def test_query_norm_and_rope_as_q_is_loaded(qdtype, config, monkeypatch):
+    """``q_norm_rope`` in the kernel (``FUSED_QUERY_NORM_ROPE``): bitwise the same launch fed the queries of the
+    ``unit_norm_rope`` launch (each head's statistic is that kernel's ``rms_factor`` over the head's row, read as a
+    1-D row as there), in each form of the kernel (16-head programs split and joined, 32-head programs over
+    predecoded keys), with the output rope in the store too, and a zero head (the statistic is eps alone); with the
+    knob off the op launches ``unit_norm_rope`` first (the same); the torch backend forms them with the oracle's
+    functions. The op tells the model which it does (``fuses_query_norm_rope``)."""
+    from dsv4.config import RopeParams
+    from dsv4.model.norms import unit_rms_norm
+    from dsv4.model.rope import apply_rope as torch_rope
+    from dsv4.model.rope import cos_sin
+    from dsv4.ops.triton.rope import apply_rope, unit_norm_rope
+
+    eps = 1e-6
+    sc = Scene(OCP, "hca", LENS, QUERIES, 128, gen(52))
+    g = gen(53)
+    raw = (torch.randn(len(QUERIES), 16, 512, generator=g) * 3).to(qdtype).to(DEV)
+    raw[0, 3] = 0.0
+    sink = torch.randn(16, generator=g).to(DEV)
+    cos, sin = cos_sin(RopeParams(theta=10000.0, dim=64), sc.positions)
+
+    def op(q, **kw):
+        return _run(lambda *a: tsa.paged_sparse_attention(*a, config=config, **kw), sc, q, sink, 512 ** -0.5)
+
+    want = op(unit_norm_rope(raw, cos, sin, eps))
+    monkeypatch.setattr(tsa, "FUSED_QUERY_NORM_ROPE", True)
+    assert tsa.paged_sparse_attention.fuses_query_norm_rope(raw.device)
+    assert torch.equal(op(raw, q_norm_rope=(cos, sin, eps)), want)
+    monkeypatch.setattr(tsa, "FUSED_OUT_ROPE", True)
+    assert torch.equal(op(raw, q_norm_rope=(cos, sin, eps), out_rope=(cos, sin)), apply_rope(want, cos, sin, True))
+    monkeypatch.setattr(tsa, "FUSED_QUERY_NORM_ROPE", False)
+    assert not tsa.paged_sparse_attention.fuses_query_norm_rope(raw.device)
+    assert torch.equal(op(raw, q_norm_rope=(cos, sin, eps)), want)
+    got = _run(lambda *a: torch_attention.paged_sparse_attention(*a, q_norm_rope=(cos, sin, eps)), sc, raw, sink,
+               512 ** -0.5)
+    oracle = torch_rope(unit_rms_norm(raw, eps), cos, sin)
+    assert torch.equal(got, _run(torch_attention.paged_sparse_attention, sc, oracle, sink, 512 ** -0.5))

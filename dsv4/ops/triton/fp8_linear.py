@@ -66,13 +66,15 @@ from ._common import (
     interpreting,
     native_fp8,
     num_sms,
+    prefetch,
+    prefetchable,
     scale_kind,
     split_counters,
     split_sum_last,
     sum_in_order,
     ue8m0_to_f32,
 )
-from .dense import dot_acc
+from .dense import dot_acc, norm_launch, rms_factor, rms_norm
 from .kv_insert import _quant_consts
 
 __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
@@ -122,10 +124,14 @@ def _chunk(
     INTERP: tl.constexpr,
     W16: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
+    r=None,
+    nw_ptr=None,
+    NORM: tl.constexpr = False,
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
-    EVEN_K: K is a multiple of BLOCK_K (no column masks)."""
+    EVEN_K: K is a multiple of BLOCK_K (no column masks). NORM: x's rows RMS-normed as loaded, with
+    their factors ``r`` [BLOCK_M] and the weight at ``nw_ptr`` (``_norm_rows``)."""
     x_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
@@ -138,6 +144,9 @@ def _chunk(
             xm = m_mask[:, None] & k_mask[None, :]
             wm = n_mask[:, None] & k_mask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
+        if NORM:  # rms_norm's y = w · (x · r), rounded to x's dtype (``dense._rms_norm_kernel``'s expression)
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            x = cast(nw[None, :] * (x.to(tl.float32) * r[:, None]), x_dtype, INTERP)
         if W16:
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
         else:
@@ -151,6 +160,19 @@ def _chunk(
         else:
             acc += tl.dot(w, tl.trans(x))
     return acc
+
+
+@triton.jit
+def _norm_rows(x_ptr, m0, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """1/sqrt(Σx²/K + eps) of rows m0 .. m0+BLOCK_M-1 of x (unit-stride columns; rows ≥ M get 0), each as
+    ``dense.rms_factor`` of the row read as one 1-D row: in a launch of ``norm_launch(K)``'s warps its tree is
+    the ``rms_norm`` launch's, so the factor's bits are too (a 2-D tile's tl.sum follows another layout)."""
+    offs = tl.arange(0, BLOCK_M)
+    r = tl.zeros((BLOCK_M,), tl.float32)
+    for i in range(0, tl.minimum(BLOCK_M, M - m0)):
+        row = x_ptr + (m0 + i).to(tl.int64) * stride_xm
+        r = tl.where(offs == i, rms_factor(row, K, K, eps, NORM_BLOCK), r)
+    return r
 
 
 @triton.jit
@@ -223,7 +245,13 @@ def _fp8_linear_kernel(
     FIXUP: tl.constexpr = False,
     N_PARTS: tl.constexpr = 1,
     EVEN_K: tl.constexpr = False,
+    nw_ptr=None,
+    norm_eps=0.0,
+    NORM: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
+    """NORM: x's rows are RMS-normed with the weight at ``nw_ptr`` as they are loaded (``_norm_rows``)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -233,6 +261,15 @@ def _fp8_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    r = None
+    if NORM:
+        # the program's first chunk of weight lines asked for in L2 first: the norm's row reads and reductions come
+        # before the K loop's pipelined loads, and the weight is in HBM during a step
+        lines = pid_s * CHUNKS_PER_PROGRAM * CHUNK + tl.arange(0, 8) * 128  # up to 1,024 columns: 8 lines a row
+        lines = tl.where(lines < K, lines, 0)  # (a hint past the weight's end may not be asked for)
+        prefetch(w_ptr + tl.where(n_mask, offs_n, 0)[:, None] * stride_wn + lines[None, :] * stride_wk, PREFETCH,
+                 L2=True)
+        r = _norm_rows(x_ptr, pid_m * BLOCK_M, M, K, stride_xm, norm_eps, BLOCK_M, NORM_BLOCK)
     # grouped (block-diagonal) weights: output rows [g·GROUP_N, (g+1)·GROUP_N) read x's columns
     # [g·K, (g+1)·K); GROUP_N is a multiple of BLOCK_N (N when not grouped: group 0)
     x_ptr += ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * K * stride_xk
@@ -277,6 +314,9 @@ def _fp8_linear_kernel(
                 INTERP,
                 W16,
                 EVEN_K,
+                r,
+                nw_ptr,
+                NORM,
             )
             + 0.0
         )
@@ -311,12 +351,30 @@ def _fp8_linear_kernel(
                 INTERP,
                 W16,
                 EVEN_K,
+                r,
+                nw_ptr,
+                NORM,
             )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
     if FIXUP:  # split mode, y the fp32 partials: the tile's last program sums them into out
         split_sum_last(y_ptr, out_ptr, cnt_ptr, pid, pid_m * BLOCK_M, M, offs_n, n_mask, stride_ys, stride_ym,
                        stride_yn, stride_om, stride_on, N_PARTS, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERP)
+
+
+# ``norm`` in the decode launch's prologue (an RMSNorm launch fewer before the GEMM: the query latent's q_norm before
+# wq_b and the indexer's wq_b); the launch's bits. Not yet timed on the GPU: A/B with
+# --arm dsv4.ops.triton.fp8_linear.FUSED_INPUT_NORM=true.
+FUSED_INPUT_NORM = False
+
+
+def fuses_input_norm(device: torch.device, m: int, k: int) -> bool:
+    """Whether ``fp8_linear`` norms an [m, k] input in its GEMM launch (``norm``): batch-invariant decode sizes,
+    where the launch has ``norm_launch(k)``'s 4 warps (so each row's ``rms_factor`` takes the ``rms_norm``
+    launch's order), compiled CUDA or the interpreter. Otherwise it launches ``rms_norm`` first."""
+    if not FUSED_INPUT_NORM or not (interpreting() or device.type == "cuda"):
+        return False
+    return batch_invariant() and m <= DECODE_MAX_ROWS and norm_launch(k)[1] == 4
 
 
 def _decode_block_n(n: int) -> int:
@@ -505,11 +563,14 @@ def fp8_linear(
     act_fmt=None,
     groups: int = 1,
     *,
+    norm: tuple | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., groups·K] bf16/fp16/fp32; with
     ``groups`` > 1 one launch computes the block-diagonal product of the attention's grouped
-    output projection: group g's N/groups weight rows times x's g-th K columns)."""
+    output projection: group g's N/groups weight rows times x's g-th K columns). ``norm`` (weight,
+    eps): x's rows RMS-normed first (``rms_norm``), in the decode launch's prologue where
+    ``fuses_input_norm`` says so (the launch's bits), else by the ``rms_norm`` launch."""
     out_dtype = out_dtype or x.dtype
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
@@ -534,9 +595,18 @@ def fp8_linear(
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
+    nw, norm_eps = (None, 0.0) if norm is None else norm
+    cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
+    if nw is not None:
+        if tuple(nw.shape) != (groups * k,) or not nw.is_floating_point():
+            raise ValueError(f"norm weight must be a float [{groups * k}], got {nw.dtype} {tuple(nw.shape)}")
+        if (groups == 1 and not act_quant and x2.stride(1) == 1 and fuses_input_norm(x.device, m, k)
+                and cfg["num_warps"] == norm_launch(k)[1] and not cfg.get("w16")):
+            nw = nw.contiguous()
+        else:
+            x2, nw = rms_norm(x2, nw, float(norm_eps)), None  # the launch, then the plain GEMM
     if act_quant:
         x2 = act_quant_rows(x2, *act_quant_consts(act_fmt))
-    cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
     native = cfg.get("native", native_fp8(x.device) and not fnuz)
@@ -603,6 +673,8 @@ def fp8_linear(
         FIXUP=fixup,
         N_PARTS=s if fixup else 1,
         EVEN_K=k % BLOCK == 0,
+        **({} if nw is None else dict(nw_ptr=nw, norm_eps=float(norm_eps), NORM=True, NORM_BLOCK=norm_launch(k)[0],
+                                      PREFETCH=prefetchable(x.device))),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -611,3 +683,6 @@ def fp8_linear(
     elif s > 1:
         y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))
     return y.reshape(*lead, n)
+
+
+fp8_linear.fuses_input_norm = fuses_input_norm  # what the model asks the op
