@@ -69,9 +69,12 @@ def test_fork_after_an_earlier_point_and_wait_from_another_lane():
     assert torch.equal(got, want)
 
 
-# the launch knobs not yet timed (default off), each the same bits on or off
-CANDIDATES = (("dsv4.ops.triton.mhc", "SINKHORN_BESIDE"), ("dsv4.ops.triton.mhc", "PREFETCH_NORM"),
-              ("dsv4.ops.triton.moe", "DEFERRED_FROM_UP"))
+# the launch knobs not yet timed (default off), each the same bits on or off: (module, name, value when on)
+CANDIDATES = (("dsv4.ops.triton.mhc", "SINKHORN_BESIDE", True), ("dsv4.ops.triton.mhc", "PREFETCH_NORM", True),
+              ("dsv4.ops.triton.moe", "DEFERRED_FROM_UP", True), ("dsv4.ops.triton.moe", "DOWN_COMBINE_MAX_T", 8),
+              ("dsv4.ops.triton.sparse_attention", "FUSED_OUT_ROPE", True),
+              ("dsv4.ops.triton.sparse_attention", "FUSED_QUERY_NORM_ROPE", True),
+              ("dsv4.ops.triton.fp8_linear", "FUSED_INPUT_NORM", True))
 
 
 @pytest.mark.parametrize("candidates", [False, True])
@@ -90,8 +93,9 @@ def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatc
     prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in (200, 120, 61, 250)]
 
     def run(enabled):
-        for module, name in CANDIDATES:  # on for the branched run only: the in-order run is the default's
-            monkeypatch.setattr(importlib.import_module(module), name, candidates and enabled)
+        for module, name, on in CANDIDATES:  # on for the branched run only: the in-order run is the default's
+            mod = importlib.import_module(module)
+            monkeypatch.setattr(mod, name, on if candidates and enabled else type(on)(0))
         monkeypatch.setitem(mhc.CONFIG, "NORM_ROWS", candidates and enabled)
         monkeypatch.setattr(streams, "ENABLED", enabled)
         eng = LLMEngine(EngineConfig(model=str(flash_width_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
