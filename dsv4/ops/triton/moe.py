@@ -305,13 +305,13 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
 @triton.jit(do_not_specialize=["N", "MAX_BLOCKS"])
 def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, tl.program_id(0), BLOCK_M, BLOCK_E, CHUNK)
+    _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, tl.program_id(0), BLOCK_M, BLOCK_E, CHUNK, "")
 
 
 @triton.jit
 def _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, pid,
                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                         IDS_CACHE: tl.constexpr = ""):
+                         IDS_CACHE: tl.constexpr):
     """Program p places slots p·CHUNK.. and fills blocks p·CHUNK.. of ``group_slots``' layout.
 
     Every program recounts the per-expert histogram (O(n·E), cheap at decode sizes) so that one
@@ -787,7 +787,7 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
 @triton.jit
 def _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, t, offs, m, stride_ys, stride_yh, stride_ot, stride_oh,
                   stride_at, stride_ah, TOPK: tl.constexpr, ADD: tl.constexpr, INTERP: tl.constexpr,
-                  Y_CACHE: tl.constexpr = ""):
+                  Y_CACHE: tl.constexpr):
     """Token t's output at columns ``offs``: Σ_j weight · y[t·TOPK + j] in fp32 in slot order from 0 (id -1 slots
     not read), rounded, then (ADD) + add as a torch add in the output dtype. The combine kernel and the down
     kernel's combining program evaluate this one expression, so they give the same bits. Y_CACHE ".cg": y was
@@ -815,7 +815,7 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, s
                         INTERP: tl.constexpr):
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, tl.program_id(0), offs, offs < H, stride_ys, stride_yh,
-                  stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP)
+                  stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP, "")
 
 
 DIRECT_MAX_SLOTS = 48
