@@ -365,7 +365,7 @@ GROUP_KERNEL_MAX_ROWS = 512  # tokens per call up to which moe_experts groups in
 GROUP_KERNEL_MAX_EXPERTS = 1024  # the histogram tile is [CHUNK, next_pow2(E)]
 
 
-def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 32):
+def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = GROUP_CHUNK):
     """``group_slots`` in one Triton launch (identical tensors). The torch version issues ~25 small
     kernels (sort, scatter_add, cumsum, searchsorted, index_put...), which dominate a decode step's
     grouping time inside a CUDA graph; here ``cdiv(max(n, max_blocks), chunk)`` programs each redo
@@ -904,7 +904,8 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         # between a prompt alone and in a larger chunk. The down kernel takes 128 columns (with the
         # folded decode: T=1/8/64 in 69.7/276.0/1159.6 against 71.4/280.7/1172.4 us at 64, same bits:
         # BLOCK_N does not change a row's K steps)
-        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128,
+        cfg = dict(direct=False, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                   down_BLOCK_N=128,
                    merge_gu=DECODE_MERGE_GU)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
