@@ -27,7 +27,7 @@ the grouped MXFP4 kernels' register caps (more programs per SM), bit-compared wi
 ``moe_tiles`` the decode tile's column width, warps and stages (up and down kernels); ``moe_tail`` the prefill
 tiles with and without the half-row launch for an expert's last block, and that launch's tile; ``linear_decode``
 the FP8 linear's decode launch on every decode-size linear of a layer; ``linear_act_quant`` the linears that
-take act_quant, with and without it, weights cold in L2; ``dense_decode`` the bf16 GEMM's decode
+take act_quant, with and without it (and with its FP8 MMA), weights cold in L2; ``dense_decode`` the bf16 GEMM's decode
 launch on a step's bf16 weights; ``mhc_decode`` mhc_post_pre's tiles at decode and prefill sizes, and its gate
 launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with the default; ``mhc_norm`` the same
 op with the next sub-layer's RMSNorm in its gate launch, in its loop and rows forms and launch shapes, against the
@@ -536,13 +536,22 @@ def sweep_linear_act_quant(dev, g, m_list=(1, 8, 1024, 8192)):
                            generator=g)
         for m in m_list:
             x = torch.randn(m, groups * k, device=dev, dtype=torch.bfloat16, generator=g)
-            for aq in (True, False):
-                ms = bench_graph(lambda aq=aq: [tfl.fp8_linear(x, w, sc, groups=groups, act_quant=aq) for w in ws], 80)
+            ref = None
+            for arm, aq, mma in (("act_quant", True, False), ("act_quant FP8 MMA", True, True),
+                                 ("no act_quant", False, False)):
+                tfl.ACT_QUANT_FP8_MMA = mma
+                try:
+                    y = tfl.fp8_linear(x, ws[0], sc, groups=groups, act_quant=aq).float()
+                    ms = bench_graph(lambda aq=aq: [tfl.fp8_linear(x, w, sc, groups=groups, act_quant=aq)
+                                                    for w in ws], 80)
+                finally:
+                    tfl.ACT_QUANT_FP8_MMA = False
+                ref = y if ref is None else ref  # the act_quant bf16 MMA: the FP8 MMA's max relative difference
+                diff = f", max |Δ|/max|y| {((y - ref).abs().max() / ref.abs().max()).item():.1e}" if aq and mma else ""
                 us = ms * 1e3 / copies if ms else None
                 frac = n * k / bw / (us * 1e-6) if us else 0
-                arm = "act_quant" if aq else "no act_quant"
                 print(f"sweep linear_act_quant {name} [{n}x{k}/{groups}] M={m}: {us:8.1f} us {100 * frac:5.1f}% "
-                      f"of bw, {arm}", flush=True)
+                      f"of bw, {arm}{diff}", flush=True)
                 out[f"linear_act_quant {name} M={m} {arm}"] = (us, frac)
         ws = None
         torch.cuda.empty_cache()

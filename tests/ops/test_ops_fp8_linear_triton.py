@@ -157,9 +157,11 @@ def test_nan_weight_codes_decode_to_nan():
     assert_fp32_accum_close(y[:, keep], ref[:, keep], _absprod(x, wq, s)[:, keep])
 
 
-@pytest.mark.parametrize("fmt", ["ocp", "fnuz"])
-def test_act_quant_is_exact_fake_quant(fmt):
-    """Identity weight: y is exactly the per-128 power-of-two FP8 round trip of x."""
+@pytest.mark.parametrize("fmt,mma", [("ocp", False), ("fnuz", False), ("ocp", True)])
+def test_act_quant_is_exact_fake_quant(fmt, mma, monkeypatch):
+    """Identity weight: y is exactly the per-128 power-of-two FP8 round trip of x (one product an output: exact in the
+    FP8 MMA too)."""
+    monkeypatch.setattr(tfl, "ACT_QUANT_FP8_MMA", mma)
     g = gen(17)
     k = 256
     x = randn((5, k), g) * torch.logspace(-3, 3, k, device=DEV)
@@ -372,3 +374,87 @@ def test_input_norm_in_the_decode_launch_gives_the_rms_norm_launchs_bits(m, k, d
     assert torch.equal(ref, torch_ops.fp8_linear(torch_rms_norm(x.cpu(), nw.cpu(), 1e-6), wq.cpu(), s.cpu()))
     with pytest.raises(ValueError, match="norm weight must be"):
         tfl.fp8_linear(x, wq, s, norm=(nw[:-1], 1e-6))
+
+
+# act_quant's GEMM as e4m3 x e4m3 MMAs (``ACT_QUANT_FP8_MMA``). Compiled, the tensor cores' FP8 MMA adds its products
+# in a narrower accumulator (about 13 mantissa bits aligned to the largest addend: DeepSeek-V3's report measured ~14
+# retained bits on Hopper), at most 36 additions per 128-column block (32 products an MMA, 4 MMAs chained) before the
+# block's sum enters fp32: |Δ| ≤ 36 · 2^-13 ≤ 2^-7 of Σ|x w| at worst. The interpreter sums in fp32 (1e-5 bound).
+FP8_MMA_REL = 1e-5 if INTERPRET or DEV == "cpu" else 2.0 ** -7
+
+
+@pytest.fixture
+def fp8_mma(monkeypatch):
+    monkeypatch.setattr(tfl, "ACT_QUANT_FP8_MMA", True)
+    if not tfl.act_quant_fp8_mma(torch.device(DEV), "ocp"):
+        pytest.skip("this device multiplies no FP8 codes (the bf16 MMA of the rounded x instead)")
+
+
+def test_act_quant_codes_are_the_codec():
+    """The codes launch's e4m3 bytes and power-of-two scales: their products are the codec's values bit for bit, and
+    the bytes are torch's e4m3 encoding of value / scale (zeros blocks, the subnormal grid, 1e-3..1e3 magnitudes)."""
+    g = gen(21)
+    k = 384
+    x = (randn((6, k), g) * torch.logspace(-3, 3, k, device=DEV)).to(torch.bfloat16)
+    x[1, 128:256] = 0.0
+    x[2, 7] = 1e-30
+    x[3, 5] = -x[3, 5].abs() * 1e-3
+    codes, scales = tfl.act_quant_codes(x)
+    assert codes.dtype == torch.uint8 and scales.shape == (6, 3) and scales.dtype == torch.float32
+    want = fake_quant_fp8_pow2(x.float().cpu(), 128, "ocp").to(DEV)
+    per_col = scales.repeat_interleave(128, dim=1)
+    assert torch.equal(codes.view(torch.float8_e4m3fn).float() * per_col, want)
+    assert torch.equal(codes, (want / per_col).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,groups,out_dtype", [(1, 1, torch.float32), (5, 2, torch.float32),
+                                                (DECODE_MAX_ROWS + 6, 1, torch.float32), (3, 1, torch.bfloat16)])
+def test_fp8_mma_is_the_torch_op(fp8_mma, m, groups, out_dtype):
+    """FP8 codes times the FP8 weight against the torch op's act_quant GEMM (the dequantized weight times the rounded
+    x in fp32): decode launch (K in several chunks), a grouped weight, the prefill tile, a bf16 output."""
+    g = gen(22 + m)
+    wq, s = _weights(256, 512, g)
+    x = randn((m, groups * 512), g, dtype=torch.bfloat16)
+    y = tfl.fp8_linear(x, wq, s, groups=groups, act_quant=True, act_fmt="ocp", out_dtype=out_dtype)
+    ref = torch_ops.fp8_linear(x, wq, s, groups=groups, act_quant=True, act_fmt="ocp", out_dtype=torch.float32)
+    xq = fake_quant_fp8_pow2(x.float().cpu(), 128, "ocp").to(DEV)
+    if groups > 1:  # Σ|x w| of the block-diagonal product: each group's columns times its rows
+        ap = torch.cat([_absprod(xq[:, i * 512:(i + 1) * 512], wq[i * 128:(i + 1) * 128], s[i:i + 1])
+                        for i in range(groups)], dim=1)
+    else:
+        ap = _absprod(xq, wq, s)
+    assert y.dtype == out_dtype and y.shape == (m, 256)
+    if out_dtype == torch.float32:
+        assert_fp32_accum_close(y, ref, ap, rel=FP8_MMA_REL)
+    else:
+        d = (y.float() - ref).abs()
+        assert bool((d <= BF16_SPACING_MAX * ref.abs() + FP8_MMA_REL * ap + 1e-30).all()), d.max()
+
+
+def test_fp8_mma_rows_do_not_depend_on_m(fp8_mma):
+    """Batch invariance of the FP8 codes' GEMM: each row's bits are the same at every decode size and at the prefill
+    tile (K in four chunks, summed in the same order by every launch)."""
+    g = gen(23)
+    wq, s = _weights(256, 1024, g)
+    x = randn((DECODE_MAX_ROWS + 6, 1024), g, dtype=torch.bfloat16)
+    full = tfl.fp8_linear(x, wq, s, act_quant=True, act_fmt="ocp")
+    for m in (1, 5, 17, 33, DECODE_MAX_ROWS):
+        assert torch.equal(tfl.fp8_linear(x[:m], wq, s, act_quant=True, act_fmt="ocp"), full[:m]), m
+
+
+def test_fp8_mma_needs_ocp_activations_and_the_knob(monkeypatch):
+    """FNUZ activations (MI300X) and the knob off keep the bf16 MMA of the rounded x (the codec's values, bitwise the
+    GEMM of ``act_quant_rows``' output), and a dequantized-weight config is refused with the FP8 MMA."""
+    dev = torch.device(DEV)
+    monkeypatch.setattr(tfl, "ACT_QUANT_FP8_MMA", False)
+    assert not tfl.act_quant_fp8_mma(dev, "ocp")
+    monkeypatch.setattr(tfl, "ACT_QUANT_FP8_MMA", True)
+    assert not tfl.act_quant_fp8_mma(dev, "fnuz")
+    g = gen(24)
+    wq, s = _weights(128, 256, g)
+    x = randn((3, 256), g, dtype=torch.bfloat16)
+    xq = tfl.act_quant_rows(x, *tfl.act_quant_consts("fnuz"))
+    assert torch.equal(tfl.fp8_linear(x, wq, s, act_quant=True, act_fmt="fnuz"), tfl.fp8_linear(xq, wq, s))
+    if tfl.act_quant_fp8_mma(dev, "ocp"):
+        with pytest.raises(ValueError, match="w16"):
+            tfl.fp8_linear(x, wq, s, act_quant=True, act_fmt="ocp", config={"w16": True})

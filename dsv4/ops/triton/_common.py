@@ -286,8 +286,9 @@ def e2m1_bytes_to_bf16_ptx_folded(byte, scale2):
 
 
 @triton.jit
-def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
-    """Per-row power-of-two-scaled FP8 round trip of an fp32 tile [R, C] (C = one 128 block).
+def quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+    """Per-row power-of-two-scaled FP8 quantization of an fp32 tile [R, C] (C = one 128 block): (the codes' values
+    as fp32 [R, C], on the FP8 grid, and each row's scale [R]); their product is ``fake_quant_rows``.
 
     Bit-exact with ``dsv4.formats.fake_quant_fp8_pow2``: e = ceil(log2(max(amax,1e-4)/qmax))
     from the exponent/mantissa fields (qmax = 1.Q_MANT·2^(Q_EXP-1) in frexp terms), x·2^-e rounded
@@ -312,7 +313,26 @@ def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.cons
     step = ((eff - 3 + 127) << 23).to(tl.float32, bitcast=True)
     v = r.to(tl.float32) * step
     v = tl.where(q < 0, -v, v)
+    return v, scale
+
+
+@triton.jit
+def fake_quant_rows(x, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr, MIN_E: tl.constexpr):
+    """Per-row power-of-two-scaled FP8 round trip of an fp32 tile [R, C] (``quant_rows``' codes times scales)."""
+    v, scale = quant_rows(x, Q_MANT, Q_EXP, MIN_E)
     return v * scale[:, None]
+
+
+@triton.jit
+def e4m3_bytes(v):
+    """The OCP e4m3 bytes of fp32 values already on its grid (``quant_rows``' codes: exact), by integer arithmetic,
+    so compiled and interpreted alike: normals (|v| ≥ 2^-6) take the exponent re-biased and the top 3 mantissa
+    bits, subnormals |v|·2^9 (0..7); the sign in bit 7 (-0 -> 0x80)."""
+    bits = v.to(tl.int32, bitcast=True)
+    ex = ((bits >> 23) & 0xFF) - 127
+    normal = ((ex + 7) << 3) | ((bits >> 20) & 7)
+    sub = (tl.abs(v) * 512.0).to(tl.int32)
+    return (tl.where(ex >= -6, normal, sub) | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
 @triton.jit(do_not_specialize=["MN"])

@@ -59,6 +59,7 @@ from . import _common
 from ._common import (
     FIXUP_ROWS,
     cast,
+    e4m3_bytes,
     fake_quant_rows,
     fp8_to_f32,
     fp8_weight_bytes,
@@ -68,6 +69,7 @@ from ._common import (
     num_sms,
     prefetch,
     prefetchable,
+    quant_rows,
     scale_kind,
     split_counters,
     split_sum_last,
@@ -127,38 +129,76 @@ def _chunk(
     r=None,
     nw_ptr=None,
     NORM: tl.constexpr = False,
+    xs_ptr=None,
+    stride_xsm=0,
+    A8: tl.constexpr = False,
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
     EVEN_K: K is a multiple of BLOCK_K (no column masks). NORM: x's rows RMS-normed as loaded, with
-    their factors ``r`` [BLOCK_M] and the weight at ``nw_ptr`` (``_norm_rows``)."""
-    x_dtype = x_ptr.dtype.element_ty
+    their factors ``r`` [BLOCK_M] and the weight at ``nw_ptr`` (``_norm_rows``). A8: x_ptr holds
+    e4m3 codes and xs_ptr their per-128 scales (``act_quant_codes``, ``_a8_chunk``)."""
+    if A8:
+        acc = _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm,
+                        stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
+                        SCALE_UE8M0, INTERP)
+    else:
+        x_dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                xm = m_mask[:, None]
+                wm = n_mask[:, None]
+            else:
+                k_mask = kk < K
+                xm = m_mask[:, None] & k_mask[None, :]
+                wm = n_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
+            if NORM:  # rms_norm's y = w · (x · r), rounded to x's dtype (``dense._rms_norm_kernel``'s expression)
+                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                x = cast(nw[None, :] * (x.to(tl.float32) * r[:, None]), x_dtype, INTERP)
+            if W16:
+                w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
+            else:
+                wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0)
+                sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+                w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
+            if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
+                acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
+            elif DOT_F32:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+    return acc
+
+
+@triton.jit
+def _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm, stride_xk,
+              stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, INTERP: tl.constexpr):
+    """``_chunk`` of FP8 activations (the release's ``fp8_gemm``): per 128-column block, the e4m3 × e4m3 MMA of the
+    weight's and x's codes (k32 steps, from 0), then that block's product times the weight block's scale and each
+    row's x scale (powers of two for UE8M0 weights: exact) added to the chunk's fp32 sum, so the MMA's reduced-width
+    accumulation spans 128 products at most. K is a multiple of 128 (act_quant's contract). The interpreter
+    decodes both codes to fp32 and sums k by k (``dense.dot_acc``)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
         kk = k0 + offs_k
-        if EVEN_K:
-            xm = m_mask[:, None]
-            wm = n_mask[:, None]
+        xb = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0)
+        wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=n_mask[:, None], other=0)
+        sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
+        xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // 128, mask=m_mask, other=0.0)
+        if SCALE_UE8M0:
+            ws = ue8m0_to_f32(sb)
         else:
-            k_mask = kk < K
-            xm = m_mask[:, None] & k_mask[None, :]
-            wm = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
-        if NORM:  # rms_norm's y = w · (x · r), rounded to x's dtype (``dense._rms_norm_kernel``'s expression)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            x = cast(nw[None, :] * (x.to(tl.float32) * r[:, None]), x_dtype, INTERP)
-        if W16:
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
+            ws = sb.to(tl.float32)
+        if INTERP:
+            p = dot_acc(fp8_to_f32(wb, False, False), tl.trans(fp8_to_f32(xb, False, False)),
+                        tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), True, INTERP)
         else:
-            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0)
-            sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-            w = _dequant_tile(wb, sb, x_dtype, SCALE_UE8M0, NATIVE, FNUZ, INTERP)
-        if INTERP:  # k by k (dense.dot_acc): a row's value does not depend on its place in the tile
-            acc = dot_acc(w, tl.trans(x), acc, True, INTERP)
-        elif DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(x))
+            p = tl.dot(wb.to(tl.float8e4nv, bitcast=True), tl.trans(xb.to(tl.float8e4nv, bitcast=True)))
+        acc += p * ws[:, None] * xs[None, :]
     return acc
 
 
@@ -177,15 +217,23 @@ def _norm_rows(x_ptr, m0, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, NORM_BLOC
 
 @triton.jit
 def _act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_xk, stride_ym, Q_MANT: tl.constexpr, Q_EXP: tl.constexpr,
-                      MIN_E: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):
+                      MIN_E: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr, s_ptr=None, stride_sm=0,
+                      CODES: tl.constexpr = False):
     """Row program_id(0) of x as [K/128 blocks, 128]: each block's FP8 round trip (``fake_quant_rows``, the codec's
-    ``fake_quant_fp8_pow2``), stored in x's dtype (exact there)."""
+    ``fake_quant_fp8_pow2``), stored in x's dtype (exact there). CODES: the e4m3 bytes to y and each block's
+    power-of-two scale (fp32) to s instead (``quant_rows``: their products are the round trip's values)."""
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, NB)[:, None] * BLOCK_Q + tl.arange(0, BLOCK_Q)[None, :]
     m = kk < K
     x = tl.load(x_ptr + row * stride_xm + kk * stride_xk, mask=m, other=0.0)
-    q = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E)
-    tl.store(y_ptr + row * stride_ym + kk, cast(q, y_ptr.dtype.element_ty, INTERP), mask=m)
+    if CODES:
+        v, scale = quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E)
+        tl.store(y_ptr + row * stride_ym + kk, e4m3_bytes(v), mask=m)
+        blocks = tl.arange(0, NB)
+        tl.store(s_ptr + row * stride_sm + blocks, scale, mask=blocks * BLOCK_Q < K)
+    else:
+        q = fake_quant_rows(x.to(tl.float32), Q_MANT, Q_EXP, MIN_E)
+        tl.store(y_ptr + row * stride_ym + kk, cast(q, y_ptr.dtype.element_ty, INTERP), mask=m)
 
 
 def act_quant_consts(act_fmt=None) -> tuple[int, int, int]:
@@ -204,6 +252,19 @@ def act_quant_rows(x2: torch.Tensor, q_mant: int, q_exp: int, min_e: int) -> tor
     _act_quant_kernel[(m,)](x2, y, k, x2.stride(0), x2.stride(1), y.stride(0), Q_MANT=q_mant, Q_EXP=q_exp,
                             MIN_E=min_e, NB=nb, INTERP=interpreting(), num_warps=4 if nb <= 32 else 8)
     return y
+
+
+def act_quant_codes(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) quantized per 128 columns to OCP e4m3 with power-of-two scales: (codes as uint8
+    [M, K], scales fp32 [M, K/128]), whose products are ``act_quant_rows``' values (the codec's)."""
+    m, k = x2.shape
+    codes = torch.empty((m, k), dtype=torch.uint8, device=x2.device)
+    scales = torch.empty((m, k // BLOCK), dtype=torch.float32, device=x2.device)
+    nb = triton.next_power_of_2(k // BLOCK)
+    _act_quant_kernel[(m,)](x2, codes, k, x2.stride(0), x2.stride(1), codes.stride(0), *act_quant_consts("ocp"),
+                            NB=nb, INTERP=interpreting(), s_ptr=scales, stride_sm=scales.stride(0), CODES=True,
+                            num_warps=4 if nb <= 32 else 8)
+    return codes, scales
 
 
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROGRAM", "stride_ys"])
@@ -250,8 +311,12 @@ def _fp8_linear_kernel(
     NORM: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False,
+    xs_ptr=None,
+    stride_xsm=0,
+    A8: tl.constexpr = False,
 ):
-    """NORM: x's rows are RMS-normed with the weight at ``nw_ptr`` as they are loaded (``_norm_rows``)."""
+    """NORM: x's rows are RMS-normed with the weight at ``nw_ptr`` as they are loaded (``_norm_rows``). A8: x holds
+    e4m3 codes, xs their per-128 scales (``_a8_chunk``)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -272,7 +337,10 @@ def _fp8_linear_kernel(
         r = _norm_rows(x_ptr, pid_m * BLOCK_M, M, K, stride_xm, norm_eps, BLOCK_M, NORM_BLOCK)
     # grouped (block-diagonal) weights: output rows [g·GROUP_N, (g+1)·GROUP_N) read x's columns
     # [g·K, (g+1)·K); GROUP_N is a multiple of BLOCK_N (N when not grouped: group 0)
-    x_ptr += ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * K * stride_xk
+    group = ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64)
+    x_ptr += group * K * stride_xk
+    if A8:
+        xs_ptr += group * (K // BLOCK_K)
 
     # K is cut into chunks of CHUNK columns; this program adds chunks [c_lo, c_hi) in order, each
     # accumulated from 0 apart: total = ((0 + P_lo) + P_lo+1) + ... (split mode: one chunk each,
@@ -317,6 +385,9 @@ def _fp8_linear_kernel(
                 r,
                 nw_ptr,
                 NORM,
+                xs_ptr,
+                stride_xsm,
+                A8,
             )
             + 0.0
         )
@@ -354,6 +425,9 @@ def _fp8_linear_kernel(
                 r,
                 nw_ptr,
                 NORM,
+                xs_ptr,
+                stride_xsm,
+                A8,
             )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
@@ -375,6 +449,27 @@ def fuses_input_norm(device: torch.device, m: int, k: int) -> bool:
     if not FUSED_INPUT_NORM or not (interpreting() or device.type == "cuda"):
         return False
     return batch_invariant() and m <= DECODE_MAX_ROWS and norm_launch(k)[1] == 4
+
+
+# act_quant's GEMMs as e4m3 × e4m3 MMAs where the hardware has them (CUDA sm_89+; the interpreter emulates them): x
+# quantized to codes and per-128 scales in one launch (``act_quant_codes``), no weight decode, k32 MMAs (half the
+# bf16 path's count), each 128-column block's product scaled into the fp32 sum (``_a8_chunk``: the release's
+# fp8_gemm). Other bits than the bf16 MMA of the rounded x (the MMA's accumulation). Not yet timed on the GPU:
+# ``bench/kernels.py --sweep --only linear_act_quant``; A/B: --arm dsv4.ops.triton.fp8_linear.ACT_QUANT_FP8_MMA=true.
+ACT_QUANT_FP8_MMA = False
+# The prefill tile: ptxas sm_90a (Triton 3.6) gives 191 registers (238 with K in several chunks: two fp32 tiles) and no
+# spill at 64 x 128 with 8 warps; 128 x 64 with 4 warps, 128 x 128 and 256 x 128 with 8 spill 104-904 bytes.
+A8_PREFILL_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=4, GROUP_M=8)
+
+
+def act_quant_fp8_mma(device: torch.device, act_fmt=None) -> bool:
+    """Whether ``fp8_linear(act_quant=True)`` multiplies FP8 codes (``ACT_QUANT_FP8_MMA``): OCP activations on CUDA
+    sm_89+ compiled, or the interpreter (FNUZ and older GPUs keep the bf16 MMA of the rounded x)."""
+    from ..torch_ops import act_format
+
+    if not ACT_QUANT_FP8_MMA or act_format(act_fmt).name != "ocp":
+        return False
+    return interpreting() or native_fp8(device)
 
 
 def _decode_block_n(n: int) -> int:
@@ -430,7 +525,8 @@ def shared_bytes(cfg: dict, x_bytes: int) -> int:
     return (cfg["num_stages"] - 1) * per_stage + upcast
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None, x_bytes: int = 2) -> dict:
+def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None, x_bytes: int = 2,
+                a8: bool = False) -> dict:
     """Launch configuration for an [m, k] x [n, k]ᵀ product (``config`` entries override).
 
     ``x_bytes``: the activation's element size. fp32 activations (the fp32 dot) double the x
@@ -441,7 +537,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
     one program per chunk at decode sizes (M ≤ 64, one tile shape; the partials summed in order)
     and all chunks folded in one program at prefill sizes (their fastest tiles): a row's bits do
     not depend on M, so neither on the batch, the chunking of a prompt nor prefix-cache hits.
-    Otherwise the fastest per-M choice (decode split-K from M; prefill one chunk)."""
+    Otherwise the fastest per-M choice (decode split-K from M; prefill one chunk). ``a8``: FP8 codes times the
+    FP8 weight (``_a8_chunk``): the decode tiles, else ``A8_PREFILL_TILE`` (never the dequantized weight)."""
     invariant = batch_invariant()
     decode = m <= DECODE_MAX_ROWS
     chunked = invariant_chunk(n, k, device) < max(1, math.ceil(k / BLOCK)) * BLOCK  # K in several chunks
@@ -449,6 +546,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device, config: dict | Non
         bn = min(DECODE_BLOCK_N, _decode_block_n(n))
         cfg = dict(BLOCK_M=decode_block_m(m), BLOCK_N=bn, num_warps=4, num_stages=DECODE_STAGES, GROUP_M=1,
                    split_k=None)
+    elif a8 and not decode:
+        cfg = dict(A8_PREFILL_TILE, split_k=1)
     elif m <= 64:  # decode: narrow MMA (BLOCK_M is its N width), split K to fill the SMs
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 128 if (m > 16 and n >= 4096) else 64
@@ -596,7 +695,8 @@ def fp8_linear(
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
     nw, norm_eps = (None, 0.0) if norm is None else norm
-    cfg = pick_config(m, n, k, x.device, config, x_bytes=x.element_size())
+    a8 = act_quant and act_quant_fp8_mma(x.device, act_fmt)
+    cfg = pick_config(m, n, k, x.device, config, x_bytes=1 if a8 else x.element_size(), a8=a8)
     if nw is not None:
         if tuple(nw.shape) != (groups * k,) or not nw.is_floating_point():
             raise ValueError(f"norm weight must be a float [{groups * k}], got {nw.dtype} {tuple(nw.shape)}")
@@ -605,7 +705,12 @@ def fp8_linear(
             nw = nw.contiguous()
         else:
             x2, nw = rms_norm(x2, nw, float(norm_eps)), None  # the launch, then the plain GEMM
-    if act_quant:
+    xs = None
+    if a8:
+        if cfg.get("w16") not in (None, False):
+            raise ValueError("config w16 (a dequantized weight) does not apply to FP8 activations' MMA")
+        x2, xs = act_quant_codes(x2)
+    elif act_quant:
         x2 = act_quant_rows(x2, *act_quant_consts(act_fmt))
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"groups={groups}: {n // groups} rows per group is not a multiple of BLOCK_N {cfg['BLOCK_N']}")
@@ -675,6 +780,7 @@ def fp8_linear(
         EVEN_K=k % BLOCK == 0,
         **({} if nw is None else dict(nw_ptr=nw, norm_eps=float(norm_eps), NORM=True, NORM_BLOCK=norm_launch(k)[0],
                                       PREFETCH=prefetchable(x.device))),
+        **({} if xs is None else dict(xs_ptr=xs, stride_xsm=xs.stride(0), A8=True)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
