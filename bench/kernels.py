@@ -537,15 +537,17 @@ def sweep_linear_act_quant(dev, g, m_list=(1, 8, 1024, 8192)):
         for m in m_list:
             x = torch.randn(m, groups * k, device=dev, dtype=torch.bfloat16, generator=g)
             ref = None
-            for arm, aq, mma in (("act_quant", True, False), ("act_quant FP8 MMA", True, True),
-                                 ("no act_quant", False, False)):
-                tfl.ACT_QUANT_FP8_MMA = mma
+            for arm, aq, mma in (("act_quant", True, 0), ("act_quant FP8 MMA", True, 1),
+                                 ("act_quant FP8 MMA, quantized in the GEMM", True, 2), ("no act_quant", False, 0)):
+                if mma == 2 and m > 64:
+                    continue
+                tfl.ACT_QUANT_FP8_MMA, tfl.A8_QUANT_IN_DECODE = mma > 0, mma == 2
                 try:
                     y = tfl.fp8_linear(x, ws[0], sc, groups=groups, act_quant=aq).float()
                     ms = bench_graph(lambda aq=aq: [tfl.fp8_linear(x, w, sc, groups=groups, act_quant=aq)
                                                     for w in ws], 80)
                 finally:
-                    tfl.ACT_QUANT_FP8_MMA = False
+                    tfl.ACT_QUANT_FP8_MMA = tfl.A8_QUANT_IN_DECODE = False
                 ref = y if ref is None else ref  # the act_quant bf16 MMA: the FP8 MMA's max relative difference
                 diff = f", max |Δ|/max|y| {((y - ref).abs().max() / ref.abs().max()).item():.1e}" if aq and mma else ""
                 us = ms * 1e3 / copies if ms else None

@@ -458,3 +458,16 @@ def test_fp8_mma_needs_ocp_activations_and_the_knob(monkeypatch):
     if tfl.act_quant_fp8_mma(dev, "ocp"):
         with pytest.raises(ValueError, match="w16"):
             tfl.fp8_linear(x, wq, s, act_quant=True, act_fmt="ocp", config={"w16": True})
+
+
+@pytest.mark.parametrize("m,groups", [(1, 1), (5, 2), (DECODE_MAX_ROWS, 1)])
+def test_fp8_mma_quant_in_the_decode_launch_gives_the_codes_launchs_bits(fp8_mma, monkeypatch, m, groups):
+    """``A8_QUANT_IN_DECODE``: the decode launch quantizes each x block as it loads it: the same codes and scales as
+    ``act_quant_codes`` (1e-3..1e3 magnitudes, a zero block, K in several chunks), so the same MMA and bits."""
+    g = gen(25 + m)
+    wq, s = _weights(256, 1024, g)
+    x = (randn((m, groups * 1024), g) * torch.logspace(-3, 3, groups * 1024, device=DEV)).to(torch.bfloat16)
+    x[0, 128:256] = 0.0
+    want = tfl.fp8_linear(x, wq, s, groups=groups, act_quant=True, act_fmt="ocp")
+    monkeypatch.setattr(tfl, "A8_QUANT_IN_DECODE", True)
+    assert torch.equal(tfl.fp8_linear(x, wq, s, groups=groups, act_quant=True, act_fmt="ocp"), want)

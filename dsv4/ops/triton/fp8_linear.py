@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...formats import OCP
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from . import _common
 from ._common import (
@@ -83,6 +84,8 @@ __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
 
 BLOCK = 128
 BLOCK_Q = tl.constexpr(BLOCK)  # the activation quantization's block (one FP8 scale per 128 columns)
+_OCP_Q = _quant_consts(OCP)  # ``quant_rows``' constants for OCP e4m3, the FP8 MMA's activation codes
+A8_Q_MANT, A8_Q_EXP, A8_MIN_E = tl.constexpr(_OCP_Q[0]), tl.constexpr(_OCP_Q[1]), tl.constexpr(1 - _OCP_Q[3])
 
 
 @triton.jit
@@ -132,6 +135,7 @@ def _chunk(
     xs_ptr=None,
     stride_xsm=0,
     A8: tl.constexpr = False,
+    A8_QUANT: tl.constexpr = False,
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
@@ -141,7 +145,8 @@ def _chunk(
     if A8:
         acc = _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm,
                         stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
-                        SCALE_UE8M0, INTERP)
+                        SCALE_UE8M0, INTERP, A8_QUANT, A8_Q_MANT, A8_Q_EXP,
+                        A8_MIN_E)
     else:
         x_dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -176,28 +181,42 @@ def _chunk(
 @triton.jit
 def _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm, stride_xk,
               stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, INTERP: tl.constexpr):
+              BLOCK_K: tl.constexpr, SCALE_UE8M0: tl.constexpr, INTERP: tl.constexpr, QUANT: tl.constexpr = False,
+              Q_MANT: tl.constexpr = 0, Q_EXP: tl.constexpr = 0, MIN_E: tl.constexpr = 0):
     """``_chunk`` of FP8 activations (the release's ``fp8_gemm``): per 128-column block, the e4m3 × e4m3 MMA of the
     weight's and x's codes (k32 steps, from 0), then that block's product times the weight block's scale and each
     row's x scale (powers of two for UE8M0 weights: exact) added to the chunk's fp32 sum, so the MMA's reduced-width
     accumulation spans 128 products at most. K is a multiple of 128 (act_quant's contract). The interpreter
-    decodes both codes to fp32 and sums k by k (``dense.dot_acc``)."""
+    decodes both codes to fp32 and sums k by k (``dense.dot_acc``). QUANT: x_ptr holds x itself, each block
+    quantized as loaded (``quant_rows``, OCP constants): the codes and scales ``act_quant_codes`` stores, so the
+    same MMA operands (compiled, the codes are the hardware's fp32 -> e4m3 conversion of values on its grid)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, K), BLOCK_K):
         kk = k0 + offs_k
-        xb = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0)
         wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=n_mask[:, None], other=0)
         sb = tl.load(s_ptr + (offs_n // 128) * stride_sn + (k0 // 128) * stride_sk, mask=n_mask, other=0)
-        xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // 128, mask=m_mask, other=0.0)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk
+        if QUANT:
+            xv, xs = quant_rows(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32), Q_MANT, Q_EXP,
+                                MIN_E)
+        else:
+            xb = tl.load(x_ptrs, mask=m_mask[:, None], other=0)
+            xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // 128, mask=m_mask, other=0.0)
         if SCALE_UE8M0:
             ws = ue8m0_to_f32(sb)
         else:
             ws = sb.to(tl.float32)
         if INTERP:
-            p = dot_acc(fp8_to_f32(wb, False, False), tl.trans(fp8_to_f32(xb, False, False)),
-                        tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), True, INTERP)
+            if not QUANT:
+                xv = fp8_to_f32(xb, False, False)
+            p = dot_acc(fp8_to_f32(wb, False, False), tl.trans(xv), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32),
+                        True, INTERP)
         else:
-            p = tl.dot(wb.to(tl.float8e4nv, bitcast=True), tl.trans(xb.to(tl.float8e4nv, bitcast=True)))
+            if QUANT:
+                x8 = xv.to(tl.float8e4nv)
+            else:
+                x8 = xb.to(tl.float8e4nv, bitcast=True)
+            p = tl.dot(wb.to(tl.float8e4nv, bitcast=True), tl.trans(x8))
         acc += p * ws[:, None] * xs[None, :]
     return acc
 
@@ -261,9 +280,9 @@ def act_quant_codes(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((m, k), dtype=torch.uint8, device=x2.device)
     scales = torch.empty((m, k // BLOCK), dtype=torch.float32, device=x2.device)
     nb = triton.next_power_of_2(k // BLOCK)
-    _act_quant_kernel[(m,)](x2, codes, k, x2.stride(0), x2.stride(1), codes.stride(0), *act_quant_consts("ocp"),
-                            NB=nb, INTERP=interpreting(), s_ptr=scales, stride_sm=scales.stride(0), CODES=True,
-                            num_warps=4 if nb <= 32 else 8)
+    _act_quant_kernel[(m,)](x2, codes, k, x2.stride(0), x2.stride(1), codes.stride(0), Q_MANT=A8_Q_MANT,
+                            Q_EXP=A8_Q_EXP, MIN_E=A8_MIN_E, NB=nb, INTERP=interpreting(), s_ptr=scales,
+                            stride_sm=scales.stride(0), CODES=True, num_warps=4 if nb <= 32 else 8)
     return codes, scales
 
 
@@ -314,9 +333,10 @@ def _fp8_linear_kernel(
     xs_ptr=None,
     stride_xsm=0,
     A8: tl.constexpr = False,
+    A8_QUANT: tl.constexpr = False,
 ):
     """NORM: x's rows are RMS-normed with the weight at ``nw_ptr`` as they are loaded (``_norm_rows``). A8: x holds
-    e4m3 codes, xs their per-128 scales (``_a8_chunk``)."""
+    e4m3 codes, xs their per-128 scales (``_a8_chunk``); A8_QUANT: x itself, quantized as loaded."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -388,6 +408,7 @@ def _fp8_linear_kernel(
                 xs_ptr,
                 stride_xsm,
                 A8,
+                A8_QUANT,
             )
             + 0.0
         )
@@ -428,6 +449,7 @@ def _fp8_linear_kernel(
                 xs_ptr,
                 stride_xsm,
                 A8,
+                A8_QUANT,
             )
     y_ptrs = y_ptr + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, cast(total, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & m_mask[None, :])
@@ -457,6 +479,9 @@ def fuses_input_norm(device: torch.device, m: int, k: int) -> bool:
 # fp8_gemm). Other bits than the bf16 MMA of the rounded x (the MMA's accumulation). Not yet timed on the GPU:
 # ``bench/kernels.py --sweep --only linear_act_quant``; A/B: --arm dsv4.ops.triton.fp8_linear.ACT_QUANT_FP8_MMA=true.
 ACT_QUANT_FP8_MMA = False
+# With it, the decode launch (M ≤ 64, batch-invariant) quantizes x as it loads each block instead of reading the codes
+# launch's output (one launch fewer a GEMM; the same MMA operands, so the same bits). Not yet timed on the GPU.
+A8_QUANT_IN_DECODE = False
 # The prefill tile: ptxas sm_90a (Triton 3.6) gives 191 registers (238 with K in several chunks: two fp32 tiles) and no
 # spill at 64 x 128 with 8 warps; 128 x 64 with 4 warps, 128 x 128 and 256 x 128 with 8 spill 104-904 bytes.
 A8_PREFILL_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=4, GROUP_M=8)
@@ -706,10 +731,12 @@ def fp8_linear(
         else:
             x2, nw = rms_norm(x2, nw, float(norm_eps)), None  # the launch, then the plain GEMM
     xs = None
+    a8_quant = a8 and A8_QUANT_IN_DECODE and batch_invariant() and m <= DECODE_MAX_ROWS
     if a8:
         if cfg.get("w16") not in (None, False):
             raise ValueError("config w16 (a dequantized weight) does not apply to FP8 activations' MMA")
-        x2, xs = act_quant_codes(x2)
+        if not a8_quant:
+            x2, xs = act_quant_codes(x2)
     elif act_quant:
         x2 = act_quant_rows(x2, *act_quant_consts(act_fmt))
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
@@ -780,7 +807,8 @@ def fp8_linear(
         EVEN_K=k % BLOCK == 0,
         **({} if nw is None else dict(nw_ptr=nw, norm_eps=float(norm_eps), NORM=True, NORM_BLOCK=norm_launch(k)[0],
                                       PREFETCH=prefetchable(x.device))),
-        **({} if xs is None else dict(xs_ptr=xs, stride_xsm=xs.stride(0), A8=True)),
+        **({} if not a8 else dict(xs_ptr=x2 if xs is None else xs, stride_xsm=0 if xs is None else xs.stride(0),
+                                  A8=True, A8_QUANT=a8_quant)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
