@@ -173,7 +173,7 @@ class MoE:
         elif shared is not None:
             shared.result()
         out = ops.moe_experts(x, ids, w, *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
-                              expert_dtype=cfg.expert_dtype, add=shared)
+                              expert_dtype=cfg.expert_dtype, add=shared, act_quant=self.act_quant)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -242,7 +242,7 @@ class MoE:
             one = torch.ones(rows.numel(), 1, dtype=torch.float32, device=xr.device)
             return ops.moe_experts(xr[rows], (experts - lo).to(torch.int32)[:, None], one,
                                    *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
-                                   expert_dtype=cfg.expert_dtype)
+                                   expert_dtype=cfg.expert_dtype, act_quant=self.act_quant)
         y = xr.new_empty(rows.numel(), xr.shape[1])
         for e in torch.unique(experts).tolist():
             sel = torch.where(experts == e)[0]
@@ -264,7 +264,7 @@ class MoE:
             one = torch.ones(r * k, 1, dtype=torch.float32, device=xr.device)
             y = self.ops.moe_experts(xr[:, None, :].expand(r, k, h).reshape(r * k, h), ids, one,
                                      *self.wts.stacked_experts(self.prefix), limit=cfg.swiglu_limit,
-                                     expert_dtype=cfg.expert_dtype)
+                                     expert_dtype=cfg.expert_dtype, act_quant=self.act_quant)
             return y.view(r, k, h)
         y = xr.new_zeros(r, k, h)
         rows, slots = torch.where(local >= 0)

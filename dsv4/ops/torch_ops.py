@@ -42,6 +42,11 @@ def act_format(act_fmt=None):
     return get_fp8_format(act_fmt)
 
 
+def _check_act_quant_width(k: int, name: str) -> None:
+    if k % 128:
+        raise ValueError(f"act_quant needs {name}'s width to be a multiple of 128, got {k}")
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 block-scaled linear
 # ---------------------------------------------------------------------------------------------
@@ -143,14 +148,20 @@ def _dequant_expert(w13, s13, w2, s2, e: int, expert_dtype: str, dtype):
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float = 10.0,
-                expert_dtype: str | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+                expert_dtype: str | None = None, add: torch.Tensor | None = None, act_quant: bool = False,
+                act_fmt=None) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) -> [T, H] in x.dtype (slots with id -1 skipped); ``add``
     ([T, H] in x.dtype, e.g. the shared expert's output, or a ``Pending`` / ``Deferred`` branch giving it,
-    joined where it is added) added to that, in x.dtype."""
+    joined where it is added) added to that, in x.dtype. ``act_quant``: each expert GEMM's input (x, and the
+    SwiGLU output h) rounded to FP8 per 128 columns first, as ``fp8_linear``'s (the release's FP8 activations)."""
     expert_dtype = expert_dtype or expert_dtype_of(w13)
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
     t, h = x.shape
+    if act_quant:
+        _check_act_quant_width(h, "x")
+        _check_act_quant_width(w2.shape[-1] * (2 if expert_dtype == "fp4" else 1), "the experts' intermediate h")
+        x = fake_quant_fp8_pow2(x.float(), 128, act_format(act_fmt)).to(x.dtype)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     ids = ids.long()
     for e in torch.unique(ids[ids >= 0]).tolist():
@@ -160,6 +171,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         gate = rows_linear(xe, w1).float().clamp(max=limit)
         up = rows_linear(xe, w3).float().clamp(min=-limit, max=limit)
         hh = (F.silu(gate.double()) * up.double()).to(x.dtype)
+        if act_quant:
+            hh = fake_quant_fp8_pow2(hh.float(), 128, act_format(act_fmt)).to(x.dtype)
         y = rows_linear(hh, wd)
         out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
     out = out.to(x.dtype)

@@ -634,3 +634,23 @@ def test_routing_launch_groups_the_slots_for_the_experts(fp4_layer, monkeypatch,
     monkeypatch.setattr(tmoe, "ROUTE_GROUP_MAX_T", t - 1)
     ids2, _ = tmoe.moe_route(*args)
     assert tmoe._remembered_groups(ids2, E, tmoe.DECODE_BLOCK_M) is None
+
+
+@pytest.mark.parametrize("t,direct", [(1, True), (5, False)])
+def test_act_quant_rounds_x_and_h_as_the_torch_op(t, direct):
+    """``act_quant``: x and the SwiGLU output h FP8-rounded per 128 columns before the up and the down kernels (GEMV
+    and grouped forms) against the torch op's rounding; and the rounding does change the result."""
+    layer = stack_experts(*mxfp4_experts(E, H, 128, gen(5)))
+    g = gen(6)
+    x = randn((t, H), g, dtype=torch.bfloat16)
+    ids, w = _route(t, g)
+    before = set_batch_invariant(False)
+    try:
+        y = tmoe.moe_experts(x, ids, w, *layer, act_quant=True, act_fmt="ocp", config={"direct": direct})
+    finally:
+        set_batch_invariant(before)
+    ref = torch_ops.moe_experts(x, ids, w, *layer, act_quant=True, act_fmt="ocp")
+    _check(y, ref, torch.bfloat16)
+    assert not torch.equal(ref, torch_ops.moe_experts(x, ids, w, *layer))
+    with pytest.raises(ValueError, match="intermediate h's width"):
+        tmoe.moe_experts(x, ids, w, *stack_experts(*mxfp4_experts(E, H, I, gen(7))), act_quant=True)

@@ -51,8 +51,10 @@ def test_stack_fp8_partial_blocks_and_getter():
     assert expert_dtype_of(w13) == "fp8"
 
 
-@pytest.mark.parametrize("layer", [0, 2])  # tiny: layer 0 is hash-routed, layer 2 scored
-def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
+@pytest.mark.parametrize("layer,act_quant", [(0, False), (2, False), (2, True)])  # tiny: layer 0 is hash-routed
+def test_ops_reproduce_reference_moe(tiny_ckpt, layer, act_quant):
+    """The grouped ops against the model's per-expert path (``linear`` per expert GEMM), also with the release's FP8
+    activations (x and the SwiGLU output rounded per 128 columns before each expert GEMM)."""
     from dsv4.checkpoint.reader import Checkpoint
     from dsv4.model.linear import linear
     from dsv4.model.moe import MoE, route
@@ -65,7 +67,7 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
     hashed = cfg.is_hash_layer(layer)
     assert hashed == (layer == 0)
     mw = ModelWeights(ck, torch.float32, progress=False, names=[n for n in ck.specs if n.startswith(prefix + ".")])
-    moe = MoE(mw, prefix, cfg, hashed, False, reference_ops())
+    moe = MoE(mw, prefix, cfg, hashed, act_quant, reference_ops())
     moe.shared = None  # routed experts only
     g = torch.Generator().manual_seed(layer)
     t = 2
@@ -81,7 +83,7 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
     assert torch.equal(ids.long(), ids_ref) and torch.equal(w, w_ref)
 
     layer_w = stack_experts_from_checkpoint(ck.get, prefix, cfg.n_routed_experts)
-    y = torch_ops.moe_experts(x, ids, w, *layer_w, cfg.swiglu_limit, cfg.expert_dtype)
+    y = torch_ops.moe_experts(x, ids, w, *layer_w, cfg.swiglu_limit, cfg.expert_dtype, act_quant=act_quant)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
     pytest.importorskip("triton", reason="triton is not installed")
@@ -96,5 +98,5 @@ def test_ops_reproduce_reference_moe(tiny_ckpt, layer):
                                 cfg.norm_topk_prob, d(hash_ids))
     assert torch.equal(ids_t.cpu(), ids) and torch.equal(w_t.cpu(), w)
     y_t = tmoe.moe_experts(d(x), ids_t, w_t, *[d(v) for v in layer_w], cfg.swiglu_limit, cfg.expert_dtype,
-                           config={"BLOCK_N": 128, "direct": False})
+                           act_quant=act_quant, config={"BLOCK_N": 128, "direct": False})
     torch.testing.assert_close(y_t.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -73,6 +73,7 @@ from ._common import (
     split_counters,
     ue8m0_to_f32,
 )
+from .fp8_linear import act_quant_consts, act_quant_rows
 
 __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
 
@@ -968,12 +969,15 @@ def moe_experts(
     limit: float = 10.0,
     expert_dtype: str | None = None,
     add: torch.Tensor | None = None,
+    act_quant: bool = False,
+    act_fmt=None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.moe_experts`` (``add`` in the combine kernel's epilogue; a
     ``Pending`` one is joined just before that launch, so its branch runs beside the expert GEMMs; a ``Deferred``
-    one is forked after the up kernel's launch)."""
+    one is forked after the up kernel's launch). ``act_quant``: x and h FP8-rounded per 128 columns by
+    ``act_quant_rows`` launches before the up and the down kernels (the values the release's FP8 GEMMs see)."""
     from ...formats.experts import expert_dtype_of
 
     expert_dtype = expert_dtype or expert_dtype_of(w13)
@@ -1014,11 +1018,23 @@ def moe_experts(
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
     if not isinstance(add, (Pending, Deferred)):  # a tensor is checked before any launch; a branch where it is joined
         _checked_add(add, t, hdim, x.dtype)
+    quant = None
+    if act_quant:
+        for width, name in ((hdim, "x"), (idim, "the experts' intermediate h")):
+            if width % 128:
+                raise ValueError(f"act_quant needs {name}'s width to be a multiple of 128, got {width}")
+        consts = act_quant_consts(act_fmt)
+
+        def quant(v: torch.Tensor) -> torch.Tensor:
+            return act_quant_rows(v, *consts)
+
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     if t == 0:
         _checked_add(resolve(add), t, hdim, x.dtype)
         return out
     cfg = pick_moe_config(t, topk, n_exp, expert_dtype, config, x.dtype)
+    if quant is not None:
+        x = quant(x)
     bm = cfg["BLOCK_M"]
     ids32 = ids.to(torch.int32).contiguous()
     wts = weights.to(torch.float32).contiguous()
@@ -1106,6 +1122,8 @@ def moe_experts(
         )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
             add = add.issue(ready)
+        if quant is not None:
+            h = quant(h)
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
             h,
             w2b,
@@ -1184,6 +1202,8 @@ def moe_experts(
             )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
             add = add.issue(ready)
+        if quant is not None:  # (rows of h no block fills are rounded too: unread)
+            h = quant(h)
         combine = len(parts) == 1 and t <= DOWN_COMBINE_MAX_T  # the down kernel combines (one launch, see above)
         fused = {}
         if combine:
