@@ -263,6 +263,24 @@ def decode_tok_s(eng, B: int, g, steps: int = 20, profile: bool = False,
     return ms, prof
 
 
+def greedy_outputs(eng, batch: int = 4, tokens: int = 12, prompt: int = 32) -> list[list[int]]:
+    """The greedy tokens of ``batch`` fixed random prompts decoded together: an arm whose settings claim the
+    defaults' bits must give the same tokens (a difference is a wrong kernel, not noise)."""
+    from dsv4 import SamplingParams
+
+    g = torch.Generator().manual_seed(1234)
+    ids = [eng.add_request(prompt_token_ids=torch.randint(3, 120000, (prompt,), generator=g).tolist(),
+                           params=SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                                 output_kind="final_only"))
+           for _ in range(batch)]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    return [outs[i] for i in ids]
+
+
 def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: str, variants: list[str],
                long_context: int = 0, long_repeat: int = 1, long_profile: bool = False,
                profile_prefill: list[int] | None = None, ab: list[str] | None = None, decode_prompt: int = 32,
@@ -320,9 +338,14 @@ def bench_dsv4(ckpt: str, batches: list[int], prefill_lens: list[int], backend: 
             print(variant, B, round(ms, 3), prof[0] if prof else "", flush=True)
         set_batch_invariant(True)
     others = {**({"_B": ab} if ab else {}), **(arms or {})}  # the arms beside the defaults, by key suffix
+    want = greedy_outputs(eng) if others else None
     for arm, items in others.items():  # decode under each arm's settings: graphs captured with them (they may
         with settings_applied(items):  # change what a capture records)
             eng = engine()
+            got = greedy_outputs(eng)
+            res[f"greedy_same{arm}"] = got == want
+            print(f"{arm[1:]}: greedy tokens {'the same as' if got == want else 'DIFFERENT from'} the defaults'",
+                  flush=True)
             for B in batches:
                 ms, prof = decode_tok_s(eng, B, g, profile=B == 1, prompt=decode_prompt, timeline=timeline)
                 res[f"decode_ms_b{B}{arm}"] = ms

@@ -90,3 +90,17 @@ def test_verify_bench_smoke_on_cpu(tiny_ckpt):
             ratio = res[f"step_ms_b{B}_k{k}"] / res[f"step_ms_b{B}_k0"]
             assert res[f"speedup_b{B}_k{k}"] == pytest.approx(sum(0.8 ** i for i in range(k + 1)) / ratio)
     assert len(table.splitlines()) == 2 + 4 and table.splitlines()[-1].split()[:2] == ["2", "2"]
+
+
+def test_greedy_outputs_are_each_prompts_tokens(tiny_ckpt):
+    """The arms' token check: every fixed prompt's greedy tokens, in the order added, whole (the final output of
+    each request), the same on a second engine."""
+    from dsv4.engine.engine import EngineConfig, LLMEngine
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(tiny_ckpt), kv_cache_memory=64 << 20, max_model_len=128,
+                                      max_num_seqs=4))
+
+    got = e2e.greedy_outputs(engine(), batch=3, tokens=4, prompt=8)
+    assert [len(t) for t in got] == [4, 4, 4] and len({tuple(t) for t in got}) > 1
+    assert e2e.greedy_outputs(engine(), batch=3, tokens=4, prompt=8) == got
