@@ -72,7 +72,6 @@ def test_fork_after_an_earlier_point_and_wait_from_another_lane():
 # the launch knobs not yet timed (default off), each the same bits on or off: (module, name, value when on)
 CANDIDATES = (("dsv4.ops.triton.mhc", "SINKHORN_BESIDE", True), ("dsv4.ops.triton.mhc", "PREFETCH_NORM", True),
               ("dsv4.ops.triton.moe", "DEFERRED_FROM_UP", True), ("dsv4.ops.triton.moe", "DOWN_COMBINE_MAX_T", 8),
-              ("dsv4.ops.triton.moe", "ROUTE_GROUP_MAX_T", 8),
               ("dsv4.ops.triton.sparse_attention", "FUSED_OUT_ROPE", True),
               ("dsv4.ops.triton.sparse_attention", "FUSED_QUERY_NORM_ROPE", True),
               ("dsv4.ops.triton.fp8_linear", "FUSED_INPUT_NORM", True))

@@ -593,49 +593,6 @@ def test_down_kernel_combining_gives_the_combine_launchs_bits(fp4_layer, monkeyp
             assert events == (joined + launches if limit == t else launches[:1] + joined + launches[1:]), events
 
 
-@pytest.mark.parametrize("t,hashed", [(1, False), (5, False), (3, True)])
-def test_routing_launch_groups_the_slots_for_the_experts(fp4_layer, monkeypatch, t, hashed):
-    """``ROUTE_GROUP_MAX_T``: the routing launch's last program groups the slots (the grouping launch's programs in
-    turn): ids and weights as without it, the grouping the grouping launch's tensors (a padding row among them), and
-    ``moe_experts`` takes it for those ids instead of launching the grouping — the same result bitwise; ids written
-    in place since, other ids or a longer step go back to the grouping launch."""
-    monkeypatch.setattr(tmoe, "ROUTE_GROUP_MAX_T", 0)
-    g = gen(70 + t)
-    logits = randn((t, E), g, 2.0)
-    bias = randn((E,), g, 0.1)
-    hash_ids = torch.randint(0, E, (t, K), generator=g).to(DEV) if hashed else None
-    valid = torch.ones(t, dtype=torch.bool, device=DEV)
-    valid[t // 2] = False
-    args = (logits, None if hashed else bias, K, 1.5, True, hash_ids, valid)
-    ids0, w0 = tmoe.moe_route(*args)
-    monkeypatch.setattr(tmoe, "ROUTE_GROUP_MAX_T", 8)
-    ids, w = tmoe.moe_route(*args)
-    assert torch.equal(ids, ids0) and torch.equal(w, w0)
-    groups = tmoe._remembered_groups(ids, E, tmoe.DECODE_BLOCK_M)
-    assert groups is not None
-    for got, want in zip(groups, tmoe.group_slots_triton(ids0, E, tmoe.DECODE_BLOCK_M)):
-        assert torch.equal(got, want)
-    x = randn((t, H), gen(80 + t), dtype=torch.bfloat16)
-    want = tmoe.moe_experts(x, ids0, w0, *fp4_layer)
-    launched = []
-    real = tmoe._group_slots_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tmoe, "_group_slots_kernel", Spy())
-    assert torch.equal(tmoe.moe_experts(x, ids, w, *fp4_layer), want) and not launched
-    assert torch.equal(tmoe.moe_experts(x, ids.clone(), w, *fp4_layer), want) and len(launched) == 1
-    ids.add_(0)  # written in place: its grouping is not taken any more
-    assert tmoe._remembered_groups(ids, E, tmoe.DECODE_BLOCK_M) is None
-    assert torch.equal(tmoe.moe_experts(x, ids, w, *fp4_layer), want) and len(launched) == 2
-    monkeypatch.setattr(tmoe, "ROUTE_GROUP_MAX_T", t - 1)
-    ids2, _ = tmoe.moe_route(*args)
-    assert tmoe._remembered_groups(ids2, E, tmoe.DECODE_BLOCK_M) is None
-
-
 @pytest.mark.parametrize("t,direct", [(1, True), (5, False)])
 def test_act_quant_rounds_x_and_h_as_the_torch_op(t, direct):
     """``act_quant``: x and the SwiGLU output h FP8-rounded per 128 columns before the up and the down kernels (GEMV

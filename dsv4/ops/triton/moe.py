@@ -15,8 +15,7 @@ Experts (``moe_experts``) over a slot list (slot = t·topk + j):
     DECODE_MAX_ROWS tokens one Triton launch does it (``group_slots_triton``: per program a
     histogram over the experts + prefix sum and an O(n·CHUNK) rank of its slots), replacing the
     ~25 small kernels of the torch version (``group_slots``: sort, scatter_add, cumsum,
-    searchsorted...), which stays the reference and the path for larger batches. With
-    ``ROUTE_GROUP_MAX_T`` the routing launch's last program makes the decode tile's grouping itself.
+    searchsorted...), which stays the reference and the path for larger batches.
   * up kernel, program = (block, BLOCK_N columns of I): per K step of 128 the x rows of the block
     (gathered by token, loaded contiguously and split into even/odd k) and the W1 and W3 tiles of
     the block's expert — MXFP4 bytes [BLOCK_N, 64]: low nibble = even k, high nibble = odd k, each
@@ -50,7 +49,6 @@ Weights stay packed in memory: tiles are decoded in registers, never materialize
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import triton
@@ -105,11 +103,7 @@ def _sqrt_softplus(lg):
 def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, E,
                   stride_lt, stride_le, stride_ht, stride_hk, scale,
                   TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr, HAS_VALID: tl.constexpr, NORM: tl.constexpr,
-                  slot_ptr=None, bexp_ptr=None, cnt_ptr=None, MAX_BLOCKS=0, GROUP_PROGRAMS=0,
-                  GROUP: tl.constexpr = False, GROUP_BLOCK_M: tl.constexpr = 16, GROUP_CHUNK: tl.constexpr = 32):
-    """GROUP: the last program to arrive (an acq_rel counter) also groups the slots (``group_slots_triton``'s
-    programs in turn, over the ids the others stored)."""
+                  HAS_BIAS: tl.constexpr, HASH: tl.constexpr, HAS_VALID: tl.constexpr, NORM: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     r_mask = rows < T
@@ -159,13 +153,6 @@ def _route_kernel(logits_ptr, bias_ptr, hash_ptr, valid_ptr, ids_ptr, w_ptr, T, 
     om = r_mask[:, None] & k_mask[None, :]
     tl.store(ids_ptr + out, sel_ids, mask=om)
     tl.store(w_ptr + out, w, mask=om)
-    if GROUP:
-        tl.debug_barrier()  # every thread's ids stored before the arrival counts
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            for g in range(0, GROUP_PROGRAMS):
-                _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, T * TOPK, E, MAX_BLOCKS, g, GROUP_BLOCK_M, BLOCK_E,
-                                     GROUP_CHUNK, ".cg")
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float = 1.0,
@@ -198,53 +185,13 @@ def moe_route(gate_logits: torch.Tensor, bias: torch.Tensor | None, topk: int, s
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     vt = valid.reshape(t).to(torch.int8).contiguous() if valid is not None else None
-    grouped = {}
-    if t <= ROUTE_GROUP_MAX_T and batch_invariant() and t <= DECODE_MAX_ROWS and e <= GROUP_KERNEL_MAX_EXPERTS:
-        n, bm = t * topk, DECODE_BLOCK_M
-        max_blocks = triton.cdiv(n, bm) + min(e, n)
-        slot_ids = torch.empty((max_blocks * bm,), dtype=torch.int32, device=dev)
-        bexp = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
-        grouped = dict(slot_ptr=slot_ids, bexp_ptr=bexp, cnt_ptr=split_counters(dev, 1), MAX_BLOCKS=max_blocks,
-                       GROUP_PROGRAMS=triton.cdiv(max(n, max_blocks), GROUP_CHUNK), GROUP=True, GROUP_BLOCK_M=bm,
-                       GROUP_CHUNK=GROUP_CHUNK)
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, bias if bias is not None else logits, hash_ids if hash_ids is not None else logits,
         vt if vt is not None else logits, ids, w, t, e, logits.stride(0), logits.stride(1), hs[0], hs[1],
         float(scale), TOPK=topk, KP=triton.next_power_of_2(topk), BLOCK_T=block_t, BLOCK_E=block_e,
         HAS_BIAS=bias is not None, HASH=hash_ids is not None, HAS_VALID=valid is not None, NORM=bool(norm),
-        num_warps=cfg["num_warps"], **grouped)
-    if grouped:
-        _remember_groups(ids, e, DECODE_BLOCK_M, grouped["slot_ptr"], grouped["bexp_ptr"])
+        num_warps=cfg["num_warps"])
     return ids, w
-
-
-# Up to this many tokens (batch-invariant decode sizes) the routing launch's last program also groups the slots
-# for the experts' decode tile (``_group_slots_program``, the grouping launch's programs in turn: the same tensors),
-# which ``moe_experts`` then takes instead of launching the grouping: one launch a MoE layer fewer on a decode step's
-# path. 0: off. Not yet timed on the GPU: A/B with --arm dsv4.ops.triton.moe.ROUTE_GROUP_MAX_T=8.
-ROUTE_GROUP_MAX_T = 0
-GROUP_CHUNK = 32  # slots (and blocks) per grouping program (``group_slots_triton``'s ``chunk``)
-DECODE_BLOCK_M = 16  # the experts' decode tile's rows per block (``pick_moe_config``)
-
-# ids tensor (by id) -> (the tensor, its version, expert count, BLOCK_M, slot_ids, block experts): the grouping the
-# routing launch made for those ids (``ROUTE_GROUP_MAX_T``), taken by ``moe_experts`` for the same, unchanged ids
-_GROUPS: dict[int, tuple] = {}
-
-
-def _remember_groups(ids: torch.Tensor, n_experts: int, block_m: int, slot_ids: torch.Tensor, bexp: torch.Tensor):
-    key = id(ids)
-    if key not in _GROUPS:
-        weakref.finalize(ids, _GROUPS.pop, key, None)
-    _GROUPS[key] = (weakref.ref(ids), ids._version, n_experts, block_m, slot_ids, bexp)
-
-
-def _remembered_groups(ids: torch.Tensor, n_experts: int, block_m: int):
-    """(slot_ids, block experts) the routing launch made for exactly these ids (the same tensor, unchanged since,
-    the same expert count and block rows), else None."""
-    hit = _GROUPS.get(id(ids))
-    if hit is None or hit[0]() is not ids or hit[1] != ids._version or hit[2:4] != (n_experts, block_m):
-        return None
-    return hit[4], hit[5]
 
 
 def route_config(n_experts: int, config: dict | None = None, t: int | None = None) -> dict:
@@ -306,13 +253,6 @@ def group_slots(ids: torch.Tensor, n_experts: int, block_m: int):
 @triton.jit(do_not_specialize=["N", "MAX_BLOCKS"])
 def _group_slots_kernel(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, tl.program_id(0), BLOCK_M, BLOCK_E, CHUNK, "")
-
-
-@triton.jit
-def _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, pid,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                         IDS_CACHE: tl.constexpr):
     """Program p places slots p·CHUNK.. and fills blocks p·CHUNK.. of ``group_slots``' layout.
 
     Every program recounts the per-expert histogram (O(n·E), cheap at decode sizes) so that one
@@ -320,14 +260,13 @@ def _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, pid,
     bstart[e_i]·BLOCK_M + #{j < i : e_j = e_i} (the stable sort's order); block b's expert is
     #{e : bend[e] ≤ b} (searchsorted), -1 past the last used block; the rows of a block past its
     expert's slots get -1. Slot rows and padding rows are disjoint: no ordering between programs.
-    IDS_CACHE ".cg": the ids were written by other programs of the same launch (the routing's last
-    program groups, ``ROUTE_GROUP_MAX_T``).
     """
+    pid = tl.program_id(0)
     c = tl.arange(0, CHUNK)
     ex = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for j0 in range(0, N, CHUNK):
-        ej = tl.load(ids_ptr + j0 + c, mask=j0 + c < N, other=-1, cache_modifier=IDS_CACHE)
+        ej = tl.load(ids_ptr + j0 + c, mask=j0 + c < N, other=-1)
         counts += tl.sum((ej[:, None] == ex[None, :]).to(tl.int32), axis=0)  # -1 matches no expert
     counts = tl.where(ex < E, counts, 0)  # ids >= E (invalid) are neither counted nor placed
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
@@ -336,12 +275,12 @@ def _group_slots_program(ids_ptr, slot_ptr, bexp_ptr, N, E, MAX_BLOCKS, pid,
     total = tl.sum(blocks, axis=0)
     # this program's slots
     i = pid * CHUNK + c
-    ei = tl.load(ids_ptr + i, mask=i < N, other=-1, cache_modifier=IDS_CACHE)
+    ei = tl.load(ids_ptr + i, mask=i < N, other=-1)
     ei = tl.where(ei < E, ei, -1)
     rank = tl.zeros((CHUNK,), dtype=tl.int32)
     for j0 in range(0, tl.minimum(N, pid * CHUNK + CHUNK), CHUNK):  # only j < i count
         j = j0 + c
-        ej = tl.load(ids_ptr + j, mask=j < N, other=-1, cache_modifier=IDS_CACHE)
+        ej = tl.load(ids_ptr + j, mask=j < N, other=-1)
         same = (ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None])
         rank += tl.sum(same.to(tl.int32), axis=1)
     bs_i = tl.sum(tl.where(ei[:, None] == ex[None, :], bstart[None, :], 0), axis=1)
@@ -366,7 +305,7 @@ GROUP_KERNEL_MAX_ROWS = 512  # tokens per call up to which moe_experts groups in
 GROUP_KERNEL_MAX_EXPERTS = 1024  # the histogram tile is [CHUNK, next_pow2(E)]
 
 
-def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = GROUP_CHUNK):
+def group_slots_triton(ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 32):
     """``group_slots`` in one Triton launch (identical tensors). The torch version issues ~25 small
     kernels (sort, scatter_add, cumsum, searchsorted, index_put...), which dominate a decode step's
     grouping time inside a CUDA graph; here ``cdiv(max(n, max_blocks), chunk)`` programs each redo
@@ -788,7 +727,7 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
 @triton.jit
 def _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, t, offs, m, stride_ys, stride_yh, stride_ot, stride_oh,
                   stride_at, stride_ah, TOPK: tl.constexpr, ADD: tl.constexpr, INTERP: tl.constexpr,
-                  Y_CACHE: tl.constexpr):
+                  Y_CACHE: tl.constexpr = ""):
     """Token t's output at columns ``offs``: Σ_j weight · y[t·TOPK + j] in fp32 in slot order from 0 (id -1 slots
     not read), rounded, then (ADD) + add as a torch add in the output dtype. The combine kernel and the down
     kernel's combining program evaluate this one expression, so they give the same bits. Y_CACHE ".cg": y was
@@ -816,7 +755,7 @@ def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, s
                         INTERP: tl.constexpr):
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, tl.program_id(0), offs, offs < H, stride_ys, stride_yh,
-                  stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP, "")
+                  stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP)
 
 
 DIRECT_MAX_SLOTS = 48
@@ -905,8 +844,7 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
         # between a prompt alone and in a larger chunk. The down kernel takes 128 columns (with the
         # folded decode: T=1/8/64 in 69.7/276.0/1159.6 against 71.4/280.7/1172.4 us at 64, same bits:
         # BLOCK_N does not change a row's K steps)
-        cfg = dict(direct=False, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3,
-                   down_BLOCK_N=128,
+        cfg = dict(direct=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, down_BLOCK_N=128,
                    merge_gu=DECODE_MERGE_GU)
     elif n <= DIRECT_MAX_SLOTS:
         # GEMV kernels (BLOCK_M unused): narrow column blocks, 256-wide K steps (H200 sweep: T=1 in
@@ -1042,10 +980,7 @@ def moe_experts(
         nblocks = t * topk
         h = torch.empty((t * topk, idim), dtype=x.dtype, device=dev)
     else:
-        remembered = _remembered_groups(ids32, n_exp, bm)
-        if remembered is not None:  # made by the routing launch's last program (``ROUTE_GROUP_MAX_T``)
-            slot_ids, bexp = remembered
-        elif t <= GROUP_KERNEL_MAX_ROWS and n_exp <= GROUP_KERNEL_MAX_EXPERTS:
+        if t <= GROUP_KERNEL_MAX_ROWS and n_exp <= GROUP_KERNEL_MAX_EXPERTS:
             slot_ids, bexp = group_slots_triton(ids32, n_exp, bm)  # one launch instead of ~25
         else:
             slot_ids, bexp = group_slots(ids32, n_exp, bm)

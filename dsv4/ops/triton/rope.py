@@ -52,8 +52,16 @@ def unit_norm_rope_rows(x, rows_ptr, stride_row, n_rows, t, cos_ptr, sin_ptr, st
         row = tl.minimum(i, n_rows - 1)  # (a masked row reads a real one; its factor is not used)
         r = tl.where(offs_r == i, rms_factor(rows_ptr + row * stride_row, D, D, eps, D), r)
     r = cast(r, DT, INTERP).to(tl.float32)  # x * rsqrt(...).to(x.dtype): the factor is rounded
-    y = cast(x * r[:, None], DT, INTERP)
-    return _rope_rows(y, t, cos_ptr, sin_ptr, stride_ct, stride_st, x.shape[0], D, RD, False, INTERP, PTX)
+    y = cast(x * r[:, None], DT, INTERP).to(tl.float32)
+    pe, po = tl.split(tl.reshape(y, (x.shape[0], D // 2, 2)))
+    i = tl.arange(0, D // 2) - (D - RD) // 2  # the pair's index in the rope slice (< 0: not roped)
+    roped = i >= 0
+    c = tl.load(cos_ptr + t * stride_ct + i, mask=roped, other=1.0)
+    s = tl.load(sin_ptr + t * stride_st + i, mask=roped, other=0.0)
+    re, ro = _rotate(pe, po, c[None, :], s[None, :], DT, INTERP, PTX)
+    re = tl.where(roped[None, :], re, pe.to(DT))
+    ro = tl.where(roped[None, :], ro, po.to(DT))
+    return tl.reshape(tl.join(re, ro), (x.shape[0], D))
 
 
 @triton.jit
@@ -62,22 +70,12 @@ def inverse_rope_rows(o, t, cos_ptr, sin_ptr, stride_ct, stride_st, ROWS: tl.con
     """Rows ``o`` [ROWS, D] in their dtype (token t's heads) with the last RD channels turned back by token t's
     rope angles: ``apply_rope(o, cos, sin, inverse=True)``'s values, bit for bit, for a kernel compiled with FMA
     contraction (PTX: each product is ``mul_rn``) or the interpreter. The other channels pass unchanged."""
-    return _rope_rows(o, t, cos_ptr, sin_ptr, stride_ct, stride_st, ROWS, D, RD, True, INTERP, PTX)
-
-
-@triton.jit
-def _rope_rows(y, t, cos_ptr, sin_ptr, stride_ct, stride_st, ROWS: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
-               INVERSE: tl.constexpr, INTERP: tl.constexpr, PTX: tl.constexpr):
-    """Rows ``y`` [ROWS, D] (token t's heads) with their last RD channels' (even, odd) pairs turned by token t's
-    angles (INVERSE: turned back), in y's dtype; the other channels pass unchanged."""
-    dt = y.dtype
-    pe, po = tl.split(tl.reshape(y.to(tl.float32), (ROWS, D // 2, 2)))
+    dt = o.dtype
+    pe, po = tl.split(tl.reshape(o.to(tl.float32), (ROWS, D // 2, 2)))
     i = tl.arange(0, D // 2) - (D - RD) // 2  # the pair's index in the rope slice (< 0: not roped)
     roped = i >= 0
     c = tl.load(cos_ptr + t * stride_ct + i, mask=roped, other=1.0)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=roped, other=0.0)
-    if INVERSE:
-        s = s * -1.0  # (see _rope_kernel: not -s)
+    s = tl.load(sin_ptr + t * stride_st + i, mask=roped, other=0.0) * -1.0  # (see _rope_kernel: not -s)
     re, ro = _rotate(pe, po, c[None, :], s[None, :], dt, INTERP, PTX)
     re = tl.where(roped[None, :], re, pe.to(dt))
     ro = tl.where(roped[None, :], ro, po.to(dt))

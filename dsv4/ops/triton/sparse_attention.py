@@ -398,7 +398,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
             if one:
                 m, l, acc = _merge(m, l, acc, mc, lc, accc)
                 _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                   INTERP, PTX)
+                           INTERP, PTX)
             else:
                 tl.store(part_ptr + (slot + hh[:, None]) * 514 + d[None, :], accc)
                 tl.store(part_ptr + (slot + hh) * 514 + 512, mc)
@@ -414,7 +414,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                     lc = tl.load(part_ptr + row * 514 + 513, cache_modifier=".cg")
                     m, l, acc = _merge(m, l, acc, mc, lc, accc)
                 _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                   INTERP, PTX)
+                           INTERP, PTX)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
         for c in range(0, nch):
@@ -425,7 +425,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                                          NATIVE, INTERP, AHEAD)
             m, l, acc = _merge(m, l, acc, mc, lc, accc)
         _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                   INTERP, PTX)
+                           INTERP, PTX)
 
 
 def pick_config(num_heads: int, device: torch.device, config: dict | None = None, predecoded: bool = False) -> dict:
@@ -497,8 +497,9 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     """Same contract as ``dsv4.ops.torch_attention.paged_sparse_attention``: out [T, H, 512] in q's dtype.
     ``q_norm_rope``: q normed and turned as it is loaded where ``FUSED_QUERY_NORM_ROPE`` and the platform allow
     (``unit_norm_rope_rows``; q with unit-stride channels), else by the ``unit_norm_rope`` launch before it (the
-    same bits). ``out_rope``: the output's rope channels turned back, in the kernel's store where
-    ``FUSED_OUT_ROPE`` and the platform allow, else by the rope launch after it (the same bits).
+    same bits). ``out_rope``:
+    the output's rope channels turned back, in the kernel's store where ``FUSED_OUT_ROPE`` and the platform
+    allow, else by the rope launch after it (the same bits).
 
     No host synchronisation and no data-dependent shapes (CUDA-graph capturable). A padding token
     with position < 0 and no valid compressed entry reads nothing (not even its seq_ids row) and
