@@ -19,7 +19,7 @@ import torch
 
 from ..config import LayerType, ModelConfig
 from ..formats import OCP, fake_quant_fp8_pow2
-from .linear import NormedRows, fp8_fuses_norm, stable_topk
+from .linear import stable_topk
 from .paged_attention import PagedAttention
 from .rope import cos_sin
 from .step import SeqChunk, Step
@@ -169,30 +169,22 @@ class Attention:
         return torch.where(ok, idx, torch.full_like(idx, -1))
 
     # ---- forward -------------------------------------------------------------------------
-    def latent(self, x: torch.Tensor, defer_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qr, kv_raw): the query latent after q_norm (the indexer's input too) and the raw wkv projection.
-        ``defer_norm``: qr as ``NormedRows`` where every GEMM reading it norms it in its own launch (no hooks, no
-        act_quant, ``fp8_fuses_norm`` for wq_b and the indexer's wq_b)."""
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, kv_raw): the query latent after q_norm (the indexer's input too) and the raw wkv projection."""
         cfg, ops = self.cfg, self.ops
         if self.wq_a_kv is not None:  # one GEMM; its column halves go on as views (their readers take a row stride)
             q_lat, kv_raw = ops.linear(x, self.wq_a_kv, self.act_quant).split(
                 [self.wq_a.shape[0], self.wkv.shape[0]], dim=-1)
         else:
             q_lat, kv_raw = ops.linear(x, self.wq_a, self.act_quant), ops.linear(x, self.wkv, self.act_quant)
-        readers = [self.wq_b] + ([self.idx_wq_b] if self.type == LayerType.CSA else [])
-        if (defer_norm and self.hooks is None and not self.act_quant
-                and all(fp8_fuses_norm(w, q_lat) for w in readers)):
-            return NormedRows(q_lat, self.q_norm, cfg.rms_norm_eps), kv_raw
         return ops.rms_norm(q_lat, self.q_norm, cfg.rms_norm_eps), kv_raw
-
-    def query_heads(self, qr: torch.Tensor) -> torch.Tensor:
-        """The heads' raw query projections [T, h, d] from the latent (wq_b), before their norm and rope."""
-        nh = self.wq_b.shape[0] // self.cfg.head_dim  # query heads held here: all, or this rank's share under TP
-        return self.ops.linear(qr, self.wq_b, self.act_quant).view(qr.shape[0], nh, self.cfg.head_dim)
 
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The heads' queries [T, h, d] from the latent: wq_b, then each head's unit RMSNorm and RoPE."""
-        q = self.ops.unit_norm_rope(self.query_heads(qr), cos, sin, self.cfg.rms_norm_eps)
+        cfg, ops = self.cfg, self.ops
+        nh = self.wq_b.shape[0] // cfg.head_dim  # query heads held here: all, or this rank's share under TP
+        q = ops.linear(qr, self.wq_b, self.act_quant).view(qr.shape[0], nh, cfg.head_dim)
+        q = ops.unit_norm_rope(q, cos, sin, cfg.rms_norm_eps)
         self._check("q", q)
         return q
 
@@ -202,7 +194,8 @@ class Attention:
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         cos, sin = cos_sin(self.rope, step.positions)
-        o = BACKENDS[step.kind].attend(self, step, x, cos, sin)
+        out = BACKENDS[step.kind].attend(self, step, x, cos, sin)
+        o = ops.apply_rope(out, cos, sin, inverse=True, in_place=self.hooks is None)  # hooks may keep `out`
         r = cfg.o_lora_rank
         g = self.wo_a.shape[0] // r  # output groups held here (TP: this rank's whole groups)
         o = o.view(T, g, -1)
@@ -282,10 +275,9 @@ class AttentionBackend(Protocol):
 
     def attend(self, attn: Attention, step: Step, x: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
-        """Every token's attention output [T, h, d] with the rope turned back at the query's position
-        (``apply_rope(..., inverse=True)`` with ``cos``/``sin``): the queries from ``attn.latent(x)`` and
-        ``attn.queries``, the window KV (from the latent's ``kv_raw`` with the main rope's ``cos``/``sin``)
-        stored on the way."""
+        """Every token's attention output [T, h, d] (before the inverse rope): the queries from
+        ``attn.latent(x)`` and ``attn.queries``, the window KV (from the latent's ``kv_raw`` with the
+        main rope's ``cos``/``sin``) stored on the way."""
 
     def store_kv(self, attn: Attention, step: Step, kv_raw: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
@@ -305,7 +297,7 @@ class ReferenceAttention:
         for c in step.chunks:
             sl = slice(c.offset, c.offset + c.length)
             out[sl] = one(x[sl], qr[sl], q[sl], kv[sl], c)
-        return attn.ops.apply_rope(out, cos, sin, inverse=True, in_place=attn.hooks is None)  # hooks may keep `out`
+        return out
 
     def store_kv(self, attn, step, kv_raw, cos, sin):
         kv = attn.window_kv(kv_raw, cos, sin)

@@ -36,42 +36,13 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, w32: Callable[[], torch.Tensor]
     return rows_linear(x.float(), w32() if w32 is not None else w.float())
 
 
-class NormedRows:
-    """The rows of ``x`` RMS-normed with ``weight`` (``rms_norm(x, weight, eps)``), left to the GEMMs that read
-    them: an FP8 weight's op that norms its input in its prologue (``fuses_input_norm``) takes x and the norm, so
-    no launch writes the normed rows. Made only where every reader's op does that (``fp8_fuses_norm``)."""
-
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        self.x, self.weight, self.eps = x, weight, eps
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    @property
-    def device(self):
-        return self.x.device
-
-
-def fp8_fuses_norm(w, x: torch.Tensor) -> bool:
-    """Whether ``linear(NormedRows(x, ...), w)`` norms x inside the GEMM launch: ``w`` an FP8 weight whose op says
-    it does for x's rows (``op.fuses_input_norm(device, rows, K)``)."""
-    fuses = getattr(getattr(w, "op", None), "fuses_input_norm", None)
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
-    return fuses is not None and bool(fuses(x.device, rows, x.shape[-1]))
-
-
 def linear(x: torch.Tensor, w, act_quant: bool = False, dense: Callable | None = None) -> torch.Tensor:
     """y = x·wᵀ in the weight dtype, with rows computed independently of the batch.
 
     ``act_quant`` simulates the release's per-128 FP8 activations. ``w`` is a tensor (multiplied by
     ``dense``, the op set's dense GEMM; default ``rows_linear``) or an ``FP8Weight`` (its fp8_linear
-    op, or its dequantized values). ``x`` may be ``NormedRows`` for an FP8 weight's op without act_quant.
+    op, or its dequantized values).
     """
-    if isinstance(x, NormedRows):
-        if act_quant or isinstance(w, torch.Tensor) or w.op is None:
-            raise TypeError("NormedRows are read only by an FP8 weight's op without act_quant (fp8_fuses_norm)")
-        return w.op(x.x, w.weight, w.scale, norm=(x.weight, x.eps))
     if not isinstance(w, torch.Tensor) and w.op is not None:  # an FP8Weight: the registered fp8_linear op
         if act_quant:  # the op rounds x itself, the same values (Triton: one launch, not ~20 torch kernels)
             return w.op(x, w.weight, w.scale, act_quant=True, act_fmt=OCP)

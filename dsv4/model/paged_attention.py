@@ -74,7 +74,7 @@ class PagedAttention:
         csa = attn.type == LayerType.CSA
         branches = []  # every one joined before the sparse attention
         start = ops.fork_point()
-        qr, kv_raw = attn.latent(x, defer_norm=True)  # q_norm in its readers' GEMM launches where they can
+        qr, kv_raw = attn.latent(x)
         if attn.compressor is not None:  # they read x only: beside the projections
             branches.append(ops.fork(_compress, attn.compressor, step, x, lane=0, after=start))
             if csa:
@@ -90,14 +90,7 @@ class PagedAttention:
             branches += [weights, selected]
         kv = None if attn.hooks is None else attn.window_kv(kv_raw, cos, sin)
         branches.append(ops.fork(insert_window_kv, attn, step, kv, kv_raw, cos, sin, lane=0))
-        # the heads' norm and rope in the attention op where its kernel does them as it loads q (one launch fewer),
-        # unless a hook checks the finished queries; else here, before the joins (beside the branches)
-        q_rope = None
-        fuses = getattr(ops.sparse_attention, "fuses_query_norm_rope", None)
-        if attn.hooks is None and fuses is not None and fuses(qr.device):
-            q, q_rope = attn.query_heads(qr), (cos, sin, cfg.rms_norm_eps)
-        else:
-            q = attn.queries(qr, cos, sin)
+        q = attn.queries(qr, cos, sin)
         for b in branches:
             b.result()
         if attn.compressor is not None:
@@ -105,8 +98,7 @@ class PagedAttention:
             if n_max > 0:
                 comp_idx = selected.result() if csa else step.all_visible(attn.ratio, n_max)
         return ops.sparse_attention(q, positions, step.seq_ids, kvc.swa[layer], step.swa_table, comp_pages,
-                                    step.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5, window, fmt,
-                                    q_norm_rope=q_rope, out_rope=(cos, sin))
+                                    step.block_table, per, comp_idx, attn.sink, cfg.head_dim ** -0.5, window, fmt)
 
     def store_kv(self, attn, step, kv_raw, cos, sin) -> None:
         insert_window_kv(attn, step, None, kv_raw, cos, sin)

@@ -18,7 +18,7 @@ import torch
 
 from ..formats import RECORD_BYTES, get_fp8_format, read_kv, write_kv
 from ..model.attention import left_align, sparse_attention
-from ..model.norms import rms_norm, unit_rms_norm
+from ..model.norms import rms_norm
 from ..model.opset import eager_only
 from ..model.rope import apply_rope
 
@@ -126,12 +126,8 @@ def gather_attention_keys(positions, seq_ids, swa_pages, swa_table, comp_pages, 
 
 @eager_only
 def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table,
-                           entries_per_block, comp_idx, sink, scale, window, fmt, *, q_norm_rope=None,
-                           out_rope=None) -> torch.Tensor:
-    """out [T, H, 512] in q's dtype: the oracle's sparse attention over each query's paged keys. ``q_norm_rope``
-    (cos, sin [T, R/2], eps): q is the heads' raw projection, normed and turned first (``unit_rms_norm`` then
-    ``apply_rope``, the layer's query); ``out_rope`` (cos, sin): the output's last R channels then turned back
-    (``apply_rope(out, cos, sin, inverse=True)``), the rope the layer removes at the query's position.
+                           entries_per_block, comp_idx, sink, scale, window, fmt) -> torch.Tensor:
+    """out [T, H, 512] in q's dtype: the oracle's sparse attention over each query's paged keys.
 
     q [T, H, 512]; positions [T]; seq_ids [T] (row of swa_table / block_table); swa_pages: the layer's
     window pages (uint8 records, 64 tokens a page, or dense [P, 64, 512]); comp_pages: compressed
@@ -139,13 +135,10 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
     (None when comp_idx has no columns); comp_idx [T, Lc] entry ids, −1 padding; sink [H] fp32;
     fmt: the FP8 format of uint8 pages (None for dense pages).
     """
-    if q_norm_rope is not None:
-        cos, sin, eps = q_norm_rope
-        q = apply_rope(unit_rms_norm(q, eps), cos, sin)
     out = torch.empty_like(q)
     for s in range(0, q.shape[0], QUERY_BLOCK):  # bounded memory; a query's result does not depend on its block
         sl = slice(s, s + QUERY_BLOCK)
         table, idx = gather_attention_keys(positions[sl], seq_ids[sl], swa_pages, swa_table, comp_pages,
                                            block_table, entries_per_block, comp_idx[sl], int(window), fmt)
         out[sl] = sparse_attention(q[sl], table, idx, sink, float(scale))
-    return out if out_rope is None else apply_rope(out, *out_rope, inverse=True)
+    return out

@@ -28,7 +28,6 @@ from ..formats import dequantize_block_fp8, dequantize_mxfp4, fake_quant_fp8_pow
 from ..formats.experts import as_bytes, expert_dtype_of
 from ..model.branches import resolve
 from ..model.linear import rows_linear
-from ..model.norms import rms_norm
 
 __all__ = ["fp8_linear", "moe_route", "moe_experts", "greedy_pick", "act_format"]
 
@@ -52,7 +51,7 @@ def _check_act_quant_width(k: int, name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=None,
-               act_quant: bool = False, act_fmt=None, groups: int = 1, *, norm=None) -> torch.Tensor:
+               act_quant: bool = False, act_fmt=None, groups: int = 1) -> torch.Tensor:
     """y = x · dequant(weight, scale)ᵀ; weight FP8 [N, K] (OCP, FNUZ or uint8 = OCP bytes),
     scale [ceil(N/128), ceil(K/128)] UE8M0 (uint8 / float8_e8m0fnu) or float32.
 
@@ -60,11 +59,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     release's FP8 activations; K must be a multiple of 128); ``act_fmt`` picks OCP (max 448) or
     FNUZ (224), default the platform's format. ``groups`` > 1: a block-diagonal weight (the
     attention's grouped output projection): x [..., groups·K], group g's N/groups rows (whole
-    128-row scale blocks) times x's g-th K columns, concatenated. ``norm`` (weight, eps): x's rows
-    RMS-normed first (``dsv4.model.norms.rms_norm``; a kernel may do it in its prologue).
+    128-row scale blocks) times x's g-th K columns, concatenated.
     """
-    if norm is not None:
-        x = rms_norm(x, *norm)
     if groups != 1:
         n, k = weight.shape
         if groups < 1 or n % groups or (n // groups) % 128:

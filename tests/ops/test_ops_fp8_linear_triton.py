@@ -345,37 +345,6 @@ def test_split_fixup_gives_sum_in_orders_bits(monkeypatch, m):
     assert_fp32_accum_close(y32, torch_ops.fp8_linear(x, wq, s, out_dtype=torch.float32), _absprod(x, wq, s))
 
 
-@pytest.mark.parametrize("m,k,dtype", [(1, 1024, torch.bfloat16), (5, 640, torch.bfloat16), (3, 512, torch.float32),
-                                       (DECODE_MAX_ROWS + 2, 512, torch.bfloat16)])
-def test_input_norm_in_the_decode_launch_gives_the_rms_norm_launchs_bits(m, k, dtype, monkeypatch):
-    """``norm`` (the query latent's q_norm before wq_b): with ``FUSED_INPUT_NORM`` the decode launch norms x's rows
-    as it loads them (each row's factor from ``rms_factor`` over the row read as a 1-D row, as the ``rms_norm``
-    launch computes it), bitwise the ``rms_norm`` launch followed by the GEMM, on a row-strided view (the latent's
-    column half), K in one or several chunks; past the decode sizes, with act_quant or the knob off, the op launches
-    ``rms_norm`` first (the same). The op says which (``fuses_input_norm``); the torch backend norms with the
-    oracle's ``rms_norm``. A norm weight of the wrong shape is refused by name."""
-    from dsv4.model.norms import rms_norm as torch_rms_norm
-    from dsv4.ops.triton.dense import rms_norm
-
-    g = gen(60 + m)
-    wq, s = _weights(192, k, g)
-    x = randn((m, k + 64), g, dtype=dtype)[:, :k]  # a view with a row stride, as q_lat in [q_lat | kv_raw]
-    nw = (1.0 + 0.3 * randn((k,), g)).to(dtype)
-    want = tfl.fp8_linear(rms_norm(x, nw, 1e-6), wq, s)
-    for fused in (True, False):
-        monkeypatch.setattr(tfl, "FUSED_INPUT_NORM", fused)
-        assert tfl.fp8_linear.fuses_input_norm(x.device, m, k) == (fused and m <= DECODE_MAX_ROWS)
-        assert torch.equal(tfl.fp8_linear(x, wq, s, norm=(nw, 1e-6)), want), fused
-    if k % 128 == 0:
-        xq = rms_norm(x, nw, 1e-6)
-        assert torch.equal(tfl.fp8_linear(x, wq, s, act_quant=True, norm=(nw, 1e-6)),
-                           tfl.fp8_linear(xq, wq, s, act_quant=True))
-    ref = torch_ops.fp8_linear(x.cpu(), wq.cpu(), s.cpu(), norm=(nw.cpu(), 1e-6))
-    assert torch.equal(ref, torch_ops.fp8_linear(torch_rms_norm(x.cpu(), nw.cpu(), 1e-6), wq.cpu(), s.cpu()))
-    with pytest.raises(ValueError, match="norm weight must be"):
-        tfl.fp8_linear(x, wq, s, norm=(nw[:-1], 1e-6))
-
-
 # act_quant's GEMM as e4m3 x e4m3 MMAs (``ACT_QUANT_FP8_MMA``). Compiled, the tensor cores' FP8 MMA adds its products
 # in a narrower accumulator (about 13 mantissa bits aligned to the largest addend: DeepSeek-V3's report measured ~14
 # retained bits on Hopper), at most 36 additions per 128-column block (32 products an MMA, 4 MMAs chained) before the

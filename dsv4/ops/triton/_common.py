@@ -61,42 +61,21 @@ def native_fp8(device: torch.device) -> bool:
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
-def runs_ptx(device: torch.device) -> bool:
-    """Whether kernels on ``device`` run inline PTX: compiled CUDA (not ROCm, not the interpreter)."""
+def prefetchable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may ask for lines ahead of their loads (``prefetch``): compiled CUDA only."""
     if device.type != "cuda" or interpreting():
         return False
     return not _device_facts(device.index if device.index is not None else torch.cuda.current_device())[2]
 
 
-def prefetchable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may ask for lines ahead of their loads (``prefetch``): compiled CUDA only."""
-    return runs_ptx(device)
-
-
 @triton.jit
-def mul_rn(a, b, PTX: tl.constexpr):
-    """fp32 a·b rounded on its own, never contracted with the add that follows into an FMA, in a kernel compiled with
-    contraction on: PTX ``mul.rn.f32`` (an explicit rounding mode, which ptxas does not fuse). Without PTX the plain
-    product: the interpreter does not contract; a compiled kernel elsewhere (ROCm) may, so it must not rely on this."""
-    if PTX:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return a * b
-
-
-@triton.jit
-def prefetch(ptrs, ON: tl.constexpr, L2: tl.constexpr = False):
-    """Bring the lines of ``ptrs`` into L1 (and L2; ``L2``: into L2 only) without waiting for them, so that a load
-    of them issued later finds them near (a weight read after a chain of other work: in a decode step it is in
-    HBM). ON (from ``prefetchable``): PTX ``prefetch.global.L1`` / ``.L2``; otherwise (ROCm, the interpreter)
-    nothing."""
+def prefetch(ptrs, ON: tl.constexpr):
+    """Bring the lines of ``ptrs`` into L1 (and L2) without waiting for them, so that a load of them issued later
+    finds them near (a weight read after a chain of other work: in a decode step it is in HBM). ON (from
+    ``prefetchable``): PTX ``prefetch.global.L1``; otherwise (ROCm, the interpreter) nothing."""
     if ON:
-        if L2:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 def scale_kind(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:

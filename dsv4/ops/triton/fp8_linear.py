@@ -68,8 +68,6 @@ from ._common import (
     interpreting,
     native_fp8,
     num_sms,
-    prefetch,
-    prefetchable,
     quant_rows,
     scale_kind,
     split_counters,
@@ -77,7 +75,7 @@ from ._common import (
     sum_in_order,
     ue8m0_to_f32,
 )
-from .dense import dot_acc, norm_launch, rms_factor, rms_norm
+from .dense import dot_acc
 from .kv_insert import _quant_consts
 
 __all__ = ["fp8_linear", "pick_config", "invariant_chunk", "dequant_weight"]
@@ -129,9 +127,6 @@ def _chunk(
     INTERP: tl.constexpr,
     W16: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
-    r=None,
-    nw_ptr=None,
-    NORM: tl.constexpr = False,
     xs_ptr=None,
     stride_xsm=0,
     A8: tl.constexpr = False,
@@ -139,9 +134,7 @@ def _chunk(
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
-    EVEN_K: K is a multiple of BLOCK_K (no column masks). NORM: x's rows RMS-normed as loaded, with
-    their factors ``r`` [BLOCK_M] and the weight at ``nw_ptr`` (``_norm_rows``). A8: x_ptr holds
-    e4m3 codes and xs_ptr their per-128 scales (``act_quant_codes``, ``_a8_chunk``)."""
+    EVEN_K: K is a multiple of BLOCK_K (no column masks). A8: x_ptr holds e4m3 codes and xs_ptr their per-128 scales (``act_quant_codes``, ``_a8_chunk``)."""
     if A8:
         acc = _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm,
                         stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -160,9 +153,6 @@ def _chunk(
                 xm = m_mask[:, None] & k_mask[None, :]
                 wm = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk, mask=xm, other=0.0)
-            if NORM:  # rms_norm's y = w · (x · r), rounded to x's dtype (``dense._rms_norm_kernel``'s expression)
-                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                x = cast(nw[None, :] * (x.to(tl.float32) * r[:, None]), x_dtype, INTERP)
             if W16:
                 w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk, mask=wm, other=0.0)
             else:
@@ -219,19 +209,6 @@ def _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, 
             p = tl.dot(wb.to(tl.float8e4nv, bitcast=True), tl.trans(x8))
         acc += p * ws[:, None] * xs[None, :]
     return acc
-
-
-@triton.jit
-def _norm_rows(x_ptr, m0, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """1/sqrt(Σx²/K + eps) of rows m0 .. m0+BLOCK_M-1 of x (unit-stride columns; rows ≥ M get 0), each as
-    ``dense.rms_factor`` of the row read as one 1-D row: in a launch of ``norm_launch(K)``'s warps its tree is
-    the ``rms_norm`` launch's, so the factor's bits are too (a 2-D tile's tl.sum follows another layout)."""
-    offs = tl.arange(0, BLOCK_M)
-    r = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(0, tl.minimum(BLOCK_M, M - m0)):
-        row = x_ptr + (m0 + i).to(tl.int64) * stride_xm
-        r = tl.where(offs == i, rms_factor(row, K, K, eps, NORM_BLOCK), r)
-    return r
 
 
 @triton.jit
@@ -325,18 +302,12 @@ def _fp8_linear_kernel(
     FIXUP: tl.constexpr = False,
     N_PARTS: tl.constexpr = 1,
     EVEN_K: tl.constexpr = False,
-    nw_ptr=None,
-    norm_eps=0.0,
-    NORM: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False,
     xs_ptr=None,
     stride_xsm=0,
     A8: tl.constexpr = False,
     A8_QUANT: tl.constexpr = False,
 ):
-    """NORM: x's rows are RMS-normed with the weight at ``nw_ptr`` as they are loaded (``_norm_rows``). A8: x holds
-    e4m3 codes, xs their per-128 scales (``_a8_chunk``); A8_QUANT: x itself, quantized as loaded."""
+    """A8: x holds e4m3 codes, xs their per-128 scales (``_a8_chunk``); A8_QUANT: x itself, quantized as loaded."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -346,15 +317,6 @@ def _fp8_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    r = None
-    if NORM:
-        # the program's first chunk of weight lines asked for in L2 first: the norm's row reads and reductions come
-        # before the K loop's pipelined loads, and the weight is in HBM during a step
-        lines = pid_s * CHUNKS_PER_PROGRAM * CHUNK + tl.arange(0, 8) * 128  # up to 1,024 columns: 8 lines a row
-        lines = tl.where(lines < K, lines, 0)  # (a hint past the weight's end may not be asked for)
-        prefetch(w_ptr + tl.where(n_mask, offs_n, 0)[:, None] * stride_wn + lines[None, :] * stride_wk, PREFETCH,
-                 L2=True)
-        r = _norm_rows(x_ptr, pid_m * BLOCK_M, M, K, stride_xm, norm_eps, BLOCK_M, NORM_BLOCK)
     # grouped (block-diagonal) weights: output rows [g·GROUP_N, (g+1)·GROUP_N) read x's columns
     # [g·K, (g+1)·K); GROUP_N is a multiple of BLOCK_N (N when not grouped: group 0)
     group = ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64)
@@ -402,9 +364,6 @@ def _fp8_linear_kernel(
                 INTERP,
                 W16,
                 EVEN_K,
-                r,
-                nw_ptr,
-                NORM,
                 xs_ptr,
                 stride_xsm,
                 A8,
@@ -443,9 +402,6 @@ def _fp8_linear_kernel(
                 INTERP,
                 W16,
                 EVEN_K,
-                r,
-                nw_ptr,
-                NORM,
                 xs_ptr,
                 stride_xsm,
                 A8,
@@ -456,21 +412,6 @@ def _fp8_linear_kernel(
     if FIXUP:  # split mode, y the fp32 partials: the tile's last program sums them into out
         split_sum_last(y_ptr, out_ptr, cnt_ptr, pid, pid_m * BLOCK_M, M, offs_n, n_mask, stride_ys, stride_ym,
                        stride_yn, stride_om, stride_on, N_PARTS, BLOCK_M, BLOCK_N, FIXUP_ROWS, INTERP)
-
-
-# ``norm`` in the decode launch's prologue (an RMSNorm launch fewer before the GEMM: the query latent's q_norm before
-# wq_b and the indexer's wq_b); the launch's bits. Not yet timed on the GPU: A/B with
-# --arm dsv4.ops.triton.fp8_linear.FUSED_INPUT_NORM=true.
-FUSED_INPUT_NORM = False
-
-
-def fuses_input_norm(device: torch.device, m: int, k: int) -> bool:
-    """Whether ``fp8_linear`` norms an [m, k] input in its GEMM launch (``norm``): batch-invariant decode sizes,
-    where the launch has ``norm_launch(k)``'s 4 warps (so each row's ``rms_factor`` takes the ``rms_norm``
-    launch's order), compiled CUDA or the interpreter. Otherwise it launches ``rms_norm`` first."""
-    if not FUSED_INPUT_NORM or not (interpreting() or device.type == "cuda"):
-        return False
-    return batch_invariant() and m <= DECODE_MAX_ROWS and norm_launch(k)[1] == 4
 
 
 # act_quant's GEMMs as e4m3 × e4m3 MMAs where the hardware has them (CUDA sm_89+; the interpreter emulates them): x
@@ -687,14 +628,11 @@ def fp8_linear(
     act_fmt=None,
     groups: int = 1,
     *,
-    norm: tuple | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as ``dsv4.ops.torch_ops.fp8_linear`` (x [..., groups·K] bf16/fp16/fp32; with
     ``groups`` > 1 one launch computes the block-diagonal product of the attention's grouped
-    output projection: group g's N/groups weight rows times x's g-th K columns). ``norm`` (weight,
-    eps): x's rows RMS-normed first (``rms_norm``), in the decode launch's prologue where
-    ``fuses_input_norm`` says so (the launch's bits), else by the ``rms_norm`` launch."""
+    output projection: group g's N/groups weight rows times x's g-th K columns)."""
     out_dtype = out_dtype or x.dtype
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
@@ -719,17 +657,8 @@ def fp8_linear(
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.zeros(*lead, n, dtype=out_dtype, device=x.device)
-    nw, norm_eps = (None, 0.0) if norm is None else norm
     a8 = act_quant and act_quant_fp8_mma(x.device, act_fmt)
     cfg = pick_config(m, n, k, x.device, config, x_bytes=1 if a8 else x.element_size(), a8=a8)
-    if nw is not None:
-        if tuple(nw.shape) != (groups * k,) or not nw.is_floating_point():
-            raise ValueError(f"norm weight must be a float [{groups * k}], got {nw.dtype} {tuple(nw.shape)}")
-        if (groups == 1 and not act_quant and x2.stride(1) == 1 and fuses_input_norm(x.device, m, k)
-                and cfg["num_warps"] == norm_launch(k)[1] and not cfg.get("w16")):
-            nw = nw.contiguous()
-        else:
-            x2, nw = rms_norm(x2, nw, float(norm_eps)), None  # the launch, then the plain GEMM
     xs = None
     a8_quant = a8 and A8_QUANT_IN_DECODE and batch_invariant() and m <= DECODE_MAX_ROWS
     if a8:
@@ -805,8 +734,6 @@ def fp8_linear(
         FIXUP=fixup,
         N_PARTS=s if fixup else 1,
         EVEN_K=k % BLOCK == 0,
-        **({} if nw is None else dict(nw_ptr=nw, norm_eps=float(norm_eps), NORM=True, NORM_BLOCK=norm_launch(k)[0],
-                                      PREFETCH=prefetchable(x.device))),
         **({} if not a8 else dict(xs_ptr=x2 if xs is None else xs, stride_xsm=0 if xs is None else xs.stride(0),
                                   A8=True, A8_QUANT=a8_quant)),
         num_warps=cfg["num_warps"],
@@ -818,5 +745,3 @@ def fp8_linear(
         y = sum_in_order(y, torch.empty((m, n), dtype=out_dtype, device=x.device))
     return y.reshape(*lead, n)
 
-
-fp8_linear.fuses_input_norm = fuses_input_norm  # what the model asks the op

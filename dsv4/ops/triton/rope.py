@@ -20,66 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, interpreting, mul_rn
+from ._common import cast, interpreting
 from .dense import norm_launch, rms_factor
 
-__all__ = ["apply_rope", "unit_norm_rope", "unit_norm_rope_rows", "inverse_rope_rows"]
+__all__ = ["apply_rope", "unit_norm_rope"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _rotate(ye, yo, c, s, DT: tl.constexpr, INTERP: tl.constexpr, PTX: tl.constexpr = False):
-    """apply_rope's pair rotation in fp32 (each product rounded on its own), rounded to DT. The kernels here are
-    compiled without FMA contraction; PTX: the products as ``mul_rn`` for a caller compiled with it."""
-    re = cast(mul_rn(ye, c, PTX) - mul_rn(yo, s, PTX), DT, INTERP)
-    ro = cast(mul_rn(yo, c, PTX) + mul_rn(ye, s, PTX), DT, INTERP)
+def _rotate(ye, yo, c, s, DT: tl.constexpr, INTERP: tl.constexpr):
+    """apply_rope's pair rotation in fp32 (each product rounded on its own), rounded to DT."""
+    re = cast(ye * c - yo * s, DT, INTERP)
+    ro = cast(yo * c + ye * s, DT, INTERP)
     return re, ro
-
-
-@triton.jit
-def unit_norm_rope_rows(x, rows_ptr, stride_row, n_rows, t, cos_ptr, sin_ptr, stride_ct, stride_st, eps,
-                        D: tl.constexpr, RD: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-                        PTX: tl.constexpr):
-    """Rows x [R, D] (fp32 holding DT values: token t's heads, also at ``rows_ptr`` + r·stride_row with unit-stride
-    channels; rows ≥ n_rows unused) normed and turned as ``_unit_norm_rope_kernel`` does it, bit for bit, inside
-    another kernel of 4 warps (D = 512: ``norm_launch``'s shape): each row's statistic is ``rms_factor`` of the row
-    read again as one 1-D row (tl.sum's order follows the layout, which a 2-D tile does not share), the factor
-    rounded to DT, the product in DT, each rotation product rounded (``mul_rn`` under PTX)."""
-    offs_r = tl.arange(0, x.shape[0])
-    r = tl.zeros((x.shape[0],), tl.float32)
-    for i in tl.static_range(x.shape[0]):
-        row = tl.minimum(i, n_rows - 1)  # (a masked row reads a real one; its factor is not used)
-        r = tl.where(offs_r == i, rms_factor(rows_ptr + row * stride_row, D, D, eps, D), r)
-    r = cast(r, DT, INTERP).to(tl.float32)  # x * rsqrt(...).to(x.dtype): the factor is rounded
-    y = cast(x * r[:, None], DT, INTERP).to(tl.float32)
-    pe, po = tl.split(tl.reshape(y, (x.shape[0], D // 2, 2)))
-    i = tl.arange(0, D // 2) - (D - RD) // 2  # the pair's index in the rope slice (< 0: not roped)
-    roped = i >= 0
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=roped, other=1.0)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=roped, other=0.0)
-    re, ro = _rotate(pe, po, c[None, :], s[None, :], DT, INTERP, PTX)
-    re = tl.where(roped[None, :], re, pe.to(DT))
-    ro = tl.where(roped[None, :], ro, po.to(DT))
-    return tl.reshape(tl.join(re, ro), (x.shape[0], D))
-
-
-@triton.jit
-def inverse_rope_rows(o, t, cos_ptr, sin_ptr, stride_ct, stride_st, ROWS: tl.constexpr, D: tl.constexpr,
-                      RD: tl.constexpr, INTERP: tl.constexpr, PTX: tl.constexpr):
-    """Rows ``o`` [ROWS, D] in their dtype (token t's heads) with the last RD channels turned back by token t's
-    rope angles: ``apply_rope(o, cos, sin, inverse=True)``'s values, bit for bit, for a kernel compiled with FMA
-    contraction (PTX: each product is ``mul_rn``) or the interpreter. The other channels pass unchanged."""
-    dt = o.dtype
-    pe, po = tl.split(tl.reshape(o.to(tl.float32), (ROWS, D // 2, 2)))
-    i = tl.arange(0, D // 2) - (D - RD) // 2  # the pair's index in the rope slice (< 0: not roped)
-    roped = i >= 0
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=roped, other=1.0)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=roped, other=0.0) * -1.0  # (see _rope_kernel: not -s)
-    re, ro = _rotate(pe, po, c[None, :], s[None, :], dt, INTERP, PTX)
-    re = tl.where(roped[None, :], re, pe.to(dt))
-    ro = tl.where(roped[None, :], ro, po.to(dt))
-    return tl.reshape(tl.join(re, ro), (ROWS, D))
 
 
 @triton.jit

@@ -84,8 +84,7 @@ from triton.runtime.errors import OutOfResources
 
 from ...formats.fp8 import get_fp8_format
 from ...formats.kv_record import KV_DIM, RECORD_BYTES
-from ._common import cast, fp8_to_f32, interpreting, native_fp8, runs_ptx, split_counters, ue8m0_to_f32
-from .rope import apply_rope, inverse_rope_rows, unit_norm_rope, unit_norm_rope_rows
+from ._common import cast, fp8_to_f32, interpreting, native_fp8, split_counters, ue8m0_to_f32
 
 __all__ = ["decode_pages", "paged_sparse_attention", "pick_config"]
 
@@ -313,16 +312,6 @@ def _merge(m, l, acc, mc, lc, accc):
     return m_new, tl.fma(l, a, lc * b), tl.fma(acc, a[:, None], accc * b[:, None])
 
 
-@triton.jit
-def _store_out(o_ptrs, o_mask, o, t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H: tl.constexpr, RD: tl.constexpr,
-               OUT_ROPE: tl.constexpr, INTERP: tl.constexpr, PTX: tl.constexpr):
-    """The output rows rounded (RNE) to their dtype and stored; OUT_ROPE: their rope channels turned back first."""
-    o = cast(o, o_ptrs.dtype.element_ty, INTERP)
-    if OUT_ROPE:
-        o = inverse_rope_rows(o, t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, 512, RD, INTERP, PTX)
-    tl.store(o_ptrs, o, mask=o_mask)
-
-
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "swa_tab_ptr", "btab_ptr", "cidx_ptr", "sink_ptr", "Lc", "s_st",
                                 "s_stj", "s_bt", "s_btj", "s_ct", "s_ctj"])
 def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr, btab_ptr, cidx_ptr, sink_ptr,
@@ -333,12 +322,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                         PP: tl.constexpr, KEYS_F32: tl.constexpr, DENSE: tl.constexpr, FNUZ: tl.constexpr,
                         NATIVE: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr, KEEP: tl.constexpr,
                         CHUNKS: tl.constexpr, CHUNK_MIN: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
-                        DIRECT: tl.constexpr = True, cos_ptr=None, sin_ptr=None, s_cos=0, s_sin=0, q_eps=0.0,
-                        RD: tl.constexpr = 0, Q_ROPE: tl.constexpr = False, OUT_ROPE: tl.constexpr = False,
-                        PTX: tl.constexpr = False):
-    """With the query's rope tables (cos_ptr, sin_ptr: RD channels): Q_ROPE, q is the heads' raw projection, normed
-    and turned as it is loaded (``unit_norm_rope_rows``); OUT_ROPE, the output's rope channels turned back before
-    the store (``inverse_rope_rows``: the separate launch's bits)."""
+                        DIRECT: tl.constexpr = True):
     pid = tl.program_id(0)
     hb = pid % NHB
     t = (pid // NHB).to(tl.int64)
@@ -351,10 +335,6 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
         keep = d < 512
     q = tl.load(q_ptr + t * s_qt + heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=hmask[:, None] & (d < 512)[None, :], other=0.0).to(tl.float32)
-    if Q_ROPE:
-        q = unit_norm_rope_rows(q, q_ptr + t * s_qt + (hb * BLOCK_H) * s_qh, s_qh, H - hb * BLOCK_H, t, cos_ptr,
-                                sin_ptr, s_cos, s_sin, q_eps, 512, RD, q_ptr.dtype.element_ty, INTERP,
-                                PTX).to(tl.float32)
     q1, q2, q3 = _split3(q)
     # the softmax starts from the sink, a zero-valued key (not scaled)
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
@@ -397,8 +377,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                                          NATIVE, INTERP, AHEAD)
             if one:
                 m, l, acc = _merge(m, l, acc, mc, lc, accc)
-                _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                           INTERP, PTX)
+                tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
             else:
                 tl.store(part_ptr + (slot + hh[:, None]) * 514 + d[None, :], accc)
                 tl.store(part_ptr + (slot + hh) * 514 + 512, mc)
@@ -413,8 +392,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                     mc = tl.load(part_ptr + row * 514 + 512, cache_modifier=".cg")
                     lc = tl.load(part_ptr + row * 514 + 513, cache_modifier=".cg")
                     m, l, acc = _merge(m, l, acc, mc, lc, accc)
-                _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                           INTERP, PTX)
+                tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
         for c in range(0, nch):
@@ -424,8 +402,7 @@ def _sparse_attn_kernel(q_ptr, pos_ptr, seq_ptr, swa_ptr, swa_tab_ptr, comp_ptr,
                                          s_bt, s_btj, s_ct, s_ctj, BLOCK_H, BLOCK_N, QP, PP, KEYS_F32, DENSE, FNUZ,
                                          NATIVE, INTERP, AHEAD)
             m, l, acc = _merge(m, l, acc, mc, lc, accc)
-        _store_out(o_ptrs, o_mask, acc / l[:, None], t, cos_ptr, sin_ptr, s_cos, s_sin, BLOCK_H, RD, OUT_ROPE,
-                           INTERP, PTX)
+        tl.store(o_ptrs, cast(acc / l[:, None], out_ptr.dtype.element_ty, INTERP), mask=o_mask)
 
 
 def pick_config(num_heads: int, device: torch.device, config: dict | None = None, predecoded: bool = False) -> dict:
@@ -453,15 +430,6 @@ CHUNKS = 4
 CHUNK_MIN = 2
 SPLIT_MAX_T = 32
 SCAN = 512  # comp_idx columns a load when finding a query's last valid entry (any value: the same n)
-# ``out_rope`` in the kernel's store (``_store_out``), one rope launch a layer fewer on a decode step's path; the
-# same bits as the launch (compiled CUDA: the products as PTX mul.rn; elsewhere the launch runs). Not yet timed on
-# the GPU: A/B with --arm dsv4.ops.triton.sparse_attention.FUSED_OUT_ROPE=true.
-FUSED_OUT_ROPE = False
-# ``q_norm_rope`` as q is loaded (``unit_norm_rope_rows``), the query's norm + rope launch a layer fewer on the path;
-# the launch's bits (each head's statistic over its row read as a 1-D row: 16 reductions in series a program, ptxas
-# sm_90a: 56 B of stack against 8). Not yet timed on the GPU: A/B with
-# --arm dsv4.ops.triton.sparse_attention.FUSED_QUERY_NORM_ROPE=true.
-FUSED_QUERY_NORM_ROPE = False
 ONE_CHUNK_DIRECT = True  # split launch: a query of one chunk stores its output from its program (no partials, no
 # arrival; the same join, so the same bits). A/B: --set dsv4.ops.triton.sparse_attention.ONE_CHUNK_DIRECT=false
 
@@ -492,14 +460,8 @@ def _check_pages(pages: torch.Tensor, dense: bool, tokens: int | None, what: str
 
 
 def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pages, block_table,
-                           entries_per_block, comp_idx, sink, scale, window, fmt, *, q_norm_rope=None, out_rope=None,
-                           config: dict | None = None):
+                           entries_per_block, comp_idx, sink, scale, window, fmt, *, config: dict | None = None):
     """Same contract as ``dsv4.ops.torch_attention.paged_sparse_attention``: out [T, H, 512] in q's dtype.
-    ``q_norm_rope``: q normed and turned as it is loaded where ``FUSED_QUERY_NORM_ROPE`` and the platform allow
-    (``unit_norm_rope_rows``; q with unit-stride channels), else by the ``unit_norm_rope`` launch before it (the
-    same bits). ``out_rope``:
-    the output's rope channels turned back, in the kernel's store where ``FUSED_OUT_ROPE`` and the platform
-    allow, else by the rope launch after it (the same bits).
 
     No host synchronisation and no data-dependent shapes (CUDA-graph capturable). A padding token
     with position < 0 and no valid compressed entry reads nothing (not even its seq_ids row) and
@@ -536,25 +498,10 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
         raise ValueError(f"positions/seq_ids must have T={T} rows, got {positions.shape[0]}/{seq_ids.shape[0]}")
     if sink.shape != (H,):
         raise ValueError(f"sink must be [H={H}], got {tuple(sink.shape)}")
-    rope = _rope_tables(out_rope, T, q.device, "out_rope")
-    q_rope = _rope_tables(q_norm_rope[:2], T, q.device, "q_norm_rope") if q_norm_rope is not None else None
     out = torch.empty((T, H, KV_DIM), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     interp = interpreting()
-    fused_rope = rope is not None and FUSED_OUT_ROPE and (interp or runs_ptx(q.device))
-    fused_q = q_rope is not None and fuses_query_norm_rope(q.device) and q.stride(2) == 1
-    if q_rope is not None and not fused_q:
-        q = unit_norm_rope(q, *q_rope, float(q_norm_rope[2]))
-    if fused_q and fused_rope and any(a.data_ptr() != b.data_ptr() or a.shape != b.shape for a, b in zip(q_rope, rope)):
-        fused_rope = False  # one pair of tables in the kernel (the layer's are one): other ones, the launch after it
-    tables = q_rope if fused_q else rope
-    rope_args = {}
-    if fused_q or fused_rope:
-        cos, sin = tables
-        rope_args = dict(cos_ptr=cos, sin_ptr=sin, s_cos=cos.stride(0), s_sin=sin.stride(0), RD=2 * cos.shape[1],
-                         Q_ROPE=fused_q, OUT_ROPE=fused_rope, PTX=not interp,
-                         q_eps=float(q_norm_rope[2]) if fused_q else 0.0)
     predecoded = not dense and _predecode(config, T, swa_table, swa_b, block_table if Lc else None, entries_per_block)
     if predecoded:
         native = (config or {}).get("native", native_fp8(q.device) and not fnuz)
@@ -596,43 +543,15 @@ def paged_sparse_attention(q, positions, seq_ids, swa_pages, swa_table, comp_pag
                 PP=3 if q.dtype == torch.float32 else 2,
                 KEYS_F32=keys_f32, DENSE=dense, FNUZ=fnuz, NATIVE=bool(native), INTERP=interp,
                 AHEAD=not dense and not kwidth4, KEEP=keep, CHUNKS=chunks, CHUNK_MIN=chunk_min, SPLIT=split,
-                SCAN=SCAN, DIRECT=ONE_CHUNK_DIRECT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                **rope_args)
+                SCAN=SCAN, DIRECT=ONE_CHUNK_DIRECT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         except OutOfResources:
             if i == len(cands) - 1:
                 raise
             continue
         if not config:  # an explicit tile (a benchmark's, a test's) never becomes the default of later calls
             _WORKING[key] = cfg
-        break
-    if rope is not None and not fused_rope:
-        apply_rope(out, *rope, inverse=True, in_place=True)
+        return out
     return out
-
-
-def fuses_query_norm_rope(device: torch.device) -> bool:
-    """Whether ``paged_sparse_attention`` norms and turns a ``q_norm_rope`` query in its kernel on ``device`` (else
-    it launches ``unit_norm_rope`` first, which the caller can as well issue earlier, beside other work)."""
-    return FUSED_QUERY_NORM_ROPE and (interpreting() or runs_ptx(device))
-
-
-paged_sparse_attention.fuses_query_norm_rope = fuses_query_norm_rope  # what the model asks the op
-
-
-def _rope_tables(tables, T: int, device: torch.device, what: str):
-    """Rope tables (cos, sin) checked against q: fp32 [T, R/2] with R ≤ 512, with unit inner stride."""
-    if tables is None:
-        return None
-    cos, sin = tables
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.dtype != torch.float32 or tab.dim() != 2 or tab.shape[0] != T or not 0 < 2 * tab.shape[1] <= KV_DIM:
-            raise ValueError(f"{what} {name} must be float32 [T={T}, R/2] with 0 < R ≤ {KV_DIM}, got "
-                             f"{tab.dtype} {tuple(tab.shape)}")
-        if tab.device != device:
-            raise ValueError(f"{what} {name} is on {tab.device}, q on {device}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"{what} cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
-    return tuple(tab if tab.stride(1) == 1 else tab.contiguous() for tab in (cos, sin))
 
 
 _ONES: dict[str, torch.Tensor] = {}
