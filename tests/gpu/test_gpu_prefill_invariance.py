@@ -23,14 +23,8 @@ def _prompts(n, lo, hi, seed):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("fused_query", [False, True])
-def test_prefill_logits_identical_alone_in_a_batch_and_chunked(flash_width_ckpt, monkeypatch, fused_query):
-    """``fused_query``: with the attention kernel norming and turning the queries as it loads them
-    (``FUSED_QUERY_NORM_ROPE``), in every form of the kernel (16- and 32-head programs) as the launch does."""
+def test_prefill_logits_identical_alone_in_a_batch_and_chunked(flash_width_ckpt):
     from dsv4.engine.engine import EngineConfig, LLMEngine
-    from dsv4.ops.triton import sparse_attention
-
-    monkeypatch.setattr(sparse_attention, "FUSED_QUERY_NORM_ROPE", fused_query)
 
     eng = LLMEngine(EngineConfig(model=str(flash_width_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=2048,
                                  max_num_seqs=16, max_num_batched_tokens=8192, kv_cache_memory=4 << 30,

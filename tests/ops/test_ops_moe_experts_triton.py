@@ -513,14 +513,12 @@ def test_add_as_a_pending_branch_is_joined_once_before_the_combine(fp4_layer):
     assert launched == [1]  # the Triton combine launched after the one join
 
 
-def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer, monkeypatch):
+def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer):
     """``add`` as a ``Deferred`` (the shared expert's activation and w2, forked beside the routed experts): the
-    Triton op forks it after its up kernel's launch and before the down kernel's, from the point taken just before
-    the up launch (in a capture its kernels then cannot become ready before the up kernel's), the torch op where it
-    adds it from its own point; both fork and join it once and give the tensor's result."""
+    Triton op forks it after its up kernel's launch and before the down kernel's, the torch op where it adds it; both
+    fork and join it once and give the tensor's result."""
     from dsv4.model.branches import Deferred, Pending
 
-    monkeypatch.setattr(tmoe, "DEFERRED_FROM_UP", True)
     x, ids, w, _ = _padded_batch(5, 45, torch.bfloat16, pad_row=1)
     a = randn((5, H), gen(46), dtype=torch.bfloat16)
     events = []
@@ -534,63 +532,23 @@ def test_add_as_a_deferred_branch_is_forked_after_the_up_kernel(fp4_layer, monke
             events.append(self.name)
             return real[self.name][grid]
 
-    point = tmoe.lanes.point
     for op in (tmoe.moe_experts, torch_ops.moe_experts):
         events.clear()
         d = Deferred(lambda after: events.append(("fork", after)) or Pending(a, join=lambda: events.append("join")))
         for name in real:
             setattr(tmoe, name, Spy(name))
-        tmoe.lanes.point = lambda: events.append("point") or "the up launch's point"
         try:
             got = op(x, ids, w, *fp4_layer, add=d)
         finally:
-            tmoe.lanes.point = point
             for name, k in real.items():
                 setattr(tmoe, name, k)
         assert torch.equal(got, op(x, ids, w, *fp4_layer, add=a)), op
         forks = [e for e in events if isinstance(e, tuple)]
         assert len(forks) == 1 and events.count("join") == 1, (op, events)
         if op is tmoe.moe_experts:
-            assert events == ["point", "_moe_up_kernel", ("fork", "the up launch's point"), "_moe_down_kernel",
-                              "join"], events
+            assert events == ["_moe_up_kernel", ("fork", None), "_moe_down_kernel", "join"], events
         else:
             assert forks == [("fork", None)], events
-
-
-@pytest.mark.parametrize("t,dtype,add", [(1, torch.bfloat16, None), (3, torch.float32, "tensor"),
-                                         (5, torch.bfloat16, "pending")])
-def test_down_kernel_combining_gives_the_combine_launchs_bits(fp4_layer, monkeypatch, t, dtype, add):
-    """``DOWN_COMBINE_MAX_T``: the down kernel's last program of each column tile sums that tile for every token
-    (the combine kernel's expression): bitwise the combine launch's result, with a padding row, with ``add`` as a
-    tensor or as a branch (joined once, before the down launch), twice in a row (the arrival counters are put back
-    to 0), and no combine launch; above the limit the combine launch runs again."""
-    from dsv4.model.branches import Pending
-
-    x, ids, w, _ = _padded_batch(t, 47 + t, dtype, pad_row=t // 2)
-    a = randn((t, H), gen(48 + t), dtype=dtype)
-    want = tmoe.moe_experts(x, ids, w, *fp4_layer, add=None if add is None else a)
-    events = []
-    real = {name: getattr(tmoe, name) for name in ("_moe_down_kernel", "_moe_combine_kernel")}
-
-    class Spy:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            events.append(self.name)
-            return real[self.name][grid]
-
-    for name in real:
-        monkeypatch.setattr(tmoe, name, Spy(name))
-    for limit, launches in ((t, ["_moe_down_kernel"]), (t - 1, ["_moe_down_kernel", "_moe_combine_kernel"])):
-        monkeypatch.setattr(tmoe, "DOWN_COMBINE_MAX_T", limit)
-        for _ in range(2):
-            events.clear()
-            arg = a if add == "tensor" else (Pending(a, join=lambda: events.append("join")) if add else None)
-            got = tmoe.moe_experts(x, ids, w, *fp4_layer, add=arg)
-            assert torch.equal(got, want), (limit, (got.float() - want.float()).abs().max().item())
-            joined = ["join"] if add == "pending" else []
-            assert events == (joined + launches if limit == t else launches[:1] + joined + launches[1:]), events
 
 
 @pytest.mark.parametrize("t,direct", [(1, True), (5, False)])

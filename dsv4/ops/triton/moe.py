@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from ...model.branches import Deferred, Pending, resolve
-from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -68,18 +67,11 @@ from ._common import (
     native_fp8,
     ptx_fp4,
     scale_kind,
-    split_counters,
     ue8m0_to_f32,
 )
 from .fp8_linear import act_quant_consts, act_quant_rows
 
 __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
-
-# A ``Deferred`` add (the shared expert's activation and w2) forked from the point just before the up launch, not
-# from its own earlier one: its kernels then cannot become ready before the up kernel, whose 192 batch-1 programs
-# landed unevenly when the shared w2's took the SMs first (H200, 43 layers: one layer's up launch 67 µs against 37).
-# Not yet timed on the GPU: A/B with --ab dsv4.ops.triton.moe.DEFERRED_FROM_UP=true.
-DEFERRED_FROM_UP = False
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -584,12 +576,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ONE_DOT: tl.constexpr = False,
-                     ids_ptr=None, wts_ptr=None, out_ptr=None, add_ptr=None, cnt_ptr=None, T=0, NBLOCKS=0,
-                     stride_ot=0, stride_oh=0, stride_at=0, stride_ah=0, TOPK: tl.constexpr = 1,
-                     COMBINE: tl.constexpr = False, ADD: tl.constexpr = False):
-    """COMBINE: the combine kernel's sums (``_combine_cols``) of this program's BLOCK_N columns for every token,
-    by the last of the column tile's NBLOCKS programs to arrive (``DOWN_COMBINE_MAX_T``)."""
+                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ONE_DOT: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -620,15 +607,6 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                 acc = _dot(w, he, acc, DOT_F32)
         yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[None, :] * stride_ys + offs_n[:, None] * stride_yh
         tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
-    if COMBINE:  # every program of the column tile arrives, the empty blocks' too
-        tl.debug_barrier()  # every thread's share of y stored before the arrival counts
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == NBLOCKS - 1:
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            for t in range(0, T):
-                _combine_cols(y_ptr, ids_ptr, wts_ptr, out_ptr, add_ptr, t, cols, cols < H, stride_ys, stride_yh,
-                              stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP, ".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -725,46 +703,29 @@ def _moe_down_gemv_kernel(h_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, H, I,
 
 
 @triton.jit
-def _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, t, offs, m, stride_ys, stride_yh, stride_ot, stride_oh,
-                  stride_at, stride_ah, TOPK: tl.constexpr, ADD: tl.constexpr, INTERP: tl.constexpr,
-                  Y_CACHE: tl.constexpr = ""):
-    """Token t's output at columns ``offs``: Σ_j weight · y[t·TOPK + j] in fp32 in slot order from 0 (id -1 slots
-    not read), rounded, then (ADD) + add as a torch add in the output dtype. The combine kernel and the down
-    kernel's combining program evaluate this one expression, so they give the same bits. Y_CACHE ".cg": y was
-    written by other programs of the same launch (read through L2)."""
-    t = tl.full([], 0, tl.int64) + t  # (a loop counter is a plain int under the interpreter)
-    acc = tl.zeros(offs.shape, dtype=tl.float32)
+def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, stride_yh, stride_ot, stride_oh,
+                        stride_at, stride_ah, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
+                        INTERP: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         sl = t * TOPK + j
         eid = tl.load(ids_ptr + sl)
         wt = tl.load(w_ptr + sl)
         use = m & ((offs * 0 + eid) >= 0)
-        yv = tl.load(y_ptr + sl * stride_ys + offs * stride_yh, mask=use, other=0.0, cache_modifier=Y_CACHE)
+        yv = tl.load(y_ptr + sl.to(tl.int64) * stride_ys + offs * stride_yh, mask=use, other=0.0)
         acc += tl.where(use, yv.to(tl.float32) * wt, 0.0)
     dt = out_ptr.dtype.element_ty
     res = cast(acc, dt, INTERP)
     if ADD:  # + add, as a torch add in the output dtype: the rounded sum plus add in fp32, rounded again
-        a = tl.load(add_ptr + t * stride_at + offs * stride_ah, mask=m, other=0.0)
+        a = tl.load(add_ptr + t.to(tl.int64) * stride_at + offs * stride_ah, mask=m, other=0.0)
         res = cast(res.to(tl.float32) + a.to(tl.float32), dt, INTERP)
-    tl.store(out_ptr + t * stride_ot + offs * stride_oh, res, mask=m)
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, H, stride_ys, stride_yh, stride_ot, stride_oh,
-                        stride_at, stride_ah, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
-                        INTERP: tl.constexpr):
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _combine_cols(y_ptr, ids_ptr, w_ptr, out_ptr, add_ptr, tl.program_id(0), offs, offs < H, stride_ys, stride_yh,
-                  stride_ot, stride_oh, stride_at, stride_ah, TOPK, ADD, INTERP)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs * stride_oh, res, mask=m)
 
 
 DIRECT_MAX_SLOTS = 48
-# Up to this many tokens, at the decode tile, the down kernel also combines: the last of a column tile's programs to
-# arrive sums that tile's columns for every token (``_combine_cols``, the combine kernel's expression: the same bits)
-# — one launch a MoE layer fewer on a decode step's path, with the shared expert's ``add`` joined before the down
-# launch instead of the combine's. 0: the combine launch. Not yet timed on the GPU: A/B with
-# --arm dsv4.ops.triton.moe.DOWN_COMBINE_MAX_T=8.
-DOWN_COMBINE_MAX_T = 0
 # The grouped MXFP4 kernels' K step as one MMA over both nibble halves (``_dot_halves``; the same bits) at the
 # prefill tiles; the decode tile keeps two. H200, CUDA-graph µs of the op, two against one
 # (``bench/kernels.py --sweep --only moe_one_dot``): T = 1 / 8 / 64 (the decode tile) 64.1 / 278.5 / 1192.5 against
@@ -1028,7 +989,6 @@ def moe_experts(
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
-        ready = lanes.point() if DEFERRED_FROM_UP else None  # a Deferred ``add`` starts from the up launch's point
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
             x,
             w13b,
@@ -1056,7 +1016,7 @@ def moe_experts(
             **g,
         )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue(ready)
+            add = add.issue()
         if quant is not None:
             h = quant(h)
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
@@ -1105,7 +1065,6 @@ def moe_experts(
                 num_stages=cfg["tail_num_stages"],
             )
             parts = [(1,) + parts[0][1:], (2, half, half)]
-        ready = lanes.point() if DEFERRED_FROM_UP else None  # a Deferred ``add`` starts from the up launch's point
         for part, up_l, _ in parts:
             _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
                 x,
@@ -1136,18 +1095,9 @@ def moe_experts(
                 **up_l,
             )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue(ready)
+            add = add.issue()
         if quant is not None:  # (rows of h no block fills are rounded too: unread)
             h = quant(h)
-        combine = len(parts) == 1 and t <= DOWN_COMBINE_MAX_T  # the down kernel combines (one launch, see above)
-        fused = {}
-        if combine:
-            add = _checked_add(resolve(add), t, hdim, x.dtype)
-            n_tiles = triton.cdiv(hdim, parts[0][2]["BLOCK_N"])
-            fused = dict(ids_ptr=ids32, wts_ptr=wts, out_ptr=out, add_ptr=out if add is None else add,
-                         cnt_ptr=split_counters(dev, n_tiles), T=t, NBLOCKS=nblocks, stride_ot=out.stride(0),
-                         stride_oh=out.stride(1), stride_at=0 if add is None else add.stride(0),
-                         stride_ah=0 if add is None else add.stride(1), TOPK=topk, COMBINE=True, ADD=add is not None)
         for part, _, down_l in parts:
             _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
                 h,
@@ -1173,10 +1123,7 @@ def moe_experts(
                 ROWS=bm,
                 PART=part,
                 **down_l,
-                **fused,
             )
-        if combine:
-            return out
     block_h = min(1024, triton.next_power_of_2(hdim))
     add = _checked_add(resolve(add), t, hdim, x.dtype)
     _moe_combine_kernel[(t, triton.cdiv(hdim, block_h))](
