@@ -134,7 +134,8 @@ def _chunk(
 ):
     """P_c = W_tile · x_tileᵀ over K chunk c ([BLOCK_N, BLOCK_M] fp32, accumulated from 0). W16:
     w_ptr holds the weight already dequantized to x's dtype (``dequant_weight``: the same values).
-    EVEN_K: K is a multiple of BLOCK_K (no column masks). A8: x_ptr holds e4m3 codes and xs_ptr their per-128 scales (``act_quant_codes``, ``_a8_chunk``)."""
+    EVEN_K: K is a multiple of BLOCK_K (no column masks). A8: x_ptr holds e4m3 codes and xs_ptr their per-128
+    scales (``act_quant_codes``, ``_a8_chunk``)."""
     if A8:
         acc = _a8_chunk(x_ptr, xs_ptr, w_ptr, s_ptr, c, CHUNK, K, offs_m, offs_n, offs_k, m_mask, n_mask, stride_xm,
                         stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
