@@ -69,34 +69,24 @@ def test_fork_after_an_earlier_point_and_wait_from_another_lane():
     assert torch.equal(got, want)
 
 
-# the launch knobs not yet timed (default off), each the same bits on or off: (module, name, value when on)
-CANDIDATES = (("dsv4.ops.triton.mhc", "SINKHORN_BESIDE", True), ("dsv4.ops.triton.mhc", "PREFETCH_NORM", True),
-              ("dsv4.ops.triton.moe", "DEFERRED_FROM_UP", True), ("dsv4.ops.triton.moe", "DOWN_COMBINE_MAX_T", 8),
-              ("dsv4.ops.triton.sparse_attention", "FUSED_OUT_ROPE", True),
-              ("dsv4.ops.triton.sparse_attention", "FUSED_QUERY_NORM_ROPE", True),
-              ("dsv4.ops.triton.fp8_linear", "FUSED_INPUT_NORM", True))
-
-
-@pytest.mark.parametrize("candidates", [False, True])
-def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch, candidates):
+@pytest.mark.parametrize("former_forms", [False, True])
+def test_decode_graphs_with_branches_equal_in_order(flash_width_ckpt, monkeypatch, former_forms):
     """Real widths (split-K GEMMs in the branches and beside them, the indexer over real entries):
     decode-graph replays at batch 1 and 4 with the branches as parallel paths give the bits of graphs
-    captured in order. ``candidates``: with the knobs of CANDIDATES on and the mHC collapse in its rows form,
-    branched graphs give the bits of in-order graphs without them."""
-    import importlib
-
+    captured in order. ``former_forms``: the in-order graphs with the mHC collapse's loop form and its Sinkhorn in
+    the gate launch (``NORM_ROWS`` and ``SINKHORN_BESIDE`` off): the defaults' rows form, with the Sinkhorn beside
+    on lane 3, gives their bits (bf16 streams)."""
     from dsv4.engine.engine import EngineConfig, LLMEngine
     from dsv4.ops import streams
     from dsv4.ops.triton import mhc
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in (200, 120, 61, 250)]
+    rows, beside = mhc.CONFIG["NORM_ROWS"], mhc.SINKHORN_BESIDE
 
     def run(enabled):
-        for module, name, on in CANDIDATES:  # on for the branched run only: the in-order run is the default's
-            mod = importlib.import_module(module)
-            monkeypatch.setattr(mod, name, on if candidates and enabled else type(on)(0))
-        monkeypatch.setitem(mhc.CONFIG, "NORM_ROWS", candidates and enabled)
+        monkeypatch.setitem(mhc.CONFIG, "NORM_ROWS", rows and (enabled or not former_forms))
+        monkeypatch.setattr(mhc, "SINKHORN_BESIDE", beside and (enabled or not former_forms))
         monkeypatch.setattr(streams, "ENABLED", enabled)
         eng = LLMEngine(EngineConfig(model=str(flash_width_ckpt), kv_cache_dtype="fp8_ds_mla", max_model_len=1024,
                                      max_num_seqs=8, kv_cache_memory=4 << 30, enable_prefix_caching=False,

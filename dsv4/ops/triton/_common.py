@@ -68,16 +68,6 @@ def prefetchable(device: torch.device) -> bool:
     return not _device_facts(device.index if device.index is not None else torch.cuda.current_device())[2]
 
 
-@triton.jit
-def prefetch(ptrs, ON: tl.constexpr):
-    """Bring the lines of ``ptrs`` into L1 (and L2) without waiting for them, so that a load of them issued later
-    finds them near (a weight read after a chain of other work: in a decode step it is in HBM). ON (from
-    ``prefetchable``): PTX ``prefetch.global.L1``; otherwise (ROCm, the interpreter) nothing."""
-    if ON:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 def scale_kind(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(tensor to pass, is_ue8m0): UE8M0 as uint8 bytes, other float scales as float32."""
     if scale.dtype == torch.uint8:

@@ -20,12 +20,10 @@ hc_pre replaces ~80 tiny launches (float64 gates, a 20-iteration Sinkhorn in tor
    the lanes in a fixed tree (``_sum_lanes``), then x·r·w as ``dense._rms_norm_kernel`` forms it. Every
    Triton hc_pre / mhc_post_pre with a norm takes this form, so a token's bits do not depend on T. The
    collapse with the norm runs as ``_collapse_rows_kernel`` where a program's rows fit its registers
-   (``NORM_ROWS``; Flash at one token a program): the same arithmetic in the same order, with the streams and
-   the norm weight loaded before anything waits on the partials and the rounded rows kept in registers (the
-   loop form waits on a round trip a step, twice); its post/comb program is then ``_comb_kernel``, a launch of
-   its own. The loop form can prefetch the RMSNorm weight's lines as the program starts (``PREFETCH_NORM``,
-   ``_common.prefetch``): in a step they come from HBM, while the partials and streams were just written (in
-   L2). With ``SINKHORN_BESIDE``, inside a decode graph's capture
+   (``NORM_ROWS``; Flash at one token a program, bf16 streams): the same arithmetic in the same order, with the
+   streams and the norm weight loaded before anything waits on the partials and the rounded rows kept in
+   registers (the loop form waits on a round trip a step, twice); its post/comb program is then ``_comb_kernel``,
+   a launch of its own. With ``SINKHORN_BESIDE``, inside a decode graph's capture
    (``dsv4.ops.streams.point``) the post/comb program is a launch of its own on a side stream
    (``SINKHORN_LANE``) from the same point, launched after the collapse's: only the next hc_post reads
    post and comb, so its Sinkhorn (20 dependent float64 normalisations, the gate launch's longest program)
@@ -74,7 +72,7 @@ import triton.language as tl
 from ...model.branches import Pending, resolve
 from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS
-from ._common import cast, interpreting, prefetch, prefetchable
+from ._common import cast, interpreting
 from .dense import dot_acc
 
 __all__ = ["hc_pre", "hc_post", "mhc_post_pre", "fusable", "CONFIG"]
@@ -109,20 +107,19 @@ CONFIG = dict(
     # 1024: 1 token at 1 warp 14.3 / 17.5 / 69.3 µs, at 2 warps 13.8 / 17.0 / 82.7, 2 tokens at 2 warps 13.3 / 16.2 /
     # 65.4 (at 43 layers slower: 9.05 against 8.92 ms a batch-1 step, one call), 4 at 4 warps 18.0 / 21.4 / 84.5;
     # the former pair (the op, then the RMSNorm launch) 16.2 / 19.2 / 68.6
-    NORM_ROWS=False,  # with the norm, the collapse as ``_collapse_rows_kernel`` (the same bits as the loop form;
-    # not yet timed on the GPU: A/B with --ab 'dsv4.ops.triton.mhc.CONFIG[NORM_ROWS]=true')
+    NORM_ROWS=True,  # with the norm and bf16 streams, the collapse as ``_collapse_rows_kernel`` (``_rows_form``)
     NORM_ROWS_WARPS=4,  # its warps (ptxas, sm_90a, Flash: 255 registers, no spill at 4; 8 convert the tile through
     # shared memory, 2 spill 416 B)
     NORM_ROWS_MAX_VALUES=16384,  # the largest stream tile (tokens × streams × padded columns) it holds in registers
     POST_BLOCK_T=4,    # tokens per hc_post program (elementwise: any value gives the same bits)
     POST_BLOCK_H=256,  # hidden columns per hc_post program
 )
-# Not yet timed on the GPU in the step (A/B with --ab dsv4.ops.triton.mhc.SINKHORN_BESIDE=true and so on): in a
-# decode graph, the post/comb program as a launch of its own on a side stream (the loop-form collapse was as long as
-# the Sinkhorn in the step, so it gained nothing then: 9.13 against 9.14 ms); the loop-form collapse prefetches the
-# RMSNorm weight's lines
-SINKHORN_BESIDE = False
-PREFETCH_NORM = False
+# In a decode graph, the post/comb program as a launch of its own on a side stream. With the rows form (above), on an
+# H100, 43 layers, one call (bench/e2e.py --arm, both on against both off): batch 1 9.37 against 9.51 ms a step (the
+# defaults again at the end 9.57), batch 8 15.73 against 15.96, the same greedy tokens, and the same logits as the
+# loop form with the Sinkhorn in the gate launch (tests/gpu/test_gpu_branches.py). With the loop form it gained nothing
+# (H200: 9.13 against 9.14 ms): its collapse program was as long as the Sinkhorn.
+SINKHORN_BESIDE = True
 SINKHORN_LANE = 3  # its lane (``dsv4.ops.streams``; the attention's branches use 0 to 2, the shared expert 0)
 
 
@@ -302,11 +299,9 @@ def _gate_kernel(part_ptr, s_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_p
                  stride_ps, stride_pt, stride_st, stride_sn, stride_ct, stride_pot, stride_cbt,
                  S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr,
                  BLOCK_T: tl.constexpr, H_SLICE: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
-                 NORM: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                 NORM: tl.constexpr = False):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1) + pid_h0  # (a launch of the collapse programs alone, or of the Sinkhorn's alone)
-    if NORM:  # the RMSNorm weight's lines asked for first: in a step they come from HBM, read after the collapse
-        prefetch(norm_ptr + tl.arange(0, H_SLICE // 32) * 32, PREFETCH)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     rows = offs_t.to(tl.int64)
@@ -415,13 +410,14 @@ def _row_steps(H: int, block_h: int) -> int:
     return triton.next_power_of_2(math.ceil(H / block_h))
 
 
-def _rows_form(n: int, steps: int, cfg: dict) -> bool:
+def _rows_form(n: int, steps: int, dtype: torch.dtype, cfg: dict) -> bool:
     """Whether the collapse with the norm runs ``_collapse_rows_kernel`` (whole rows in registers): when
-    config NORM_ROWS asks for it and a program's stream tile fits NORM_ROWS_MAX_VALUES values (Flash: 4 × 4096
-    at one token a program). A function of the shapes and config only, never of T; both forms give the same
-    bits."""
+    config NORM_ROWS asks for it, the streams are bf16 and a program's stream tile fits NORM_ROWS_MAX_VALUES values
+    (Flash: 4 × 4096 at one token a program). A function of the shapes, dtype and config only, never of T. With
+    bf16 streams both forms give the same bits (H100, compiled, and the interpreter); fp32 streams keep the loop
+    form: compiled, their rows form differed from it in the last bit (n = 4, H = 256, 5 tokens; not explained yet)."""
     values = cfg["NORM_GATE_BLOCK_T"] * triton.next_power_of_2(n) * steps * cfg["NORM_BLOCK_H"]
-    return bool(cfg["NORM_ROWS"]) and values <= cfg["NORM_ROWS_MAX_VALUES"]
+    return bool(cfg["NORM_ROWS"]) and dtype == torch.bfloat16 and values <= cfg["NORM_ROWS_MAX_VALUES"]
 
 
 def _bf16x3(dtype: torch.dtype, cfg: dict) -> bool:
@@ -521,7 +517,7 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
         h_slice = math.ceil(H / block_h) * block_h
     slices = math.ceil(H / h_slice)
     steps = _row_steps(H, block_h)
-    rows = norm is not None and _rows_form(n, steps, cfg)
+    rows = norm is not None and _rows_form(n, steps, streams.dtype, cfg)
     common = dict(S=part.shape[0], N=n, NP=triton.next_power_of_2(n), NMIX=2 * n + n * n, BLOCK_T=block_t)
 
     def gate_programs(first: int, count: int):
@@ -532,8 +528,7 @@ def _gates(part: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale:
             T, H, float(n * H), int(iters), float(rms_eps), e_hi, e_mid, e_lo, first,
             part.stride(0), part.stride(1), streams.stride(0), streams.stride(1), collapsed.stride(0),
             post.stride(0), comb.stride(0), **common,
-            H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None,
-            PREFETCH=PREFETCH_NORM and prefetchable(streams.device), num_warps=warps)
+            H_SLICE=h_slice, BLOCK_H=block_h, INTERP=interpreting(), NORM=norm is not None, num_warps=warps)
 
     def collapse():
         """The collapse alone: the rows form, or the gate kernel's slices."""
