@@ -62,7 +62,8 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
 def prefetchable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may ask for lines ahead of their loads (``prefetch``): compiled CUDA only."""
+    """Whether kernels on ``device`` may ask for lines ahead of their loads (PTX ``prefetch``, as
+    ``bench/kernels_persistent.py``'s chain does): compiled CUDA only."""
     if device.type != "cuda" or interpreting():
         return False
     return not _device_facts(device.index if device.index is not None else torch.cuda.current_device())[2]
