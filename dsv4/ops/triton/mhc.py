@@ -413,9 +413,12 @@ def _row_steps(H: int, block_h: int) -> int:
 def _rows_form(n: int, steps: int, dtype: torch.dtype, cfg: dict) -> bool:
     """Whether the collapse with the norm runs ``_collapse_rows_kernel`` (whole rows in registers): when
     config NORM_ROWS asks for it, the streams are bf16 and a program's stream tile fits NORM_ROWS_MAX_VALUES values
-    (Flash: 4 × 4096 at one token a program). A function of the shapes, dtype and config only, never of T. With
-    bf16 streams both forms give the same bits (H100, compiled, and the interpreter); fp32 streams keep the loop
-    form: compiled, their rows form differed from it in the last bit (n = 4, H = 256, 5 tokens; not explained yet)."""
+    (Flash: 4 × 4096 at one token a program). A function of the shapes, dtype and config only, never of T, so a
+    token's bits do not depend on its batch either way. fp32 streams keep the loop form: compiled (H100), the rows
+    form's fp32 collapse differed from it in the last bit (n = 4, H = 256, 5 tokens; their PTX issues the same
+    roundings, fma for the collapse: not explained yet). With bf16 streams the tests (interpreter, H100) and a
+    43-layer step's greedy tokens found the same bits; a last-bit fp32 difference would flip a bf16 rounding rarely,
+    so that is a tested fact, not a proof."""
     values = cfg["NORM_GATE_BLOCK_T"] * triton.next_power_of_2(n) * steps * cfg["NORM_BLOCK_H"]
     return bool(cfg["NORM_ROWS"]) and dtype == torch.bfloat16 and values <= cfg["NORM_ROWS_MAX_VALUES"]
 
