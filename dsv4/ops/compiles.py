@@ -166,6 +166,36 @@ def build(rec: tuple) -> tuple:
     return launch_key(kernel, (), kwargs)
 
 
+def build_offline(rec: tuple, arch: int = 90) -> str:
+    """Compile the specialization ``recipe`` describes for CUDA sm_``arch`` with no GPU (Triton's own ptxas, the
+    binder's specialization rules as ``launch_key`` applies them): a kernel that builds under the interpreter but not
+    for the GPU fails here, on any CPU machine (``tools/compile_offline.py``). Returns the kernel's name; raises what
+    Triton raises. The process must not run the interpreter (its kernels are not JIT functions there)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    module, name, named = rec
+    kernel = getattr(importlib.import_module(module), name)
+    values = {k: (_MockTensor(v[1], v[2]) if v[0] == "tensor" else v[1]) for k, v in named.items()}
+    target = GPUTarget("cuda", arch, 32)
+    backend = CUDABackend(target)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (pname, const, specialize, align, default) in enumerate(_params(kernel)):
+        v = values.get(pname, default)
+        kind, attr = ("constexpr", None) if const else native_specialize_impl(CUDABackend, v, False, specialize, align)
+        signature[pname] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = v
+        elif isinstance(attr, str):
+            attrs[(i,)] = backend.parse_attr(attr)
+    options = backend.parse_options({k: values[k] for k in _OPTIONS if k in values})
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return name
+
+
 class Launches:
     """The launch keys seen inside ``recording()``: ``keys`` (a Counter), ``recipes`` (key → ``recipe``),
     ``new_since(other)``."""
