@@ -41,7 +41,8 @@ def act_format(act_fmt=None):
     return get_fp8_format(act_fmt)
 
 
-def _check_act_quant_width(k: int, name: str) -> None:
+def check_act_quant_width(k: int, name: str) -> None:
+    """act_quant's blocks are 128 columns: a width that is not a multiple is refused by name."""
     if k % 128:
         raise ValueError(f"act_quant needs {name}'s width to be a multiple of 128, got {k}")
 
@@ -155,8 +156,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         raise ValueError(f"expert_dtype must be 'fp4' or 'fp8', got {expert_dtype!r}")
     t, h = x.shape
     if act_quant:
-        _check_act_quant_width(h, "x")
-        _check_act_quant_width(w2.shape[-1] * (2 if expert_dtype == "fp4" else 1), "the experts' intermediate h")
+        check_act_quant_width(h, "x")
+        check_act_quant_width(w2.shape[-1] * (2 if expert_dtype == "fp4" else 1), "the experts' intermediate h")
         x = fake_quant_fp8_pow2(x.float(), 128, act_format(act_fmt)).to(x.dtype)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     ids = ids.long()

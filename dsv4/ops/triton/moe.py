@@ -919,9 +919,10 @@ def moe_experts(
         _checked_add(add, t, hdim, x.dtype)
     quant = None
     if act_quant:
-        for width, name in ((hdim, "x"), (idim, "the experts' intermediate h")):
-            if width % 128:
-                raise ValueError(f"act_quant needs {name}'s width to be a multiple of 128, got {width}")
+        from ..torch_ops import check_act_quant_width
+
+        check_act_quant_width(hdim, "x")
+        check_act_quant_width(idim, "the experts' intermediate h")
         consts = act_quant_consts(act_fmt)
 
         def quant(v: torch.Tensor) -> torch.Tensor:
