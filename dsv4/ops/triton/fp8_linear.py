@@ -467,18 +467,14 @@ def decode_block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-# programs per SM the batch-invariant K chunks are cut for (``invariant_chunk``); it sets the chunks, so the bits
-CHUNK_PROGRAMS_PER_SM = 2
-
-
 def invariant_chunk(n: int, k: int, device: torch.device) -> int:
     """K columns per chunk of the batch-invariant reduction of an [n, k] weight: a function of the
     weight shape (and the device's SM count) alone, so every M reduces K in the same order. It is
-    the split-K share of a 128-row tile for n ≥ 4096 (64 rows below): about CHUNK_PROGRAMS_PER_SM such
-    programs per SM at batch 1 (the decode launch runs 64-row tiles, so twice as many for n ≥ 4096)."""
+    the split-K share of a 128-row tile for n ≥ 4096 (64 rows below): about two such programs per SM
+    at batch 1 (the decode launch runs 64-row tiles, so twice as many for n ≥ 4096)."""
     k_blocks = max(1, math.ceil(k / BLOCK))
     tiles = math.ceil(n / _decode_block_n(n))
-    split = max(1, min(k_blocks, (CHUNK_PROGRAMS_PER_SM * num_sms(device)) // max(tiles, 1)))
+    split = max(1, min(k_blocks, (2 * num_sms(device)) // max(tiles, 1)))
     return math.ceil(k_blocks / split) * BLOCK
 
 

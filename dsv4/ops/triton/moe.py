@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from ...model.branches import Deferred, Pending, resolve
-from .. import streams as lanes
 from ..invariance import DECODE_MAX_ROWS, batch_invariant
 from ._common import (
     cast,
@@ -68,19 +67,11 @@ from ._common import (
     native_fp8,
     ptx_fp4,
     scale_kind,
-    split_counters,
     ue8m0_to_f32,
 )
 from .fp8_linear import act_quant_consts, act_quant_rows
 
 __all__ = ["moe_route", "moe_experts", "group_slots", "group_slots_triton"]
-
-# Where a ``Deferred`` add (the shared expert's activation and w2, a side branch in decode graphs) starts: None, its
-# own earlier point; "up", the point just before the up launch (its kernels cannot become ready before the up
-# kernel's: it and the up kernel wait on the same launch); "after_up", the up kernel's end (it runs beside the down
-# kernel). A graph may start the branch's 512-program w2 before the up kernel when both become ready together, and
-# the up kernel's 192 batch-1 programs then land unevenly (H200, 43 layers, layer 21: 67 µs against 36-39).
-DEFERRED_FROM: str | None = None
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -473,26 +464,40 @@ def _dot_halves(lo, hi, xe, xo, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexp
 
 
 @triton.jit
-def _up_part(x_rows, ok, w_base, s_base, pid_n, offs_n, n_mask, k_lo, H, I, S3_ROW, CHUNK,
-             stride_xh, stride_wn, stride_wk, stride_sn, stride_sk,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-             SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr, DOT_F32: tl.constexpr,
-             INTERP: tl.constexpr, PTX_FP4: tl.constexpr, SCALE_AHEAD: tl.constexpr, EVEN_K: tl.constexpr,
-             KPERM: tl.constexpr, FOLD: tl.constexpr, MERGE_GU: tl.constexpr, ONE_DOT: tl.constexpr,
-             x_dtype: tl.constexpr):
-    """The (gate, up) fp32 tiles [BLOCK_N, BLOCK_M] of x's columns k_lo .. k_lo + CHUNK (one K chunk,
-    accumulated from 0)."""
-    k_hi = tl.minimum(k_lo + CHUNK, H)
-    if MERGE_GU:  # FP4 only: the gate and up rows as one 2·BLOCK_N-row tile (see ``_merged_up``)
-        acc1, acc3 = _merged_up(x_rows, ok, w_base, s_base, pid_n, k_lo, k_hi, H, I, stride_xh, stride_wn,
-                                stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4,
-                                EVEN_K, KPERM, FOLD, DOT_F32, ONE_DOT)
-    else:
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr,
+                   H, I, TOPK, S3_ROW, limit,
+                   stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                   stride_hp, stride_hi,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+                   SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
+                   DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
+                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                   KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
+                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, MERGE_GU: tl.constexpr = False,
+                   ONE_DOT: tl.constexpr = False):
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
+    if e >= 0:
+        x_dtype = x_ptr.dtype.element_ty
+        tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        x_rows = x_ptr + tok[:, None] * stride_xt
+        if MERGE_GU:  # FP4 only: the gate and up rows as one 2·BLOCK_N-row tile (see ``_merged_up``)
+            g_acc, u_acc = _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk,
+                                      stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, x_dtype, INTERP, PTX_FP4,
+                                      EVEN_K, KPERM, FOLD, DOT_F32, ONE_DOT)
+            _swiglu_store(g_acc, u_acc, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype,
+                          INTERP)
+            return
         acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gate, [n, m]
         acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # up
-        sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, k_lo, H, stride_sn, stride_sk, BLOCK_K)
-        sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, k_lo, H, stride_sn, stride_sk, BLOCK_K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        sb1 = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
+        sb3 = _fp4_scale_bytes(s_base, I + offs_n, n_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
+        for k0 in range(0, H, BLOCK_K):
             xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
             if FP4:
                 if SCALE_AHEAD:  # next step's scale bytes now: the byte loads' latency overlaps this step
@@ -518,88 +523,7 @@ def _up_part(x_rows, ok, w_base, s_base, pid_n, offs_n, n_mask, k_lo, H, I, S3_R
                 w3 = _w_tile_fp8(w_base + I * stride_wn, s_base, offs_n, S3_ROW, n_mask, k0, H, stride_wn,
                                  stride_wk, stride_sn, stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, x_dtype, INTERP)
                 acc3 = _dot(w3, xe, acc3, DOT_F32)
-    return acc1, acc3
-
-
-@triton.jit
-def _arrived_last(cnt_ptr, tile, N_CHUNKS: tl.constexpr):
-    """Split mode, after the program stored its chunk's partial: count its arrival on ``tile``; whether it
-    arrived last (it then sums the partials, ``_sum_chunks``, and puts the counter back to 0)."""
-    tl.debug_barrier()  # every thread's share of the partial stored before the arrival counts
-    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    return arrived == N_CHUNKS - 1
-
-
-@triton.jit
-def _sum_chunks(part_ptr, prow, cols, mask, stride_pc, stride_pr, N_CHUNKS: tl.constexpr):
-    """Σ_c of the N_CHUNKS partials, added from chunk 0 upward as the fold mode adds them (so the same bits),
-    read through L2 (``.cg``: other SMs wrote them)."""
-    ptrs = part_ptr + prow[None, :] * stride_pr + cols[:, None]
-    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for c in tl.static_range(1, N_CHUNKS):
-        total += tl.load(ptrs + c * stride_pc, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, slot_ptr, bexp_ptr, part_ptr, cnt_ptr,
-                   H, I, TOPK, S3_ROW, limit, CHUNK,
-                   stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                   stride_hp, stride_hi, stride_pc, stride_pr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-                   SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-                   DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
-                   SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                   KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                   ROWS: tl.constexpr = None, PART: tl.constexpr = None, MERGE_GU: tl.constexpr = False,
-                   ONE_DOT: tl.constexpr = False, N_CHUNKS: tl.constexpr = 1, SPLIT: tl.constexpr = False):
-    """Program (block, BLOCK_N columns of I[, K chunk]). x's K in N_CHUNKS chunks of CHUNK columns, each
-    accumulated from 0 and added from the first (``K_SPLIT``): SPLIT, one chunk a program, its fp32 (gate,
-    up) partial stored at the slot's row of ``part_ptr`` [N_CHUNKS, T·topk, 2·I] and the tile's last program
-    adding them; else every chunk here, added in the same order."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
-    if e >= 0:
-        x_dtype = x_ptr.dtype.element_ty
-        tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < I
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        s_base = s_ptr + e.to(tl.int64) * stride_se
-        x_rows = x_ptr + tok[:, None] * stride_xt
-        if SPLIT:
-            c = tl.program_id(2)
-            g_acc, u_acc = _up_part(x_rows, ok, w_base, s_base, pid_n, offs_n, n_mask, c * CHUNK, H, I, S3_ROW,
-                                    CHUNK, stride_xh, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, FP4, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD,
-                                    EVEN_K, KPERM, FOLD, MERGE_GU, ONE_DOT, x_dtype)
-            prow = tl.where(ok, slot, 0).to(tl.int64)
-            pmask = n_mask[:, None] & ok[None, :]
-            pp = part_ptr + c * stride_pc + prow[None, :] * stride_pr
-            tl.store(pp + offs_n[:, None], g_acc, mask=pmask)
-            tl.store(pp + (I + offs_n)[:, None], u_acc, mask=pmask)
-            tile = b * tl.num_programs(1) + pid_n
-            if _arrived_last(cnt_ptr, tile, N_CHUNKS):
-                g_acc = _sum_chunks(part_ptr, prow, offs_n, pmask, stride_pc, stride_pr, N_CHUNKS)
-                u_acc = _sum_chunks(part_ptr, prow, I + offs_n, pmask, stride_pc, stride_pr, N_CHUNKS)
-                _swiglu_store(g_acc, u_acc, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype,
-                              INTERP)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-        else:
-            g_acc, u_acc = _up_part(x_rows, ok, w_base, s_base, pid_n, offs_n, n_mask, 0, H, I, S3_ROW, CHUNK,
-                                    stride_xh, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
-                                    FP4, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD, EVEN_K,
-                                    KPERM, FOLD, MERGE_GU, ONE_DOT, x_dtype)
-            for c in range(1, N_CHUNKS):
-                g_c, u_c = _up_part(x_rows, ok, w_base, s_base, pid_n, offs_n, n_mask, c * CHUNK, H, I, S3_ROW,
-                                    CHUNK, stride_xh, stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, FP4, SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD,
-                                    EVEN_K, KPERM, FOLD, MERGE_GU, ONE_DOT, x_dtype)
-                g_acc += g_c
-                u_acc += u_c
-            _swiglu_store(g_acc, u_acc, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype,
-                          INTERP)
+        _swiglu_store(acc1, acc3, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp, stride_hi, x_dtype, INTERP)
 
 
 @triton.jit
@@ -616,8 +540,7 @@ def _swiglu_store(acc1, acc3, limit, h_ptr, hrow, ok, offs_n, n_mask, stride_hp,
 
 
 @triton.jit
-def _merged_up(x_rows, ok, w_base, s_base, pid_n, k_lo, k_hi, H, I, stride_xh, stride_wn, stride_wk, stride_sn,
-               stride_sk,
+def _merged_up(x_rows, ok, w_base, s_base, pid_n, H, I, stride_xh, stride_wn, stride_wk, stride_sn, stride_sk,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, x_dtype: tl.constexpr,
                INTERP: tl.constexpr, PTX_FP4: tl.constexpr, EVEN_K: tl.constexpr, KPERM: tl.constexpr,
                FOLD: tl.constexpr, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr = False):
@@ -632,8 +555,8 @@ def _merged_up(x_rows, ok, w_base, s_base, pid_n, k_lo, k_hi, H, I, stride_xh, s
     rows = n_of + half * I
     r_mask = n_of < I
     acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
-    sb = _fp4_scale_bytes(s_base, rows, r_mask, k_lo, H, stride_sn, stride_sk, BLOCK_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    sb = _fp4_scale_bytes(s_base, rows, r_mask, 0, H, stride_sn, stride_sk, BLOCK_K)
+    for k0 in range(0, H, BLOCK_K):
         xe, xo = _load_rows(x_rows, ok, k0, H, stride_xh, BLOCK_M, BLOCK_K, True, EVEN_K, KPERM)
         nb = _fp4_scale_bytes(s_base, rows, r_mask, k0 + BLOCK_K, H, stride_sn, stride_sk, BLOCK_K)
         lo, hi = _w_tile_fp4(w_base, sb, rows, r_mask, k0, H, stride_wn, stride_wk,
@@ -645,47 +568,15 @@ def _merged_up(x_rows, ok, w_base, s_base, pid_n, k_lo, k_hi, H, I, stride_xh, s
 
 
 @triton.jit
-def _down_part(h_rows, ok, w_base, s_base, offs_n, n_mask, k_lo, H, I, CHUNK, stride_hi, stride_wn, stride_wk,
-               stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               FP4: tl.constexpr, SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
-               DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-               EVEN_K: tl.constexpr, KPERM: tl.constexpr, FOLD: tl.constexpr, ONE_DOT: tl.constexpr,
-               h_dtype: tl.constexpr):
-    """The fp32 tile [BLOCK_N, BLOCK_M] of h's columns k_lo .. k_lo + CHUNK (one K chunk, from 0)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k_lo, I, stride_sn, stride_sk, BLOCK_K)
-    for k0 in range(k_lo, tl.minimum(k_lo + CHUNK, I), BLOCK_K):
-        he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
-        if FP4:
-            if SCALE_AHEAD:
-                nb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, I, stride_sn, stride_sk, BLOCK_K)
-            else:
-                sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
-            lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
-                                 BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
-            acc = _dot_halves(lo, hi, he, ho, acc, DOT_F32, ONE_DOT)
-            if SCALE_AHEAD:
-                sb = nb
-        else:
-            w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
-                            stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
-            acc = _dot(w, he, acc, DOT_F32)
-    return acc
-
-
-@triton.jit
-def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, part_ptr, cnt_ptr, H, I, CHUNK,
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, H, I,
                      stride_hp, stride_hi, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                     stride_ys, stride_yh, stride_pc, stride_pr,
+                     stride_ys, stride_yh,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
                      SCALE_UE8M0: tl.constexpr, NATIVE: tl.constexpr, FNUZ: tl.constexpr,
                      DOT_F32: tl.constexpr, INTERP: tl.constexpr, PTX_FP4: tl.constexpr,
                      SCALE_AHEAD: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                      KPERM: tl.constexpr = False, FOLD: tl.constexpr = False,
-                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ONE_DOT: tl.constexpr = False,
-                     N_CHUNKS: tl.constexpr = 1, SPLIT: tl.constexpr = False):
-    """Program (block, BLOCK_N columns of H[, K chunk]); h's K in chunks as the up kernel's x (partials
-    [N_CHUNKS, T·topk, H])."""
+                     ROWS: tl.constexpr = None, PART: tl.constexpr = None, ONE_DOT: tl.constexpr = False):
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok, hrow = _block_rows(slot_ptr, bexp_ptr, b, BLOCK_M, ROWS, PART)
@@ -696,32 +587,26 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, bexp_ptr, part_ptr, c
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
         h_rows = h_ptr + tl.where(ok, hrow, 0).to(tl.int64)[:, None] * stride_hp
-        srow = tl.where(ok, slot, 0).to(tl.int64)
-        ymask = n_mask[:, None] & ok[None, :]
-        if SPLIT:
-            c = tl.program_id(2)
-            acc = _down_part(h_rows, ok, w_base, s_base, offs_n, n_mask, c * CHUNK, H, I, CHUNK, stride_hi,
-                             stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, FP4, SCALE_UE8M0,
-                             NATIVE, FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD, EVEN_K, KPERM, FOLD, ONE_DOT,
-                             h_dtype)
-            tl.store(part_ptr + c * stride_pc + srow[None, :] * stride_pr + offs_n[:, None], acc, mask=ymask)
-            tile = b * tl.num_programs(1) + pid_n
-            if _arrived_last(cnt_ptr, tile, N_CHUNKS):
-                acc = _sum_chunks(part_ptr, srow, offs_n, ymask, stride_pc, stride_pr, N_CHUNKS)
-                yp = y_ptr + srow[None, :] * stride_ys + offs_n[:, None] * stride_yh
-                tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=ymask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-        else:
-            acc = _down_part(h_rows, ok, w_base, s_base, offs_n, n_mask, 0, H, I, CHUNK, stride_hi, stride_wn,
-                             stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, FP4, SCALE_UE8M0, NATIVE,
-                             FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD, EVEN_K, KPERM, FOLD, ONE_DOT, h_dtype)
-            for c in range(1, N_CHUNKS):
-                acc += _down_part(h_rows, ok, w_base, s_base, offs_n, n_mask, c * CHUNK, H, I, CHUNK, stride_hi,
-                                  stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, FP4,
-                                  SCALE_UE8M0, NATIVE, FNUZ, DOT_F32, INTERP, PTX_FP4, SCALE_AHEAD, EVEN_K, KPERM,
-                                  FOLD, ONE_DOT, h_dtype)
-            yp = y_ptr + srow[None, :] * stride_ys + offs_n[:, None] * stride_yh
-            tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=ymask)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        sb = _fp4_scale_bytes(s_base, offs_n, n_mask, 0, I, stride_sn, stride_sk, BLOCK_K)
+        for k0 in range(0, I, BLOCK_K):
+            he, ho = _load_rows(h_rows, ok, k0, I, stride_hi, BLOCK_M, BLOCK_K, FP4, EVEN_K, KPERM)
+            if FP4:
+                if SCALE_AHEAD:
+                    nb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0 + BLOCK_K, I, stride_sn, stride_sk, BLOCK_K)
+                else:
+                    sb = _fp4_scale_bytes(s_base, offs_n, n_mask, k0, I, stride_sn, stride_sk, BLOCK_K)
+                lo, hi = _w_tile_fp4(w_base, sb, offs_n, n_mask, k0, I, stride_wn, stride_wk,
+                                     BLOCK_N, BLOCK_K, h_dtype, INTERP, PTX_FP4, EVEN_K, KPERM, FOLD)
+                acc = _dot_halves(lo, hi, he, ho, acc, DOT_F32, ONE_DOT)
+                if SCALE_AHEAD:
+                    sb = nb
+            else:
+                w = _w_tile_fp8(w_base, s_base, offs_n, 0, n_mask, k0, I, stride_wn, stride_wk, stride_sn,
+                                stride_sk, BLOCK_K, SCALE_UE8M0, NATIVE, FNUZ, h_dtype, INTERP)
+                acc = _dot(w, he, acc, DOT_F32)
+        yp = y_ptr + tl.where(ok, slot, 0).to(tl.int64)[None, :] * stride_ys + offs_n[:, None] * stride_yh
+        tl.store(yp, cast(acc, y_ptr.dtype.element_ty, INTERP), mask=n_mask[:, None] & ok[None, :])
 
 
 @triton.jit
@@ -851,12 +736,6 @@ DECODE_MERGE_GU = True  # the decode tile's up kernel with the gate and up rows 
 # grouped tiles of at least this many rows run the blocks whose second half is empty in a second launch of half
 # the rows (``pick_moe_config``'s ``tail``)
 TAIL_MIN_BLOCK_M = 32
-# K chunks of the grouped kernels: x's columns (up) and h's (down) in this many chunks, each accumulated from 0 and
-# added from the first (1: K in one run). A function of the weights alone, as every tile must reduce K the same way
-# (batch invariance); the chunks set the bits. The decode tile runs a program per chunk (``split_chunks``: more,
-# shorter K loops at batch 1, where a program's dependent MMAs and decode bound the launch, not the SMs' count) and
-# the last to arrive adds the partials; the prefill tiles add them in the program.
-K_SPLIT = dict(up=1, down=1)
 FOLD_MAX_CODE = 128  # largest UE8M0 code whose 2^(b-1) is a normal bf16 (``e2m1_bytes_to_bf16_ptx_folded``)
 
 
@@ -960,9 +839,6 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     cfg.setdefault("one_dot", PREFILL_ONE_DOT and not decode_tile)
     if cfg["BLOCK_K"] % 32 or cfg["BLOCK_K"] < 64:
         raise ValueError("BLOCK_K must be a multiple of 32 and at least 64")
-    cfg.setdefault("up_chunks", K_SPLIT["up"])
-    cfg.setdefault("down_chunks", K_SPLIT["down"])
-    cfg.setdefault("split_chunks", decode_tile)
     # blocks whose second half is empty run at half the rows (a token's row: the same K steps, so the
     # same bits); the decode tile keeps one launch
     cfg.setdefault("tail", not cfg["direct"] and cfg["BLOCK_M"] >= TAIL_MIN_BLOCK_M)
@@ -973,14 +849,6 @@ def pick_moe_config(t: int, topk: int, n_experts: int, expert_dtype: str, config
     cfg.setdefault("tail_num_warps", 8 if cfg["tail_BLOCK_N"] >= 128 else 4)
     cfg.setdefault("tail_num_stages", cfg["num_stages"])
     return cfg
-
-
-def k_chunks(k: int, chunks: int, block_k: int) -> tuple[int, int]:
-    """(columns per chunk, chunks) of a K of ``k`` columns cut into ``chunks`` runs of whole BLOCK_K steps."""
-    if chunks < 1:
-        raise ValueError(f"K chunks must be at least 1, got {chunks}")
-    width = math.ceil(math.ceil(k / block_k) / chunks) * block_k
-    return width, math.ceil(k / width)
 
 
 def _checked_add(add: torch.Tensor | None, t: int, hdim: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -1122,7 +990,6 @@ def moe_experts(
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
-        ready = lanes.point() if DEFERRED_FROM == "up" else None
         _moe_up_gemv_kernel[(nblocks, triton.cdiv(idim, bn))](
             x,
             w13b,
@@ -1150,7 +1017,7 @@ def moe_experts(
             **g,
         )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue(lanes.point() if DEFERRED_FROM == "after_up" else ready)
+            add = add.issue()
         if quant is not None:
             h = quant(h)
         _moe_down_gemv_kernel[(nblocks, triton.cdiv(hdim, bn))](
@@ -1188,18 +1055,6 @@ def moe_experts(
         # (PART, up launch, down launch): one launch per kernel, or with ``tail`` the blocks whose second
         # half is empty in a second launch of half the rows (``_block_rows``)
         merge = bool(cfg.get("merge_gu", False)) and expert_dtype == "fp4"
-        up_chunk, n_up = k_chunks(hdim, cfg["up_chunks"], cfg["BLOCK_K"])
-        down_chunk, n_down = k_chunks(idim, cfg["down_chunks"], cfg["BLOCK_K"])
-        split_up, split_down = cfg["split_chunks"] and n_up > 1, cfg["split_chunks"] and n_down > 1
-        if (split_up or split_down) and cfg["tail"]:
-            raise ValueError("split_chunks runs one launch a kernel: it needs tail=False")
-        up["N_CHUNKS"], up["SPLIT"], down["N_CHUNKS"], down["SPLIT"] = n_up, split_up, n_down, split_down
-        # split mode: the partials by slot ([chunks, T·topk, columns] fp32) and the tiles' arrival counters
-        n_slots = t * topk
-        up_part = torch.empty((n_up, n_slots, i2), dtype=torch.float32, device=dev) if split_up else h
-        down_part = torch.empty((n_down, n_slots, hdim), dtype=torch.float32, device=dev) if split_down else y
-        tiles = nblocks * max(triton.cdiv(idim, bn), triton.cdiv(hdim, cfg["down_BLOCK_N"]))
-        cnt = split_counters(dev, tiles) if split_up or split_down else bexp
         parts = [(0, dict(up, BLOCK_N=bn, MERGE_GU=merge), dict(down, BLOCK_N=cfg["down_BLOCK_N"]))]
         if cfg["tail"]:
             half = dict(
@@ -1210,24 +1065,20 @@ def moe_experts(
                 num_warps=cfg["tail_num_warps"],
                 num_stages=cfg["tail_num_stages"],
             )
-            parts = [(1,) + parts[0][1:], (2, dict(half, N_CHUNKS=n_up), dict(half, N_CHUNKS=n_down))]
-        ready = lanes.point() if DEFERRED_FROM == "up" else None
+            parts = [(1,) + parts[0][1:], (2, half, half)]
         for part, up_l, _ in parts:
-            _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]), n_up if split_up else 1)](
+            _moe_up_kernel[(nblocks, triton.cdiv(idim, up_l["BLOCK_N"]))](
                 x,
                 w13b,
                 s13b,
                 h,
                 slot_ids,
                 bexp,
-                up_part,
-                cnt,
                 hdim,
                 idim,
                 topk,
                 s3_row,
                 float(limit),
-                up_chunk,
                 x.stride(0),
                 x.stride(1),
                 w13b.stride(0),
@@ -1238,8 +1089,6 @@ def moe_experts(
                 s13b.stride(2),
                 h.stride(0),
                 h.stride(1),
-                up_part.stride(0) if split_up else 0,
-                up_part.stride(1) if split_up else 0,
                 EVEN_K=even_up,
                 FOLD=fold_up,
                 ROWS=bm,
@@ -1247,22 +1096,19 @@ def moe_experts(
                 **up_l,
             )
         if isinstance(add, Deferred):  # its branch's launches after the up kernel's (``Deferred``)
-            add = add.issue(lanes.point() if DEFERRED_FROM == "after_up" else ready)
+            add = add.issue()
         if quant is not None:  # (rows of h no block fills are rounded too: unread)
             h = quant(h)
         for part, _, down_l in parts:
-            _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]), n_down if split_down else 1)](
+            _moe_down_kernel[(nblocks, triton.cdiv(hdim, down_l["BLOCK_N"]))](
                 h,
                 w2b,
                 s2b,
                 y,
                 slot_ids,
                 bexp,
-                down_part,
-                cnt,
                 hdim,
                 idim,
-                down_chunk,
                 h.stride(0),
                 h.stride(1),
                 w2b.stride(0),
@@ -1273,8 +1119,6 @@ def moe_experts(
                 s2b.stride(2),
                 y.stride(0),
                 y.stride(1),
-                down_part.stride(0) if split_down else 0,
-                down_part.stride(1) if split_down else 0,
                 EVEN_K=even_down,
                 FOLD=fold_down,
                 ROWS=bm,
