@@ -33,6 +33,7 @@ launch alone (with 20 Sinkhorn iterations and with 1); each bit-compared with th
 op with the next sub-layer's RMSNorm in its gate launch, in its loop and rows forms and launch shapes, against the
 op then the RMSNorm launch; ``moe_merge`` the MXFP4 up kernel's decode tile with its gate and up rows as one MMA
 operand and around it; ``moe_waves`` one token over 1..12 experts (the decode tile's programs against the SMs);
+``moe_split_probe`` what K split over programs would save the batch-1 grouped MXFP4 kernels (same bytes);
 ``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``); ``persistent`` what a kernel
 boundary costs a chain of dependent decode launches against one persistent launch with grid barriers
 (``bench/kernels_persistent.py``):
@@ -320,6 +321,8 @@ def sweep(dev, only=("linear", "moe")):
         out.update(sweep_dense_decode(dev, g))
     if "moe_waves" in only:
         out.update(sweep_moe_waves(dev, g))
+    if "moe_split_probe" in only:
+        out.update(sweep_moe_split_probe(dev, g))
     if "mma_rate" in only:
         from kernels_mma import sweep_mma_rate
 
@@ -1036,6 +1039,41 @@ def _sweep_moe_variants(dev, g, name, variants, t_list, experts=None):
             txt = f"{ms * 1e3:9.1f} us" if ms else f"{'-':>12}"
             print(f"{name} T={t:5d} {str(cap):60s} {txt}  {same}", flush=True)
     return rows
+
+
+def sweep_moe_split_probe(dev, g, splits=(2, 4)):
+    """Whether the batch-1 grouped MXFP4 kernels would gain from K split over programs, before the kernels
+    change: one token over 6 experts at Flash's shapes (C) against one token over 6·s experts whose hidden size
+    is H / s (each up program's K loop 1/s as long, s times the programs, the same weight bytes: the up kernel of
+    a split by s; its down kernel is C's) and whose intermediate size is I / s (the down kernel of a split by s;
+    its up kernel is C's). CUDA-graph µs of the whole op (weights cold: 256 experts a stack): C − A is what a
+    split up kernel saves before its partials' sum, C − B the down kernel's."""
+    from dsv4.ops.triton import moe as tmoe
+
+    def experts(h, i):
+        w13 = torch.randint(0, 256, (N_EXP, 2 * i, h // 2), device=dev, dtype=torch.uint8, generator=g)
+        s13 = torch.randint(118, 122, (N_EXP, 2 * i, h // 32), device=dev, dtype=torch.uint8, generator=g)
+        w2 = torch.randint(0, 256, (N_EXP, h, i // 2), device=dev, dtype=torch.uint8, generator=g)
+        s2 = torch.randint(118, 122, (N_EXP, h, i // 32), device=dev, dtype=torch.uint8, generator=g)
+        return w13, rows_contiguous(s13), w2, rows_contiguous(s2)
+
+    def time_op(h, i, k):
+        w13, s13, w2, s2 = experts(h, i)
+        x = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
+        ids = torch.arange(k, device=dev, dtype=torch.long).view(1, k) * (N_EXP // k)
+        wts = torch.full((1, k), 1.0 / k, device=dev)
+        return bench_graph(lambda: tmoe.moe_experts(x, ids, wts, w13, s13, w2, s2)) * 1e3
+
+    base = time_op(HID, INTER, TOPK)
+    rows = [dict(variant="C: 6 experts, H, I", us=base)]
+    print(f"moe_split_probe C: 6 experts H={HID} I={INTER}: {base:8.1f} us", flush=True)
+    for s in splits:
+        a = time_op(HID // s, INTER, TOPK * s)
+        b = time_op(HID, INTER // s, TOPK * s)
+        rows += [dict(variant=f"A{s}: up split by {s}", us=a), dict(variant=f"B{s}: down split by {s}", us=b)]
+        print(f"moe_split_probe s={s}: A (up K/{s}, {TOPK * s} experts) {a:8.1f} us: up saves {base - a:6.1f} us; "
+              f"B (down K/{s}) {b:8.1f} us: down saves {base - b:6.1f} us", flush=True)
+    return {"moe_split_probe": rows}
 
 
 def sweep_moe_waves(dev, g, used=(1, 2, 3, 4, 5, 6, 8, 12)):
