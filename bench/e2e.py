@@ -144,7 +144,7 @@ PROFILE_GROUPS = (  # kernel-name substrings → the op they belong to (first ma
     ("KV insert (window + compressed)", ("_kv_insert", "_kv_norm_rope_insert", "index_put", "scatter")),
     ("FP8 linear", ("_fp8_linear",)),
     ("MoE (routing + grouped experts)", ("_moe", "_route")),
-    ("mHC pre/post", ("_mix_kernel", "_gate_kernel", "_post_kernel")),
+    ("mHC pre/post", ("_mix_kernel", "_gate_kernel", "_post_kernel", "_comb_kernel", "_collapse")),
     ("dense GEMM / RMSNorm / split-K sums (batch-invariant)", ("_dense", "_sum_in_order", "_rms_norm")),
     ("cuBLAS / other GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet")),
     ("elementwise / copies / other", ("",)),
