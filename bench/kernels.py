@@ -36,7 +36,8 @@ operand and around it; ``moe_waves`` one token over 1..12 experts (the decode ti
 ``moe_split_probe`` what K split over programs would save the batch-1 grouped MXFP4 kernels (same bytes);
 ``mma_rate`` the tensor cores' rate at decode-sized MMAs (``bench/kernels_mma.py``); ``persistent`` what a kernel
 boundary costs a chain of dependent decode launches against one persistent launch with grid barriers
-(``bench/kernels_persistent.py``):
+(``bench/kernels_persistent.py``); ``read_floor`` what one launch needs to read 0.5-256 MiB, L2 cold
+(``bench/kernels_read.py``):
 
     PYTHONPATH=. python3 bench/kernels.py --sweep --only route --out route_sweep.json
 """
@@ -331,6 +332,10 @@ def sweep(dev, only=("linear", "moe")):
         from kernels_persistent import sweep_persistent
 
         out.update(sweep_persistent(dev, bench_graph))
+    if "read_floor" in only:
+        from kernels_read import sweep_read_floor
+
+        out.update(sweep_read_floor(dev, bench_graph))
     for name, fn in (("moe_block_k", sweep_moe_block_k), ("moe_maxnreg", sweep_moe_maxnreg),
                      ("moe_scale_ahead", sweep_moe_scale_ahead), ("moe_scale_layout", sweep_moe_scale_layout),
                      ("moe_kperm", sweep_moe_kperm), ("moe_fold", sweep_moe_fold), ("moe_tiles", sweep_moe_tiles),
