@@ -4,7 +4,9 @@ The CPU tests run the kernels in Triton's interpreter, which executes their Pyth
 rejects (a string constexpr default in Triton 3.6, a type the lowering does not take, a register or shared-memory
 limit) passes there and fails only on a device call, where the call's minutes are gone. Here the warm-up plan of an
 engine on a small checkpoint is listed under the interpreter (``dsv4.engine.precompile.list_launches``: every
-launch's recipe, no kernel run), then each distinct specialization is compiled for sm_ARCH with the ptxas Triton
+launch's recipe, no kernel run) as planned for a compiled sm_ARCH device of ``--sms`` SMs (``_common.plan_for``:
+the GPU's tiles, K chunks, decode paths and ``INTERP`` False, not the interpreter's), then each distinct
+specialization is compiled for sm_ARCH with the ptxas Triton
 ships (``dsv4.ops.compiles.build_offline``), in parallel; failures are printed by kernel with the compiler's
 message, and the exit status is 1 if any. Run it with the Triton version of the device image for its verdict
 (compile errors differ between versions). The engine's settings pick the tiles, so other settings may meet other
@@ -42,16 +44,19 @@ def apply_settings(items: list[str]) -> None:
     e2e.apply_settings(items)
 
 
-def list_recipes(ckpt: str, out: str, act_quant: bool, settings: list[str]) -> None:
-    """(Run under TRITON_INTERPRET=1.) Pickle the recipes of the start-up plan's launches to ``out``."""
+def list_recipes(ckpt: str, out: str, act_quant: bool, settings: list[str], arch: int, sms: int) -> None:
+    """(Run under TRITON_INTERPRET=1.) Pickle the recipes of the start-up plan's launches to ``out``, planned as
+    for a compiled sm_ARCH device of ``sms`` SMs (``plan_for``: the GPU's tiles, chunks and constexprs)."""
     from dsv4.engine.precompile import list_launches
     from dsv4.llm import LLM
+    from dsv4.ops.triton._common import plan_for
 
     apply_settings(settings)
     llm = LLM(ckpt, backend="triton", kv_cache_dtype="fp8_ds_mla", dtype="bfloat16", enforce_eager=True,
               max_model_len=512, kv_cache_memory=1 << 28, max_num_seqs=8, max_num_batched_tokens=1024,
               warm_up=False, act_quant=act_quant)
-    recipes = list(list_launches(llm.engine, None).recipes.values())
+    with plan_for(sms, divmod(arch, 10)):
+        recipes = list(list_launches(llm.engine, None).recipes.values())
     with open(out, "wb") as f:
         pickle.dump(recipes, f)
 
@@ -70,13 +75,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", help="checkpoint folder (default: the tiny preset, written to a temporary folder)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: sm_90a)")
+    ap.add_argument("--sms", type=int, default=132, help="SM count the launches are planned for (132: H100, H200)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--act-quant", action="store_true", help="the engine with the release's FP8 activations")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=JSON")
     ap.add_argument("--list-only", metavar="OUT", help=argparse.SUPPRESS)  # the interpreted listing step
     a = ap.parse_args()
     if a.list_only:
-        list_recipes(a.ckpt, a.list_only, a.act_quant, a.set)
+        list_recipes(a.ckpt, a.list_only, a.act_quant, a.set, a.arch, a.sms)
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the compile step needs Triton's JIT kernels")
@@ -88,7 +94,8 @@ def main() -> int:
                             "--quiet"], check=True, cwd=ROOT)
         listing = os.path.join(tmp, "recipes.pkl")
         t0 = time.time()
-        cmd = [sys.executable, __file__, "--ckpt", ckpt, "--list-only", listing]
+        cmd = [sys.executable, __file__, "--ckpt", ckpt, "--list-only", listing, "--arch", str(a.arch), "--sms",
+               str(a.sms)]
         cmd += [arg for item in a.set for arg in ("--set", item)]
         if a.act_quant:
             cmd.append("--act-quant")

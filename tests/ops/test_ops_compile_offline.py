@@ -44,3 +44,32 @@ def test_a_recorded_launch_builds_for_sm90_and_a_bad_one_is_refused(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["built", "_act_quant_kernel", "refused", "CompilationError"], out.stdout
+
+
+def test_launches_planned_for_a_compiled_device_take_its_tiles_and_paths():
+    """Inside ``plan_for`` the host code plans a launch as for a compiled sm_90 device of 132 SMs whatever the
+    tensors' device: the FP8 linear's decode launch of wo_b's shape takes the K chunks of 132 SMs (8 partials and the
+    in-launch sum), the hardware e4m3 decode and the MMA path (not the interpreter's), and the MXFP4 experts the PTX
+    decode; outside, the process's own facts are back."""
+    from ops_kernel_helpers import gen, mxfp4_experts
+
+    from dsv4.formats import quantize_block_fp8
+    from dsv4.formats.experts import stack_experts
+    from dsv4.ops.triton import _common
+    from dsv4.ops.triton import moe as tmoe
+
+    before = (_common.interpreting(), _common.num_sms(torch.device("cpu")))
+    w, s = quantize_block_fp8(torch.randn(4096, 8192) * 0.02)
+    layer = stack_experts(*mxfp4_experts(8, 256, 128, gen(1)))
+    ids = torch.tensor([[0, 3, 5, 6, 1, 2]])
+    with _common.plan_for(132, (9, 0)), compiles.recording(launch=False) as rec:
+        assert not _common.interpreting() and _common.num_sms(torch.device("cpu")) == 132
+        tfl.fp8_linear(torch.zeros(1, 8192, dtype=torch.bfloat16), w, s)
+        tmoe.moe_experts(torch.zeros(1, 256, dtype=torch.bfloat16), ids, torch.full((1, 6), 1 / 6), *layer)
+    assert (_common.interpreting(), _common.num_sms(torch.device("cpu"))) == before
+    named = {r[1]: {k: v[1] for k, v in r[2].items()} for r in rec.recipes.values()}
+    lin = named["_fp8_linear_kernel"]
+    assert lin["CHUNK"] == tfl.BLOCK * 8 and lin["N_PARTS"] == 8 and lin["FIXUP"], lin
+    assert lin["NATIVE"] and not lin["INTERP"] and not lin["DOT_F32"], lin
+    up = named["_moe_up_kernel"]
+    assert up["PTX_FP4"] and not up["INTERP"] and not up["DOT_F32"], up

@@ -18,6 +18,7 @@ any arch) and in the CPU interpreter:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -30,11 +31,29 @@ from ..platform import interpreting as _interpreting_now
 # triton.jit reads TRITON_INTERPRET when it decorates a kernel, so this process's kernels run interpreted
 # or compiled for good once these modules are imported: read once here, not on every launch
 _INTERPRETED = _interpreting_now()
+# The compiled CUDA device the host code plans launches for instead of this process's own (``plan_for``): (SM
+# count, compute capability, ROCm), or None
+_PLAN: tuple[int, tuple[int, int], bool] | None = None
+
+
+@contextlib.contextmanager
+def plan_for(sms: int, capability: tuple[int, int], hip: bool = False):
+    """Inside: every launch is planned as for a compiled device of ``sms`` SMs and ``capability`` — tiles, K
+    chunks, decode paths and constexprs (``INTERP`` False) — whatever tensors' device and the interpreter, so
+    that a CPU machine lists the specializations a GPU would build (``tools/compile_offline.py``). Only for
+    recording launches: a kernel run inside would run the GPU's code path in the interpreter."""
+    global _PLAN
+    before, _PLAN = _PLAN, (int(sms), tuple(capability), bool(hip))
+    try:
+        yield
+    finally:
+        _PLAN = before
 
 
 def interpreting() -> bool:
-    """Whether this process's kernels run in Triton's CPU interpreter (the kernels' modules take it from here)."""
-    return _INTERPRETED
+    """Whether this process's kernels run in Triton's CPU interpreter (the kernels' modules take it from here);
+    False while launches are planned for a compiled device (``plan_for``)."""
+    return _INTERPRETED and _PLAN is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,18 +63,24 @@ def _device_facts(index: int):
     return int(props.multi_processor_count), (int(props.major), int(props.minor)), hip
 
 
+def _compiled_facts(device: torch.device):
+    """(SMs, capability, ROCm) of the compiled CUDA device launches on ``device`` are planned for, else None."""
+    if _PLAN is not None:
+        return _PLAN
+    if device.type != "cuda" or interpreting():
+        return None
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda" and not interpreting():
-        return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
-    return 8  # interpreter: few programs keep the CPU tests fast
+    facts = _compiled_facts(device)
+    return facts[0] if facts else 8  # interpreter: few programs keep the CPU tests fast
 
 
 def native_fp8(device: torch.device) -> bool:
     """Hardware e4m3 (OCP) conversion: CUDA sm_89+, compiled (not the interpreter)."""
-    if device.type != "cuda" or interpreting():
-        return False
-    _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-    return (not hip) and cap >= (8, 9)
+    facts = _compiled_facts(device)
+    return bool(facts) and not facts[2] and facts[1] >= (8, 9)
 
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -64,9 +89,8 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 def prefetchable(device: torch.device) -> bool:
     """Whether kernels on ``device`` may ask for lines ahead of their loads (PTX ``prefetch``, as
     ``bench/kernels_persistent.py``'s chain does): compiled CUDA only."""
-    if device.type != "cuda" or interpreting():
-        return False
-    return not _device_facts(device.index if device.index is not None else torch.cuda.current_device())[2]
+    facts = _compiled_facts(device)
+    return bool(facts) and not facts[2]
 
 
 def scale_kind(scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -154,10 +178,8 @@ def e2m1_to_f32(c):
 def ptx_fp4(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``e2m1_bytes_to_bf16_ptx`` can decode MXFP4 for ``dtype`` activations on ``device``:
     bf16, CUDA (not ROCm) sm_80+ (``fma.rn.bf16x2``), compiled (the interpreter runs no PTX)."""
-    if dtype != torch.bfloat16 or device.type != "cuda" or interpreting():
-        return False
-    _, cap, hip = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-    return (not hip) and cap >= (8, 0)
+    facts = _compiled_facts(device)
+    return dtype == torch.bfloat16 and bool(facts) and not facts[2] and facts[1] >= (8, 0)
 
 
 @triton.jit
