@@ -64,13 +64,13 @@ N_EXP, TOPK, HID, INTER = 256, 6, 4096, 2048
 VOCAB = 129280  # the flash checkpoint's vocabulary (the greedy pick's row width)
 
 
-def random_fp4_experts(dev, g):
-    """(w13, s13, w2, s2): random MXFP4 experts at Flash's shapes as the engine stacks them (3 GiB of
+def random_fp4_experts(dev, g, hid=HID, inter=INTER):
+    """(w13, s13, w2, s2): random MXFP4 experts (Flash's shapes by default) as the engine stacks them (3 GiB of
     packed weights; ``stack_experts``: scales groups-major, see ``rows_contiguous``), scale codes 118..121."""
-    w13 = torch.randint(0, 256, (N_EXP, 2 * INTER, HID // 2), device=dev, dtype=torch.uint8, generator=g)
-    s13 = torch.randint(118, 122, (N_EXP, 2 * INTER, HID // 32), device=dev, dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (N_EXP, HID, INTER // 2), device=dev, dtype=torch.uint8, generator=g)
-    s2 = torch.randint(118, 122, (N_EXP, HID, INTER // 32), device=dev, dtype=torch.uint8, generator=g)
+    w13 = torch.randint(0, 256, (N_EXP, 2 * inter, hid // 2), device=dev, dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 122, (N_EXP, 2 * inter, hid // 32), device=dev, dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (N_EXP, hid, inter // 2), device=dev, dtype=torch.uint8, generator=g)
+    s2 = torch.randint(118, 122, (N_EXP, hid, inter // 32), device=dev, dtype=torch.uint8, generator=g)
     return w13, rows_contiguous(s13), w2, rows_contiguous(s2)
 
 
@@ -1055,15 +1055,8 @@ def sweep_moe_split_probe(dev, g, splits=(2, 4)):
     split up kernel saves before its partials' sum, C − B the down kernel's."""
     from dsv4.ops.triton import moe as tmoe
 
-    def experts(h, i):
-        w13 = torch.randint(0, 256, (N_EXP, 2 * i, h // 2), device=dev, dtype=torch.uint8, generator=g)
-        s13 = torch.randint(118, 122, (N_EXP, 2 * i, h // 32), device=dev, dtype=torch.uint8, generator=g)
-        w2 = torch.randint(0, 256, (N_EXP, h, i // 2), device=dev, dtype=torch.uint8, generator=g)
-        s2 = torch.randint(118, 122, (N_EXP, h, i // 32), device=dev, dtype=torch.uint8, generator=g)
-        return w13, rows_contiguous(s13), w2, rows_contiguous(s2)
-
     def time_op(h, i, k):
-        w13, s13, w2, s2 = experts(h, i)
+        w13, s13, w2, s2 = random_fp4_experts(dev, g, h, i)
         x = torch.randn(1, h, device=dev, dtype=torch.bfloat16, generator=g)
         ids = torch.arange(k, device=dev, dtype=torch.long).view(1, k) * (N_EXP // k)
         wts = torch.full((1, k), 1.0 / k, device=dev)

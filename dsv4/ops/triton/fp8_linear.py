@@ -418,11 +418,12 @@ def _fp8_linear_kernel(
 # act_quant's GEMMs as e4m3 × e4m3 MMAs where the hardware has them (CUDA sm_89+; the interpreter emulates them): x
 # quantized to codes and per-128 scales in one launch (``act_quant_codes``), no weight decode, k32 MMAs (half the
 # bf16 path's count), each 128-column block's product scaled into the fp32 sum (``_a8_chunk``: the release's
-# fp8_gemm). Other bits than the bf16 MMA of the rounded x (the MMA's accumulation). Not yet timed on the GPU:
-# ``bench/kernels.py --sweep --only linear_act_quant``; A/B: --arm dsv4.ops.triton.fp8_linear.ACT_QUANT_FP8_MMA=true.
+# fp8_gemm). Other bits than the bf16 MMA of the rounded x (the MMA's accumulation). Off: H100, 43 layers,
+# --act-quant (docs/perf.md), batch 1 10.85 against 10.87 ms a step, and the prefill tile is slower (M = 8192 wq_b
+# 1,892 against 1,278 µs); one tile shape serves every M, so decode and prefill change together.
 ACT_QUANT_FP8_MMA = False
 # With it, the decode launch (M ≤ 64, batch-invariant) quantizes x as it loads each block instead of reading the codes
-# launch's output (one launch fewer a GEMM; the same MMA operands, so the same bits). Not yet timed on the GPU.
+# launch's output (one launch fewer a GEMM; the same MMA operands, so the same bits): with both, 10.56 ms (above).
 A8_QUANT_IN_DECODE = False
 # The prefill tile: ptxas sm_90a (Triton 3.6) gives 191 registers (238 with K in several chunks: two fp32 tiles) and no
 # spill at 64 x 128 with 8 warps; 128 x 64 with 4 warps, 128 x 128 and 256 x 128 with 8 spill 104-904 bytes.
